@@ -1,0 +1,51 @@
+"""The contract between the compiler and the runtime: what a backend produces.
+
+The stateful graph (after `insert_kv_cache`) has the signature
+
+    inputs:  tokens i64[batch, seq], positions i64[batch, seq],
+             cache.k.0, cache.v.0, cache.k.1, ...   each [max_batch, kv_heads, max_seq_len, head_dim]
+    outputs: logits f32[batch, seq, vocab], then the updated caches in the order of the cache inputs
+
+`batch` <= max_batch: a call reads and writes the first `batch` rows of the caches. Row b's tokens
+sit at positions[b, :], which may differ per row; a query sees cache slots <= its own position.
+A backend owns the cache buffers and updates them in place, so the runtime feeds only tokens and
+positions.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class BackendOptions:
+    """What every backend is told when lowering. `dtype` is the compute/weight dtype name."""
+
+    max_batch: int = 1
+    max_seq_len: int = 1024
+    dtype: str = "f32"
+    threads: int | None = None
+    device: str = "cpu"
+
+
+class Executable(Protocol):
+    """A compiled stateful forward that owns its KV buffers."""
+
+    options: BackendOptions
+
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Logits f32[batch, seq, vocab] for int64 tokens/positions [batch, seq]; writes the caches."""
+
+    def reset(self) -> None:
+        """Forget all cached keys and values (zero the buffers)."""
+
+    def save(self, directory: Path) -> list[str]:
+        """Write the backend's own files into `directory`; return their names (for the manifest)."""
+
+
+def cache_inputs(graph) -> list:
+    """The graph inputs that are KV buffers (all inputs after tokens and positions)."""
+    return graph.inputs[2:]

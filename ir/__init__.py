@@ -1,0 +1,18 @@
+"""Kiln's IR: typed SSA graphs over a small closed op set, with a verifier, a text form that
+round-trips exactly, and a reference interpreter that runs any graph on the CPU."""
+from .dims import Dim, SymbolBound, evaluate, format_dim, parse_dim, symbol
+from .dtypes import from_torch, to_torch
+from .graph import Graph, Node, Value
+from .interpreter import InterpreterError, run_graph
+from .parser import ParseError, parse_graph
+from .printer import print_graph
+from .registry import REQUIRED, OpDef, OpError, all_ops, get_op, register
+from .tensor_type import TensorType
+from .verifier import VerificationError, verify
+
+__all__ = [
+    "Dim", "SymbolBound", "evaluate", "format_dim", "parse_dim", "symbol", "from_torch", "to_torch",
+    "Graph", "Node", "Value", "InterpreterError", "run_graph", "ParseError", "parse_graph",
+    "print_graph", "REQUIRED", "OpDef", "OpError", "all_ops", "get_op", "register", "TensorType",
+    "VerificationError", "verify",
+]

@@ -1,0 +1,91 @@
+"""Attention and the static KV cache's write.
+
+`attention(q, k, v, mask?, positions?)`: q is [batch, q_heads, seq, head_dim], k/v are
+[kv_batch, kv_heads, keys, head_dim] with q_heads a multiple of kv_heads (GQA kept grouped) and
+kv_batch >= batch (a static cache has max_batch rows; the first `batch` are read).
+Which keys a query sees:
+- `positions` given (the stateful form): key slot s is visible to query (b, t) when
+  s <= positions[b, t], and, with a sliding `window`, s > positions[b, t] - window;
+- else `causal`: the usual lower-triangular mask aligned to the last key;
+- `mask` (bool: True = visible, or float: added to scores) narrows it further.
+`softcap` > 0 applies softcap * tanh(scores / softcap) before masking (Gemma 2 style).
+"""
+import math
+
+import torch
+
+from ..dims import dims_equal
+from ..registry import OpDef, OpError, register
+
+
+def _attention_infer(q, k, v, mask, positions, scale, causal, window, softcap):
+    if q.rank != 4 or k.rank != 4 or v.rank != 4:
+        raise OpError("attention: q, k, v must be [batch, heads, seq, head_dim]")
+    q_heads, kv_heads = q.shape[1], k.shape[1]
+    if isinstance(q_heads, int) and isinstance(kv_heads, int) and q_heads % kv_heads:
+        raise OpError(f"attention: {q_heads} query heads are not a multiple of {kv_heads} kv heads")
+    if not dims_equal(q.shape[3], k.shape[3]):
+        raise OpError("attention: q and k head dims differ")
+    if positions is not None and positions.dtype not in ("i64", "i32"):
+        raise OpError("attention: positions must be integers")
+    return q.with_shape(q.shape[:3] + (v.shape[3],))
+
+
+def attention_reference(q, k, v, mask, positions, scale, causal, window, softcap):
+    batch, q_heads, seq, head_dim = q.shape
+    k, v = k[:batch], v[:batch]
+    groups = q_heads // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
+    scores = (q @ k.transpose(-1, -2)) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    keys = k.shape[2]
+    visible = torch.ones(1, 1, seq, keys, dtype=torch.bool)
+    if positions is not None:
+        key_slot = torch.arange(keys)
+        query_pos = positions[:, None, :, None]
+        visible = key_slot <= query_pos
+        if window:
+            visible = visible & (key_slot > query_pos - window)
+    elif causal:
+        visible = torch.ones(seq, keys, dtype=torch.bool).tril(keys - seq)[None, None]
+        if window:
+            visible = visible & ~torch.ones(seq, keys, dtype=torch.bool).tril(keys - seq - window)[None, None]
+    if mask is not None:
+        if mask.dtype == torch.bool:
+            visible = visible & mask
+        else:
+            scores = scores + mask
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row that sees nothing attends to nothing
+    return probs @ v
+
+
+def _kv_write_infer(cache, new, positions):
+    if cache.rank != 4 or new.rank != 4:
+        raise OpError("kv_write: cache and new must be [batch, kv_heads, seq, head_dim]")
+    if not (dims_equal(cache.shape[1], new.shape[1]) and dims_equal(cache.shape[3], new.shape[3])):
+        raise OpError(f"kv_write: new {new} does not fit cache {cache}")
+    return cache
+
+
+def kv_write_reference(cache, new, positions):
+    batch, heads = new.shape[0], new.shape[1]
+    out = cache.clone()
+    rows = torch.arange(batch)[:, None, None]
+    head = torch.arange(heads)[None, :, None]
+    out.index_put_((rows, head, positions[:, None, :]), new.to(cache.dtype))
+    return out
+
+
+register(OpDef(
+    "attention", ("q", "k", "v", "mask?", "positions?"),
+    _attention_infer, attention_reference,
+    attrs={"scale": None, "causal": False, "window": 0, "softcap": 0.0},
+))
+register(OpDef(
+    "kv_write", ("cache", "new", "positions"),
+    _kv_write_infer, kv_write_reference,
+    doc="cache[b, :, positions[b, t], :] = new[b, :, t, :] for the first batch rows; returns the cache",
+))

@@ -1,0 +1,1 @@
+"""Kiln: a compiler-first runtime for large language models."""
