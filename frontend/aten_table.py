@@ -1,0 +1,264 @@
+"""The one table from ATen ops (core ATen, after decomposition) to Kiln IR ops.
+
+Each handler receives the conversion state and the FX node's args/kwargs and returns the IR
+value (or a tuple for multi-output ops, or None for ops that vanish, like metadata asserts).
+Output shapes of pure shape ops are taken from what torch.export recorded, so `-1`s and
+SymInt arithmetic arrive already resolved.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from kiln.ir import from_torch
+
+aten = torch.ops.aten
+ATEN_TO_IR: dict = {}
+
+
+def handles(*targets):
+    def register(fn):
+        for t in targets:
+            ATEN_TO_IR[t] = fn
+        return fn
+
+    return register
+
+
+def _meta(cx):
+    return cx.current.meta["val"]
+
+
+def _out_shape(cx):
+    return tuple(cx.dim(d) for d in _meta(cx).shape)
+
+
+def _like(arg):
+    return arg.meta["val"] if isinstance(arg, torch.fx.Node) else torch.tensor(arg)
+
+
+# -- things that disappear ----------------------------------------------------------------
+@handles(aten._assert_tensor_metadata.default, aten._assert_scalar.default,
+         aten.sym_constrain_range_for_size.default, aten._assert_async.msg)
+def _drop(cx, *args, **kwargs):
+    return None
+
+
+@handles(aten.clone.default, aten.alias.default, aten.contiguous.default, aten.detach.default,
+         aten.lift_fresh_copy.default, aten.dropout.default)
+def _identity(cx, x, *args, **kwargs):
+    return cx.value(x)
+
+
+@handles(operator.getitem)
+def _getitem(cx, tup, index):
+    item = cx.env[tup][index]
+    if item is None:
+        raise NotImplementedError(f"output {index} of {tup.target} is not supported by Kiln")
+    return item
+
+
+# -- elementwise --------------------------------------------------------------------------
+def _binary(op):
+    def handler(cx, a, b, **kwargs):
+        if kwargs.get("alpha", 1) != 1:
+            b_val = cx.call("mul", cx.operand(b, _like(a)), cx.constant(kwargs["alpha"], from_torch(_meta(cx).dtype)))
+            return cx.call(op, cx.operand(a, _like(b)), b_val)
+        if kwargs.get("rounding_mode"):
+            raise NotImplementedError("div with rounding_mode")
+        return cx.call(op, cx.operand(a, _like(b)), cx.operand(b, _like(a)))
+
+    return handler
+
+
+for _name, _ir in {"add": "add", "sub": "sub", "mul": "mul", "div": "div", "eq": "eq", "ne": "ne",
+                   "lt": "lt", "le": "le", "gt": "gt", "ge": "ge", "maximum": "maximum",
+                   "minimum": "minimum", "logical_and": "logical_and", "logical_or": "logical_or",
+                   "bitwise_and": "logical_and", "bitwise_or": "logical_or"}.items():
+    _packet = getattr(aten, _name)
+    handles(*[getattr(_packet, o) for o in ("Tensor", "Scalar", "default") if hasattr(_packet, o)])(_binary(_ir))
+
+handles(aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor, aten.pow.Scalar)(_binary("pow"))
+handles(aten.rsub.Scalar, aten.rsub.Tensor)(lambda cx, a, b, alpha=1: _binary("sub")(cx, b, a))
+
+for _name in ("neg", "exp", "log", "sqrt", "rsqrt", "reciprocal", "abs", "tanh", "sin", "cos",
+              "erf", "sigmoid", "relu", "silu", "logical_not"):
+    handles(getattr(aten, _name).default)(lambda cx, x, _op=_name: cx.call(_op, cx.value(x)))
+handles(aten.bitwise_not.default)(lambda cx, x: cx.call("logical_not", cx.value(x)))
+
+
+@handles(aten.gelu.default)
+def _gelu(cx, x, approximate="none"):
+    return cx.call("gelu", cx.value(x), approximate=approximate)
+
+
+@handles(aten._to_copy.default)
+def _to_copy(cx, x, dtype=None, **kwargs):
+    v = cx.value(x)
+    target = from_torch(_meta(cx).dtype)
+    return v if target == v.type.dtype else cx.call("cast", v, dtype=target)
+
+
+@handles(aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar)
+def _where(cx, cond, a, b):
+    dtype = _meta(cx).dtype
+    operand = lambda t: cx.value(t) if isinstance(t, torch.fx.Node) else cx.constant(t, from_torch(dtype))
+    return cx.call("where", cx.value(cond), operand(a), operand(b))
+
+
+@handles(aten.masked_fill.Scalar, aten.masked_fill.Tensor)
+def _masked_fill(cx, x, mask, value):
+    fill = cx.value(value) if isinstance(value, torch.fx.Node) else cx.constant(value, cx.value(x).type.dtype)
+    return cx.call("where", cx.value(mask), fill, cx.value(x))
+
+
+@handles(aten.clamp.default)
+def _clamp(cx, x, min=None, max=None):
+    v = cx.value(x)
+    if min is not None:
+        v = cx.call("maximum", v, cx.constant(min, v.type.dtype))
+    if max is not None:
+        v = cx.call("minimum", v, cx.constant(max, v.type.dtype))
+    return v
+
+
+# -- reductions ---------------------------------------------------------------------------
+def _reduction(op):
+    def handler(cx, x, dims=None, keepdim=False, dtype=None):
+        v = cx.value(x)
+        axes = tuple(range(v.type.rank)) if dims is None else ((dims,) if isinstance(dims, int) else tuple(dims))
+        return cx.call(op, v, axes=axes, keepdim=keepdim)
+
+    return handler
+
+
+handles(aten.mean.dim, aten.mean.default)(_reduction("mean"))
+handles(aten.sum.dim_IntList, aten.sum.default)(_reduction("sum"))
+handles(aten.amax.default)(_reduction("max"))
+handles(aten.any.dim, aten.any.dims, aten.any.default)(_reduction("any"))
+
+
+@handles(aten.cumsum.default)
+def _cumsum(cx, x, dim, dtype=None):
+    return cx.call("cumsum", cx.value(x), axis=dim)
+
+
+@handles(aten._softmax.default, aten.softmax.int)
+def _softmax(cx, x, dim, *rest, **kwargs):
+    return cx.call("softmax", cx.value(x), axis=dim)
+
+
+# -- shapes -------------------------------------------------------------------------------
+@handles(aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default,
+         aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
+def _reshape(cx, x, *args):
+    return cx.call("reshape", cx.value(x), shape=_out_shape(cx))
+
+
+@handles(aten.expand.default)
+def _expand(cx, x, size, *args, **kwargs):
+    return cx.call("expand", cx.value(x), shape=_out_shape(cx))
+
+
+@handles(aten.permute.default)
+def _permute(cx, x, dims):
+    return cx.call("permute", cx.value(x), perm=tuple(dims))
+
+
+@handles(aten.transpose.int)
+def _transpose(cx, x, a, b):
+    rank = cx.value(x).type.rank
+    perm = list(range(rank))
+    perm[a % rank], perm[b % rank] = perm[b % rank], perm[a % rank]
+    return cx.call("permute", cx.value(x), perm=tuple(perm))
+
+
+@handles(aten.t.default)
+def _t(cx, x):
+    return cx.call("permute", cx.value(x), perm=(1, 0))
+
+
+@handles(aten.slice.Tensor)
+def _slice(cx, x, dim=0, start=None, end=None, step=1):
+    return cx.call("slice", cx.value(x), axis=dim, start=cx.dim(start) if start is not None else 0,
+                   end=cx.dim(end) if end is not None else 2**62, step=step)
+
+
+@handles(aten.select.int)
+def _select(cx, x, dim, index):
+    index = cx.dim(index)
+    end = 2**62 if index == -1 else index + 1
+    sliced = cx.call("slice", cx.value(x), axis=dim, start=index, end=end)
+    return cx.call("reshape", sliced, shape=_out_shape(cx))
+
+
+@handles(aten.cat.default)
+def _cat(cx, tensors, dim=0):
+    return cx.call("concat", *[cx.value(t) for t in tensors], axis=dim)
+
+
+@handles(aten.index.Tensor)
+def _index(cx, x, indices):
+    if any(i is None for i in indices):
+        raise NotImplementedError("index with None (slice) entries")
+    return cx.call("index", cx.value(x), *[cx.value(i) for i in indices])
+
+
+@handles(aten.arange.start_step, aten.arange.start, aten.arange.default)
+def _arange(cx, *args, dtype=None, **kwargs):
+    start, end, step = (0, args[0], 1) if len(args) == 1 else (args + (1,))[:3]
+    return cx.call("arange", start=cx.dim(start), end=cx.dim(end), step=step, dtype=from_torch(_meta(cx).dtype))
+
+
+@handles(aten.full.default, aten.scalar_tensor.default, aten.zeros.default, aten.ones.default,
+         aten.full_like.default, aten.zeros_like.default, aten.ones_like.default, aten.new_zeros.default,
+         aten.new_ones.default)
+def _full(cx, *args, **kwargs):
+    name = cx.current.target.__name__
+    value = {"zeros": 0, "ones": 1, "new_zeros": 0, "new_ones": 1, "zeros_like": 0, "ones_like": 1}.get(
+        name.split(".")[0])
+    if value is None:
+        value = args[0] if name.startswith("scalar_tensor") else args[1]
+    dtype = from_torch(_meta(cx).dtype)
+    value = bool(value) if dtype == "bool" else (float(value) if dtype.startswith(("f", "bf")) else int(value))
+    return cx.call("full", shape=_out_shape(cx), value=value, dtype=dtype)
+
+
+# -- neural-network ops --------------------------------------------------------------------
+@handles(aten.embedding.default)
+def _embedding(cx, weight, indices, *args):
+    return cx.call("embedding", cx.value(weight), cx.value(indices))
+
+
+@handles(aten.linear.default)
+def _linear(cx, x, weight, bias=None):
+    return cx.call("linear", cx.value(x), cx.value(weight), cx.value(bias) if bias is not None else None)
+
+
+@handles(aten.mm.default, aten.bmm.default, aten.matmul.default)
+def _matmul(cx, a, b):
+    return cx.call("matmul", cx.value(a), cx.value(b))
+
+
+@handles(aten.addmm.default)
+def _addmm(cx, bias, a, b, beta=1, alpha=1):
+    if beta != 1 or alpha != 1:
+        raise NotImplementedError("addmm with beta/alpha")
+    return cx.call("add", cx.call("matmul", cx.value(a), cx.value(b)), cx.value(bias))
+
+
+@handles(aten.native_layer_norm.default)
+def _layer_norm(cx, x, shape, weight, bias, eps):
+    if len(shape) != 1:
+        raise NotImplementedError("layer_norm over more than the last dim")
+    out = cx.call("layer_norm", cx.value(x), cx.value(weight) if weight is not None else None,
+                  cx.value(bias) if bias is not None else None, eps=eps)
+    return (out, None, None)
+
+
+@handles(aten.scaled_dot_product_attention.default)
+def _sdpa(cx, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+    mask = cx.value(attn_mask) if attn_mask is not None else None
+    return cx.call("attention", cx.value(q), cx.value(k), cx.value(v), mask, None,
+                   scale=scale, causal=bool(is_causal))

@@ -1,0 +1,102 @@
+"""Capture a causal LM's stateless forward `(tokens, positions) -> logits` into Kiln IR.
+
+The model runs with `use_cache=False`: the KV cache is the compiler's job (the
+`insert_kv_cache` pass), so no Python cache object ever enters the trace. torch.export traces
+with `batch` and `seq` symbolic; the program is decomposed to core ATen except for
+`scaled_dot_product_attention` and `linear`, which Kiln keeps whole (they map to IR ops its
+backends have fast kernels for).
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Sequence
+
+import torch
+
+from kiln.ir import Graph
+
+from .fx_to_ir import FxToIr
+
+KEEP_WHOLE = (torch.ops.aten.scaled_dot_product_attention.default, torch.ops.aten.linear.default)
+EXAMPLE_BATCH, EXAMPLE_SEQ = 2, 17  # not 0/1: torch.export would specialize those sizes
+
+
+class StatelessForward(torch.nn.Module):
+    """`(tokens, positions) -> logits` around a Hugging Face causal LM, no KV cache."""
+
+    def __init__(self, lm: torch.nn.Module):
+        super().__init__()
+        self.lm = lm
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.lm(input_ids=tokens, position_ids=positions, use_cache=False).logits
+
+
+def decompositions() -> dict:
+    table = torch._decomp.core_aten_decompositions()
+    for op in KEEP_WHOLE:
+        table.pop(op, None)
+    return table
+
+
+def export_module(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
+                  dynamic_dims: dict[tuple[int, int], tuple[str, int, int]]) -> torch.export.ExportedProgram:
+    """torch.export (non-strict) with named dynamic dims: {(input, axis): (name, min, max)}."""
+    dims = {}
+    for (i, axis), (name, lo, hi) in dynamic_dims.items():
+        dims.setdefault(i, {})[axis] = torch.export.Dim(name, min=lo, max=hi)
+    spec = tuple(dims.get(i) for i in range(len(example_inputs)))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        program = torch.export.export(module, tuple(example_inputs), dynamic_shapes=spec, strict=False)
+        return program.run_decompositions(decompositions())
+
+
+def capture_module(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor], input_names: list[str],
+                   output_names: list[str], dynamic_dims: dict | None = None) -> Graph:
+    """Capture any module into IR. Raises UnsupportedOpError for an ATen op Kiln cannot map."""
+    dynamic_dims = dynamic_dims or {}
+    program = export_module(module.eval(), example_inputs, dynamic_dims)
+    converter = FxToIr(program, input_names, {k: v[0] for k, v in dynamic_dims.items()})
+    graph = converter.convert(output_names)
+    for name, lo, hi in dict.fromkeys(dynamic_dims.values()):
+        graph.add_symbol(name, lo, hi)
+    return graph
+
+
+def capture_causal_lm(lm: torch.nn.Module, max_batch: int = 8, max_seq_len: int = 2048) -> Graph:
+    """The stateless forward of a causal LM: tokens i64[batch, seq], positions -> logits."""
+    lm = lm.eval().float()
+    tokens = torch.randint(0, lm.config.vocab_size, (EXAMPLE_BATCH, EXAMPLE_SEQ))
+    positions = torch.arange(EXAMPLE_SEQ).expand(EXAMPLE_BATCH, EXAMPLE_SEQ).contiguous()
+    batch = ("batch", 1, max(max_batch, EXAMPLE_BATCH))
+    seq = ("seq", 1, max(max_seq_len, EXAMPLE_SEQ))
+    dynamic = {(0, 0): batch, (0, 1): seq, (1, 0): batch, (1, 1): seq}
+    graph = capture_module(StatelessForward(lm), (tokens, positions), ["tokens", "positions"], ["logits"], dynamic)
+    graph.meta["model"] = model_meta(lm)
+    return graph
+
+
+def model_meta(lm) -> dict:
+    """What later passes need to know about the architecture, as plain JSON data."""
+    config = lm.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layers = text.num_hidden_layers
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    window = getattr(text, "sliding_window", None) or 0
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types:
+        windows = [window if t == "sliding_attention" else 0 for t in layer_types]
+    else:
+        windows = [window if getattr(text, "use_sliding_window", True) else 0] * layers
+    return {
+        "architecture": (getattr(config, "architectures", None) or [type(lm).__name__])[0],
+        "model_type": config.model_type,
+        "vocab_size": text.vocab_size,
+        "num_layers": layers,
+        "num_heads": heads,
+        "num_kv_heads": getattr(text, "num_key_value_heads", None) or heads,
+        "head_dim": head_dim,
+        "layer_windows": windows,
+    }

@@ -1,0 +1,74 @@
+"""insert_kv_cache: turn the stateless forward into the stateful one with static KV buffers.
+
+Before: (tokens, positions) -> logits, where each layer's `attention(q, k, v, mask)` sees the
+keys of the current call only, under a mask the model built from positions.
+After:  (tokens, positions, cache.k.0, cache.v.0, ...) -> (logits, cache.k.0', cache.v.0', ...)
+with one buffer pair per layer, [max_batch, kv_heads, max_seq_len, head_dim]. Each attention
+becomes `kv_write` of its grouped k/v into the buffers at `positions`, then `attention` over the
+whole buffer under the position mask (sliding windows from the model's metadata). The model's
+own mask-building ops and GQA head repetition become dead and are removed by DCE. One graph
+serves prefill and decode at every position: positions are data, not shapes.
+"""
+from __future__ import annotations
+
+from kiln.ir import Graph, Node, TensorType, Value
+
+
+class KVCacheInsertionError(ValueError):
+    """The graph does not have the shape this pass expects (a stateless causal LM forward)."""
+
+
+def grouped_source(value: Value) -> Value:
+    """Undo GQA's repeat_kv (reshape <- expand <- reshape of [b, kv, t, d]) to keep heads grouped."""
+    node = value.producer
+    if node is None or node.op != "reshape":
+        return value
+    expand = node.inputs[0].producer
+    if expand is None or expand.op != "expand":
+        return value
+    unsqueeze = expand.inputs[0].producer
+    if unsqueeze is None or unsqueeze.op != "reshape" or unsqueeze.inputs[0].type.rank != 4:
+        return value
+    grouped = unsqueeze.inputs[0]
+    b, kv_heads, t, d = grouped.type.shape
+    if unsqueeze.output.type.shape != (b, kv_heads, 1, t, d):
+        return value
+    return grouped
+
+
+def insert_kv_cache(graph: Graph, max_batch: int, max_seq_len: int) -> Graph:
+    """Rewrite `graph` in place to the stateful form; returns it."""
+    if [v.name for v in graph.inputs] != ["tokens", "positions"]:
+        raise KVCacheInsertionError("expected a stateless graph with inputs (tokens, positions)")
+    positions = graph.inputs[1]
+    attentions = [n for n in graph.nodes if n.op == "attention"]
+    if not attentions:
+        raise KVCacheInsertionError("the graph has no attention op: is it a causal LM?")
+    windows = graph.meta.get("model", {}).get("layer_windows") or [0] * len(attentions)
+    if len(windows) != len(attentions):
+        raise KVCacheInsertionError(f"{len(attentions)} attention ops but {len(windows)} layers in the metadata")
+    new_caches: list[Value] = []
+    for layer, node in enumerate(attentions):
+        new_caches += _make_stateful(graph, node, layer, positions, max_batch, max_seq_len, windows[layer])
+    graph.outputs = graph.outputs[:1] + new_caches
+    graph.meta["kv_cache"] = {"max_batch": max_batch, "max_seq_len": max_seq_len, "layers": len(attentions)}
+    return graph
+
+
+def _make_stateful(graph: Graph, node: Node, layer: int, positions: Value, max_batch: int,
+                   max_seq_len: int, window: int) -> list[Value]:
+    q, k, v = node.inputs[:3]
+    k, v = grouped_source(k), grouped_source(v)
+    caches = []
+    for kind, new in (("k", k), ("v", v)):
+        _, kv_heads, _, head_dim = new.type.shape
+        cache_type = TensorType(new.type.dtype, (max_batch, kv_heads, max_seq_len, head_dim))
+        caches.append(graph.add_input(f"cache.{kind}.{layer}", cache_type))
+    written = [graph.create("kv_write", [cache, new, positions]) for cache, new in zip(caches, (k, v))]
+    attrs = dict(node.attrs, causal=False, window=window)
+    attention = graph.create("attention", [q, written[0].output, written[1].output, None, positions], attrs)
+    index = graph.nodes.index(node)
+    graph.nodes[index:index + 1] = [*written, attention]
+    graph.replace_all_uses(node.output, attention.output)
+    graph.forget_names(node)
+    return [w.output for w in written]
