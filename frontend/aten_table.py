@@ -193,6 +193,20 @@ def _select(cx, x, dim, index):
     return cx.call("reshape", sliced, shape=_out_shape(cx))
 
 
+@handles(aten.split_with_sizes.default, aten.split.Tensor)
+def _split(cx, x, sizes, dim=0):
+    v = cx.value(x)
+    if not isinstance(sizes, (list, tuple)):  # split.Tensor: equal chunks of `sizes`
+        total = v.type.shape[dim]
+        sizes = [sizes] * (total // sizes) + ([total % sizes] if total % sizes else [])
+    parts, start = [], 0
+    for size in sizes:
+        end = cx.dim(start) + cx.dim(size)
+        parts.append(cx.call("slice", v, axis=dim, start=start, end=end))
+        start = end
+    return tuple(parts)
+
+
 @handles(aten.cat.default)
 def _cat(cx, tensors, dim=0):
     return cx.call("concat", *[cx.value(t) for t in tensors], axis=dim)

@@ -116,8 +116,12 @@ class Graph:
         """Create (not insert) a node, inferring its output types from the op's rule."""
         from .registry import get_op
 
-        attrs = get_op(op).complete_attrs(attrs or {})
-        types = get_op(op).infer_types([i.type if i is not None else None for i in inputs], attrs)
+        opdef = get_op(op)
+        attrs = opdef.complete_attrs(attrs or {})
+        inputs = list(inputs)
+        if not opdef.variadic:  # omitted trailing optional inputs are explicit Nones
+            inputs += [None] * (len(opdef.inputs) - len(inputs))
+        types = opdef.infer_types([i.type if i is not None else None for i in inputs], attrs)
         return self.make_node(op, inputs, attrs, types, names)
 
     def call(self, op: str, *inputs, name: str | None = None, **attrs):
