@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-
-class KilnError(Exception):
-    """Base of every error Kiln raises on purpose; catch this to catch them all."""
+from kiln.ir.errors import KilnError  # noqa: F401  (re-exported)
 
 
 class ModelNotFoundError(KilnError):

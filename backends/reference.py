@@ -1,0 +1,64 @@
+"""The reference backend: runs the stateful graph with the IR interpreter.
+
+It is the slow oracle every other backend is checked against: no compilation, no kernels of its
+own, only `kiln.ir.run_graph` and the op registry's reference implementations. It owns the KV
+buffers like any backend: zeros shaped by the graph's cache inputs, fed on every call and
+replaced by the updated caches the graph returns (outputs[1:]).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from kiln.backends.executable import BackendOptions, cache_inputs
+from kiln.ir import Graph, evaluate, run_graph, to_torch, verify
+
+NAME = "reference"
+
+
+def backend_version() -> str:
+    """The version of what actually computes: torch (the interpreter runs plain torch ops)."""
+    return torch.__version__
+
+
+class ReferenceExecutable:
+    """A stateful graph plus its KV buffers, run node by node by the interpreter."""
+
+    def __init__(self, graph: Graph, options: BackendOptions):
+        verify(graph)
+        self.graph = graph
+        self.options = options
+        self._cache_values = cache_inputs(graph)
+        self.caches: list[torch.Tensor] = []
+        self.reset()
+
+    def reset(self) -> None:
+        """Zero every KV buffer."""
+        bounds = {name: bound.max for name, bound in self.graph.symbols.items()}
+        self.caches = [
+            torch.zeros([evaluate(d, bounds) for d in v.type.shape], dtype=to_torch(v.type.dtype))
+            for v in self._cache_values
+        ]
+
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Logits [batch, seq, vocab] for int64 tokens/positions [batch, seq]; updates the caches."""
+        feeds = [tokens.to(torch.int64), positions.to(torch.int64), *self.caches]
+        outputs = run_graph(self.graph, feeds)
+        self.caches = list(outputs[1:])
+        return outputs[0]
+
+    def save(self, directory: Path) -> list[str]:
+        """The reference backend has no files of its own: graph.kir and the weights suffice."""
+        return []
+
+
+def lower(graph: Graph, options: BackendOptions) -> ReferenceExecutable:
+    """'Compile' a stateful graph (with weights attached) for the interpreter."""
+    return ReferenceExecutable(graph, options)
+
+
+def load(directory: Path, graph: Graph, weights: dict[str, torch.Tensor], options: BackendOptions) -> ReferenceExecutable:
+    """Rebuild the executable from an artifact's graph and weights (no files of its own to read)."""
+    graph.weights = dict(weights)
+    return ReferenceExecutable(graph, options)

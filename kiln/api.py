@@ -1,0 +1,100 @@
+"""`kiln.compile` and `kiln.load`: the two calls most users need.
+
+    path = kiln.compile("path/to/hf-model", out="model.kiln", backend="inductor")
+    llm = kiln.load(path)
+
+`compile` is glue over the stages: frontend (load, capture) -> passes -> backend -> artifact.
+Each stage is imported only when used, so `kiln.load` never pulls in transformers.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import Counter
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable
+
+from kiln.backends.executable import BackendOptions
+from kiln.backends.registry import backend_version, get_backend
+from kiln.runtime.artifact import read_artifact, save_artifact
+from kiln.runtime.generate import LLM
+from kiln.runtime.tokenizer import Tokenizer
+
+Progress = Callable[[str], None]
+
+
+def load(path: str | Path, check_hashes: bool = True) -> LLM:
+    """Open the artifact at `path` (checked: versions, sizes, hashes) and ready it to generate."""
+    contents = read_artifact(Path(path), check_hashes=check_hashes)
+    backend = get_backend(contents.backend)
+    options = backend_options(contents.options)
+    executable = backend.load(contents.directory, contents.graph, contents.graph.weights, options)
+    tokenizer = Tokenizer.from_dir(contents.tokenizer_dir) if contents.tokenizer_dir else None
+    return LLM(executable, tokenizer, contents.manifest, contents.graph)
+
+
+def backend_options(options: dict) -> BackendOptions:
+    """BackendOptions from a manifest's options (which may hold more, e.g. `quantize`)."""
+    known = {f.name for f in dataclasses.fields(BackendOptions)}
+    return BackendOptions(**{k: v for k, v in options.items() if k in known})
+
+
+def compile(model=None, out: str | Path = "model.kiln", backend: str = "inductor", max_seq_len: int = 1024,
+            max_batch: int = 1, dtype: str = "f32", dump_ir: str | Path | None = None,
+            progress: Progress | None = None) -> Path:
+    """Compile `model` (a local Hugging Face directory or .gguf file; None = the bundled default,
+    SmolLM2-135M-Instruct) into an artifact directory at `out`; returns its path.
+
+    `progress`, if given, is called with one line per step (load, capture, passes, lower, save)
+    and the seconds each took. `dump_ir` writes the IR after each pass phase into that directory.
+    """
+    from kiln.frontend.capture import capture_causal_lm
+    from kiln.frontend.checkpoint import load_model
+    from kiln.passes.pipeline import run_pipeline
+
+    report = progress or (lambda message: None)
+    started = time.perf_counter()
+    options = BackendOptions(max_batch=max_batch, max_seq_len=max_seq_len, dtype=dtype)
+    backend_module = get_backend(backend)  # fail before the slow steps if the backend is unusable
+    if model is None:
+        from kiln.frontend.default_model import default_model_dir
+
+        with _step(report, "locate the default model"):
+            model = default_model_dir()
+    with _step(report, f"load {model}"):
+        loaded = load_model(model)
+    with _step(report, "capture the forward into IR"):
+        graph = capture_causal_lm(loaded.model, max_batch=max_batch, max_seq_len=max_seq_len)
+    with _step(report, "run the pass pipeline"):
+        graph = run_pipeline(graph, options, dump_dir=dump_ir)
+    with _step(report, f"lower with the {backend} backend"):
+        executable = backend_module.lower(graph, options)
+    with _step(report, f"save the artifact to {out}"):
+        path = save_artifact(out, graph, executable, tokenizer_dir=loaded.tokenizer_path.parent, manifest_fields={
+            "backend": backend,
+            "backend_version": backend_version(backend_module),
+            "source": str(loaded.checkpoint_dir),
+            "source_hash": loaded.source_hash,
+            "options": {**dataclasses.asdict(options), "quantize": None},
+            "graph_stats": {**graph_stats(graph), "compile_s": round(time.perf_counter() - started, 3)},
+        })
+    return path
+
+
+def graph_stats(graph) -> dict:
+    """Counts for the compile summary: nodes, nodes per op, parameters and their bytes."""
+    return {
+        "nodes": len(graph.nodes),
+        "ops": dict(Counter(n.op for n in graph.nodes).most_common()),
+        "params": len(graph.params),
+        "param_bytes": sum(t.numel() * t.element_size() for t in graph.weights.values()),
+    }
+
+
+@contextmanager
+def _step(report: Progress, what: str):
+    report(f"{what} ...")
+    start = time.perf_counter()
+    yield
+    report(f"{what}: done in {time.perf_counter() - start:.1f}s")

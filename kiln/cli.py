@@ -1,0 +1,146 @@
+"""The command lines: `compile-model` (compile a model into an artifact) and `kiln` (use one).
+
+    compile-model [MODEL] -o model.kiln [--backend inductor|reference] [--max-seq-len N] ...
+    kiln generate model.kiln --prompt "Once upon a time" [--max-new-tokens N] [--chat] ...
+    kiln chat model.kiln
+
+A Kiln error prints one line to stderr and exits with status 2; there is no traceback for
+mistakes the user can fix.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from kiln.backends.registry import BACKENDS
+from kiln.ir.errors import KilnError
+
+EXIT_USAGE = 2
+
+
+def _run(main, argv) -> int:
+    """Run a command, turning Kiln errors into one line on stderr and exit status 2."""
+    try:
+        return main(argv)
+    except KilnError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+# -- compile-model -----------------------------------------------------------------------------
+def compile_model_main(argv: list[str] | None = None) -> int:
+    """Entry point of `compile-model`."""
+    return _run(_compile_model, argv)
+
+
+def _compile_model(argv) -> int:
+    parser = argparse.ArgumentParser(prog="compile-model", description="Compile a causal LM into a Kiln artifact.")
+    parser.add_argument("model", nargs="?", help="local Hugging Face directory or .gguf file "
+                        "(default: the bundled SmolLM2-135M-Instruct)")
+    parser.add_argument("-o", "--out", required=True, help="artifact directory to write")
+    parser.add_argument("--backend", default="inductor", choices=sorted(BACKENDS))
+    parser.add_argument("--max-seq-len", type=int, default=1024)
+    parser.add_argument("--max-batch", type=int, default=1)
+    parser.add_argument("--dtype", default="f32")
+    parser.add_argument("--dump-ir", metavar="DIR", help="write the IR after each pass phase into DIR")
+    args = parser.parse_args(argv)
+
+    import json
+
+    import kiln
+
+    started = time.perf_counter()
+    path = kiln.compile(args.model, out=args.out, backend=args.backend, max_seq_len=args.max_seq_len,
+                        max_batch=args.max_batch, dtype=args.dtype, dump_ir=args.dump_ir,
+                        progress=lambda line: print(f"[compile-model] {line}", file=sys.stderr, flush=True))
+    manifest = json.loads((Path(path) / "manifest.json").read_text())
+    stats = manifest.get("graph_stats", {})
+    top_ops = ", ".join(f"{op} {n}" for op, n in list(stats.get("ops", {}).items())[:6])
+    print(f"artifact   {path}")
+    print(f"backend    {manifest['backend']} {manifest.get('backend_version', '')}".rstrip())
+    print(f"graph      {stats.get('nodes', '?')} nodes ({top_ops})")
+    print(f"params     {stats.get('params', '?')} tensors, {stats.get('param_bytes', 0) / 1e6:.1f} MB")
+    print(f"options    max_seq_len={args.max_seq_len} max_batch={args.max_batch} dtype={args.dtype}")
+    print(f"time       {time.perf_counter() - started:.1f}s")
+    return 0
+
+
+# -- kiln generate / kiln chat -----------------------------------------------------------------
+def kiln_main(argv: list[str] | None = None) -> int:
+    """Entry point of `kiln` (and `python -m kiln`)."""
+    return _run(_kiln, argv)
+
+
+def _sampling_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+
+
+def _kiln(argv) -> int:
+    parser = argparse.ArgumentParser(prog="kiln", description="Run a compiled Kiln artifact.")
+    commands = parser.add_subparsers(dest="command", required=True)
+    gen = commands.add_parser("generate", help="generate text for one prompt")
+    gen.add_argument("artifact")
+    gen.add_argument("--prompt", required=True)
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message (chat template)")
+    _sampling_arguments(gen)
+    chat = commands.add_parser("chat", help="interactive chat over stdin (/reset clears, /exit quits)")
+    chat.add_argument("artifact")
+    chat.add_argument("--system", help="a system message to start the conversation with")
+    _sampling_arguments(chat)
+    args = parser.parse_args(argv)
+
+    import kiln
+
+    llm = kiln.load(args.artifact)
+    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+                    top_p=args.top_p, seed=args.seed)
+    if args.command == "generate":
+        prompt = llm.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+        result = _print_stream(llm.stream(prompt, **sampling))
+        print(f"[{result.stats.summary()}]", file=sys.stderr)
+        return 0
+    return _chat_loop(llm, args.system, sampling)
+
+
+def _print_stream(stream):
+    for piece in stream:
+        print(piece, end="", flush=True)
+    print()
+    return stream.results
+
+
+def _chat_loop(llm, system: str | None, sampling: dict) -> int:
+    start = [{"role": "system", "content": system}] if system else []
+    history = list(start)
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            print("> ", end="", flush=True)
+        line = sys.stdin.readline()
+        if not line or line.strip() == "/exit":
+            return 0
+        text = line.rstrip("\n")
+        if text.strip() == "/reset":
+            history = list(start)
+            continue
+        if not text.strip():
+            continue
+        history.append({"role": "user", "content": text})
+        try:
+            result = _print_stream(llm.stream_chat(history, **sampling))
+        except KilnError as e:  # e.g. the history outgrew the context: say so and keep going
+            history.pop()
+            print(f"error: {e} (type /reset to start over)", file=sys.stderr)
+            continue
+        history.append({"role": "assistant", "content": result.text})
+        if interactive:
+            print(f"[{result.stats.summary()}]", file=sys.stderr)

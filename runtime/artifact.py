@@ -1,0 +1,266 @@
+"""The artifact directory: everything a runtime needs to generate, with no re-tracing.
+
+    model.kiln/
+      manifest.json          format, versions, source hash, options, IR hash, {file: sha256, bytes}
+      graph.kir              the stateful graph's text form (kiln.ir.print_graph)
+      weights.safetensors    graph.weights (safetensors only: loading never unpickles)
+      tokenizer.json, tokenizer_config.json, generation_config.json, chat_template.jinja (as present)
+      ...                    the backend's own files (Executable.save)
+
+`read_artifact` checks the manifest, every listed file's size and sha256, that graph.kir parses
+and verifies, and that the weights match the graph's parameters; any failure is an
+`ArtifactError` naming the file and what is wrong with it.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from kiln.ir import Graph, ParseError, VerificationError, parse_graph, print_graph, to_torch, verify
+from kiln.runtime.errors import ArtifactError
+from kiln.runtime.tokenizer import TOKENIZER_FILES
+
+FORMAT = "kiln-artifact"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+GRAPH_FILE = "graph.kir"
+WEIGHTS_FILE = "weights.safetensors"
+REQUIRED_KEYS = ("format_version", "backend", "options", "files")
+
+
+@dataclass
+class ArtifactContents:
+    """A checked artifact: its manifest and its graph with the weights attached."""
+
+    directory: Path
+    manifest: dict
+    graph: Graph
+
+    @property
+    def backend(self) -> str:
+        return self.manifest["backend"]
+
+    @property
+    def options(self) -> dict:
+        return self.manifest["options"]
+
+    @property
+    def paths(self) -> dict[str, Path]:
+        """Every listed file by its name in the manifest."""
+        return {name: self.directory / name for name in self.manifest["files"]}
+
+    @property
+    def tokenizer_dir(self) -> Path | None:
+        """The directory holding tokenizer.json, or None for an artifact without a tokenizer."""
+        return self.directory if "tokenizer.json" in self.manifest["files"] else None
+
+
+def kiln_version() -> str:
+    """The installed Kiln's version."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kiln")
+    except PackageNotFoundError:
+        return "0+unknown"
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+# -- writing ---------------------------------------------------------------------------------
+def save_artifact(directory, graph: Graph, executable, tokenizer_dir=None, manifest_fields: dict | None = None) -> Path:
+    """Write the artifact for `graph` (stateful, weights attached) and `executable` to `directory`.
+
+    `manifest_fields` adds backend, backend_version, source_hash, options, ... to the manifest.
+    The artifact is assembled in a temporary sibling directory and moved into place, so a crash
+    never leaves half an artifact; an existing artifact at `directory` is replaced, anything
+    else there is refused.
+    """
+    directory = Path(directory)
+    _check_replaceable(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
+    try:
+        graph_text = print_graph(graph)
+        (staging / GRAPH_FILE).write_text(graph_text, encoding="utf-8")
+        save_file(_weights_for_saving(graph), str(staging / WEIGHTS_FILE))
+        names = [GRAPH_FILE, WEIGHTS_FILE, *_copy_tokenizer(tokenizer_dir, staging)]
+        names += _expand_dirs(staging, executable.save(staging) or [])
+        manifest = {
+            "format": FORMAT, "format_version": FORMAT_VERSION, "kiln_version": kiln_version(),
+            **(manifest_fields or {}),
+            "ir_hash": hashlib.sha256(graph_text.encode("utf-8")).hexdigest(),
+            "files": {n: {"sha256": file_sha256(staging / n), "bytes": (staging / n).stat().st_size} for n in names},
+        }
+        (staging / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        _move_into_place(staging, directory)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return directory
+
+
+def _check_replaceable(directory: Path) -> None:
+    if directory.exists() and not (directory.is_dir() and (not any(directory.iterdir()) or (directory / MANIFEST).is_file())):
+        raise ArtifactError(f"{directory} exists and is not a Kiln artifact; refusing to overwrite it. "
+                            "Fix: choose another output path, or delete it first.")
+
+
+def _weights_for_saving(graph: Graph) -> dict[str, torch.Tensor]:
+    missing = [name for name in graph.params if name not in graph.weights]
+    if missing:
+        raise ArtifactError(f"Cannot save: parameters {missing[:5]} have no weights attached to the graph.")
+    out, seen = {}, set()
+    for name in graph.params:
+        t = graph.weights[name].detach().cpu().contiguous()
+        key = (t.untyped_storage().data_ptr(), t.storage_offset())
+        out[name] = t.clone() if key in seen else t  # safetensors refuses shared storage (tied weights)
+        seen.add(key)
+    return out
+
+
+def _copy_tokenizer(tokenizer_dir, staging: Path) -> list[str]:
+    if tokenizer_dir is None:
+        return []
+    tokenizer_dir = Path(tokenizer_dir)
+    if not (tokenizer_dir / "tokenizer.json").is_file():
+        raise ArtifactError(f"No tokenizer.json in {tokenizer_dir}. Fix: point at the model directory that has it.")
+    names = [n for n in TOKENIZER_FILES if (tokenizer_dir / n).is_file()]
+    for name in names:
+        shutil.copyfile(tokenizer_dir / name, staging / name)
+    return names
+
+
+def _expand_dirs(root: Path, names: list[str]) -> list[str]:
+    """Backend outputs as file names relative to root (a directory stands for its files)."""
+    out = []
+    for name in names:
+        path = root / name
+        out += sorted(p.relative_to(root).as_posix() for p in path.rglob("*") if p.is_file()) if path.is_dir() else [name]
+    return out
+
+
+def _move_into_place(staging: Path, directory: Path) -> None:
+    old = None
+    if directory.exists():
+        old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
+        directory.rename(old)
+    staging.rename(directory)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# -- reading ---------------------------------------------------------------------------------
+def read_artifact(directory, check_hashes: bool = True) -> ArtifactContents:
+    """Open and check an artifact; raise ArtifactError saying which file is wrong and how."""
+    directory = Path(directory)
+    manifest = read_manifest(directory)
+    for name, entry in manifest["files"].items():
+        _check_file(directory, name, entry, check_hashes)
+    graph = _read_graph(directory, manifest)
+    graph.weights = _read_weights(directory, graph)
+    return ArtifactContents(directory, manifest, graph)
+
+
+def read_manifest(directory: Path) -> dict:
+    """The manifest, checked for format, version and required keys."""
+    if not directory.is_dir():
+        raise ArtifactError(f"Artifact directory {directory} does not exist. Fix: check the path, or create it "
+                            "with `compile-model MODEL -o " + str(directory) + "`.")
+    path = directory / MANIFEST
+    if not path.is_file():
+        raise ArtifactError(f"{directory} is not a Kiln artifact: {MANIFEST} is missing. Fix: point at a directory "
+                            "written by `compile-model`, or recompile.")
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ArtifactError(f"{path} is not valid JSON ({e}). The artifact is damaged: recompile it.") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
+        raise ArtifactError(f"{path} describes a foreign format ({found!r}, expected {FORMAT!r}). "
+                            "Fix: point at a directory written by `compile-model`.")
+    version = manifest.get("format_version")
+    if not isinstance(version, int):
+        raise ArtifactError(f"{path}: format_version is {version!r}, not an integer. The artifact is damaged: recompile it.")
+    if version > FORMAT_VERSION:
+        raise ArtifactError(f"{path}: artifact format version {version} is newer than this Kiln supports "
+                            f"({FORMAT_VERSION}; Kiln {kiln_version()}). Fix: upgrade Kiln, or recompile the model "
+                            "with this version.")
+    missing = [k for k in REQUIRED_KEYS if k not in manifest]
+    if missing or not isinstance(manifest["files"], dict):
+        raise ArtifactError(f"{path} lacks {missing or ['a files table']}. The artifact is damaged: recompile it.")
+    for name in (GRAPH_FILE, WEIGHTS_FILE):
+        if name not in manifest["files"]:
+            raise ArtifactError(f"{path} does not list {name}. The artifact is damaged: recompile it.")
+    return manifest
+
+
+def _check_file(directory: Path, name: str, entry: dict, check_hash: bool) -> None:
+    pure = PurePosixPath(name)
+    if pure.is_absolute() or ".." in pure.parts:
+        raise ArtifactError(f"{directory / MANIFEST} lists {name!r}, which points outside the artifact. "
+                            "Refusing to read it: the artifact is damaged or hostile.")
+    path = directory / name
+    if not isinstance(entry, dict):
+        raise ArtifactError(f"{directory / MANIFEST}: the entry for {name} is {entry!r}, not {{sha256, bytes}}. "
+                            "The artifact is damaged: recompile it.")
+    if not path.is_file():
+        raise ArtifactError(f"{path} is missing (listed in {MANIFEST}). The artifact is incomplete: "
+                            "copy it again in whole, or recompile.")
+    size = path.stat().st_size
+    if size != entry.get("bytes"):
+        raise ArtifactError(f"{path} has {size} bytes but the manifest says {entry.get('bytes')}: the file is "
+                            "truncated or replaced. Fix: copy the artifact again, or recompile.")
+    if check_hash and file_sha256(path) != entry.get("sha256"):
+        raise ArtifactError(f"{path} does not match its sha256 in {MANIFEST}: the file is damaged. "
+                            "Fix: copy the artifact again, or recompile.")
+
+
+def _read_graph(directory: Path, manifest: dict) -> Graph:
+    path = directory / GRAPH_FILE
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if "ir_hash" in manifest and hashlib.sha256(text.encode("utf-8")).hexdigest() != manifest["ir_hash"]:
+        raise ArtifactError(f"{path} does not match the manifest's ir_hash: the graph was changed after compiling. "
+                            "Fix: recompile.")
+    try:
+        graph = parse_graph(text)
+    except ParseError as e:
+        raise ArtifactError(f"{path} does not parse: {e}. Fix: recompile (or use a Kiln that reads this IR).") from None
+    try:
+        verify(graph)
+    except VerificationError as e:
+        raise ArtifactError(f"{path} parses but does not verify: {e}. Fix: recompile.") from None
+    return graph
+
+
+def _read_weights(directory: Path, graph: Graph) -> dict[str, torch.Tensor]:
+    path = directory / WEIGHTS_FILE
+    try:
+        weights = load_file(str(path))
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ArtifactError(f"{path} is not a readable safetensors file ({e}). Fix: recompile.") from None
+    missing = sorted(set(graph.params) - set(weights))
+    extra = sorted(set(weights) - set(graph.params))
+    if missing or extra:
+        raise ArtifactError(f"{path} does not match {GRAPH_FILE}'s parameters (missing {missing[:5]}, "
+                            f"unexpected {extra[:5]}). Fix: recompile.")
+    for name, value in graph.params.items():
+        t = weights[name]
+        if tuple(t.shape) != value.type.shape or t.dtype != to_torch(value.type.dtype):
+            raise ArtifactError(f"{path}: weight {name} is {t.dtype} {list(t.shape)} but {GRAPH_FILE} "
+                                f"declares {value.type}. Fix: recompile.")
+    return weights

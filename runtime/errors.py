@@ -1,0 +1,42 @@
+"""Errors the runtime raises: each names the problem and the fix.
+
+They derive from `KilnError` (defined in `kiln.ir.errors`, which every stage may import), so `except kiln.KilnError` catches every one of them.
+"""
+from __future__ import annotations
+
+from kiln.ir.errors import KilnError
+
+
+class ArtifactError(KilnError):
+    """An artifact directory is missing, foreign, too new, truncated or damaged."""
+
+
+class TokenizerError(KilnError):
+    """The tokenizer files are missing or unusable, or there is no chat template."""
+
+
+class GenerationError(KilnError):
+    """A generation request cannot be served as asked (bad prompt or sampling settings)."""
+
+
+class ContextLengthError(GenerationError):
+    """A prompt does not fit in the context the artifact was compiled for.
+
+    Attributes:
+        prompt_tokens: the prompt's length in tokens.
+        max_seq_len: the compiled limit.
+    """
+
+    def __init__(self, prompt_tokens: int, max_seq_len: int, index: int | None = None) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.max_seq_len = max_seq_len
+        which = "The prompt" if index is None else f"Prompt {index}"
+        super().__init__(
+            f"{which} has {prompt_tokens} tokens but the artifact was compiled with "
+            f"max_seq_len={max_seq_len}. Fix: shorten the prompt, or recompile with "
+            f"`--max-seq-len {_next_power_of_two(prompt_tokens + 1)}` or more."
+        )
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()

@@ -1,0 +1,54 @@
+"""What a generation returns: the text, the new token ids, why it ended and how fast it ran."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class GenerationStats:
+    """Timing and counts for one prompt. Rates are per prompt (its own tokens over the batch's
+    wall time), so a batch of prompts reports each prompt's share, not the batch total.
+    `ttft_s` runs from its batch's prefill call to its first token (tokenizing not included).
+
+    `max_new_tokens` is the limit actually applied: lower than asked when the prompt plus the
+    requested tokens would not fit in the compiled context (then `clamped` is True).
+    """
+
+    tokens_in: int = 0
+    tokens_out: int = 0
+    ttft_s: float = 0.0
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    max_new_tokens: int = 0
+    clamped: bool = False
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.tokens_in / self.prefill_s if self.prefill_s > 0 else 0.0
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after the first (which prefill produced) over the decode time."""
+        return (self.tokens_out - 1) / self.decode_s if self.decode_s > 0 and self.tokens_out > 1 else 0.0
+
+    def summary(self) -> str:
+        """One line for humans: counts, TTFT and tokens/s."""
+        line = (f"{self.tokens_in} prompt tokens, {self.tokens_out} new tokens | TTFT {self.ttft_s * 1000:.1f} ms | "
+                f"prefill {self.prefill_tokens_per_s:.1f} tok/s | decode {self.decode_tokens_per_s:.1f} tok/s")
+        return line + (f" | clamped to {self.max_new_tokens} new tokens by max_seq_len" if self.clamped else "")
+
+
+@dataclass
+class GenerationResult:
+    """One prompt's generation.
+
+    `token_ids` are the new tokens only, including the EOS token when one ended it (the text
+    never shows EOS). `finish_reason` is "eos", "stop" (a stop string; the text ends before it),
+    "length" (max_new_tokens) or "context" (the compiled max_seq_len clamped the length).
+    """
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_token_ids: list[int] = field(default_factory=list)
+    stats: GenerationStats = field(default_factory=GenerationStats)

@@ -1,0 +1,206 @@
+"""The artifact directory: a round trip, and a clear ArtifactError for each way it can be wrong."""
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import kiln
+from kiln.backends.executable import BackendOptions
+from kiln.backends.reference import ReferenceExecutable
+from kiln.cli import kiln_main
+from kiln.ir import Graph, TensorType, print_graph, symbol
+from kiln.runtime.artifact import FORMAT_VERSION, read_artifact, save_artifact
+from kiln.runtime.errors import ArtifactError
+from kiln.runtime.generate import LLM
+from kiln.runtime.tokenizer import Tokenizer
+from tiny_models import VOCAB_SIZE, tokenizer_config, tokenizer_json
+
+OPTIONS = BackendOptions(max_batch=1, max_seq_len=16)
+
+
+def tiny_graph() -> Graph:
+    """tokens -> embedding -> tied linear -> logits: the smallest graph the runtime can run."""
+    g = Graph()
+    g.add_symbol("batch", 1, 1)
+    g.add_symbol("seq", 1, 16)
+    tokens = g.add_input("tokens", TensorType("i64", (symbol("batch"), symbol("seq"))))
+    g.add_input("positions", TensorType("i64", (symbol("batch"), symbol("seq"))))
+    embed = g.add_param("embed", torch.randn(VOCAB_SIZE, 8, generator=torch.Generator().manual_seed(0)))
+    g.outputs = [g.call("linear", g.call("embedding", embed, tokens), embed, name="logits")]
+    return g
+
+
+@pytest.fixture
+def tokenizer_dir(tmp_path):
+    directory = tmp_path / "hf"
+    directory.mkdir()
+    (directory / "tokenizer.json").write_text(tokenizer_json())
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config()))
+    (directory / "generation_config.json").write_text(json.dumps({"eos_token_id": 2}))
+    return directory
+
+
+@pytest.fixture
+def artifact(tmp_path, tokenizer_dir):
+    graph = tiny_graph()
+    fields = {"backend": "reference", "backend_version": torch.__version__, "source_hash": "0" * 64,
+              "options": {"max_batch": 1, "max_seq_len": 16, "dtype": "f32", "quantize": None}}
+    return save_artifact(tmp_path / "model.kiln", graph, ReferenceExecutable(graph, OPTIONS), tokenizer_dir, fields)
+
+
+def manifest(artifact) -> dict:
+    return json.loads((artifact / "manifest.json").read_text())
+
+
+def replace_file(artifact, name: str, data: bytes) -> None:
+    """Change a file and update the manifest to match, so only the content itself is wrong."""
+    (artifact / name).write_bytes(data)
+    m = manifest(artifact)
+    m["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    if name == "graph.kir":
+        m["ir_hash"] = hashlib.sha256(data).hexdigest()
+    (artifact / "manifest.json").write_text(json.dumps(m))
+
+
+def edit_manifest(artifact, **changes) -> None:
+    (artifact / "manifest.json").write_text(json.dumps({**manifest(artifact), **changes}))
+
+
+def test_round_trip_keeps_graph_weights_and_manifest(artifact):
+    contents = read_artifact(artifact)
+    assert print_graph(contents.graph) == print_graph(tiny_graph())
+    torch.testing.assert_close(contents.graph.weights["embed"], tiny_graph().weights["embed"])
+    m = contents.manifest
+    assert (m["format"], m["format_version"], m["backend"]) == ("kiln-artifact", FORMAT_VERSION, "reference")
+    assert m["ir_hash"] == hashlib.sha256((artifact / "graph.kir").read_bytes()).hexdigest()
+    assert set(m["files"]) == {"graph.kir", "weights.safetensors", "tokenizer.json", "tokenizer_config.json",
+                               "generation_config.json"}
+
+
+def test_loaded_artifact_generates_like_the_graph_it_came_from(artifact, tokenizer_dir):
+    llm = kiln.load(artifact)
+    expected = LLM(ReferenceExecutable(tiny_graph(), OPTIONS), Tokenizer.from_dir(tokenizer_dir))
+    assert llm.generate("Once upon", max_new_tokens=4).token_ids == expected.generate("Once upon", max_new_tokens=4).token_ids
+
+
+def test_saving_replaces_an_artifact_but_refuses_other_directories(artifact, tmp_path):
+    graph = tiny_graph()
+    save_artifact(artifact, graph, ReferenceExecutable(graph, OPTIONS), None, {"backend": "reference", "options": {}})
+    assert "tokenizer.json" not in manifest(artifact)["files"] and not (artifact / "tokenizer.json").exists()
+    (tmp_path / "precious").mkdir()
+    (tmp_path / "precious" / "notes.txt").write_text("keep me")
+    with pytest.raises(ArtifactError, match="refusing to overwrite"):
+        save_artifact(tmp_path / "precious", graph, ReferenceExecutable(graph, OPTIONS), None, {})
+
+
+def test_tied_weights_sharing_storage_are_saved(tmp_path):
+    graph = tiny_graph()
+    graph.add_param("embed_copy", graph.weights["embed"])
+    save_artifact(tmp_path / "a", graph, ReferenceExecutable(graph, OPTIONS), None, {"backend": "reference", "options": {}})
+    assert set(read_artifact(tmp_path / "a").graph.weights) == {"embed", "embed_copy"}
+
+
+def test_missing_directory(tmp_path):
+    with pytest.raises(ArtifactError, match="does not exist"):
+        read_artifact(tmp_path / "nowhere")
+
+
+def test_missing_manifest(tmp_path):
+    with pytest.raises(ArtifactError, match="manifest.json is missing"):
+        read_artifact(tmp_path)
+
+
+def test_manifest_that_is_not_json(artifact):
+    (artifact / "manifest.json").write_text("{not json")
+    with pytest.raises(ArtifactError, match="manifest.json is not valid JSON"):
+        read_artifact(artifact)
+
+
+def test_foreign_format(artifact):
+    edit_manifest(artifact, format="onnx-model")
+    with pytest.raises(ArtifactError, match="foreign format.*onnx-model"):
+        read_artifact(artifact)
+
+
+def test_newer_format_version(artifact):
+    edit_manifest(artifact, format_version=FORMAT_VERSION + 1)
+    with pytest.raises(ArtifactError, match="newer than this Kiln supports.*upgrade Kiln"):
+        read_artifact(artifact)
+
+
+def test_missing_listed_file(artifact):
+    (artifact / "tokenizer.json").unlink()
+    with pytest.raises(ArtifactError, match="tokenizer.json is missing"):
+        read_artifact(artifact)
+
+
+def test_truncated_file(artifact):
+    data = (artifact / "weights.safetensors").read_bytes()
+    (artifact / "weights.safetensors").write_bytes(data[:-100])
+    with pytest.raises(ArtifactError, match="weights.safetensors has .* bytes but the manifest says .*truncated"):
+        read_artifact(artifact)
+
+
+def test_damaged_file(artifact):
+    data = bytearray((artifact / "weights.safetensors").read_bytes())
+    data[-1] ^= 0xFF
+    (artifact / "weights.safetensors").write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match="weights.safetensors does not match its sha256.*damaged"):
+        read_artifact(artifact)
+
+
+def test_graph_that_does_not_parse(artifact):
+    replace_file(artifact, "graph.kir", b"kir 1\nthis is not IR\n")
+    with pytest.raises(ArtifactError, match="graph.kir does not parse"):
+        read_artifact(artifact)
+
+
+def test_graph_that_does_not_verify(artifact):
+    text = (artifact / "graph.kir").read_text().replace("= linear(", "= matmul(")
+    replace_file(artifact, "graph.kir", text.encode())
+    with pytest.raises(ArtifactError, match="graph.kir parses but does not verify"):
+        read_artifact(artifact)
+
+
+def test_weights_missing_a_parameter(artifact, tmp_path):
+    save_file({"other": torch.zeros(2)}, str(tmp_path / "w.safetensors"))
+    replace_file(artifact, "weights.safetensors", (tmp_path / "w.safetensors").read_bytes())
+    with pytest.raises(ArtifactError, match=r"weights.safetensors does not match graph.kir's parameters \(missing \['embed'\]"):
+        read_artifact(artifact)
+
+
+def test_weight_with_the_wrong_shape(artifact, tmp_path):
+    save_file({"embed": torch.zeros(VOCAB_SIZE, 4)}, str(tmp_path / "w.safetensors"))
+    replace_file(artifact, "weights.safetensors", (tmp_path / "w.safetensors").read_bytes())
+    with pytest.raises(ArtifactError, match="weight embed is .* but graph.kir declares f32\\[512, 8\\]"):
+        read_artifact(artifact)
+
+
+def test_file_listed_outside_the_artifact_is_refused(artifact):
+    m = manifest(artifact)
+    m["files"]["../secret"] = {"sha256": "0", "bytes": 1}
+    (artifact / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ArtifactError, match="outside the artifact"):
+        read_artifact(artifact)
+
+
+def test_cli_generates_from_an_artifact(artifact, capsys):
+    assert kiln_main(["generate", str(artifact), "--prompt", "Once upon", "--max-new-tokens", "3"]) == 0
+    out, err = capsys.readouterr()
+    assert out.endswith("\n") and "3 new tokens" in err and "tok/s" in err
+
+
+def test_cli_reports_a_kiln_error_in_one_line_with_exit_status_2(tmp_path, capsys):
+    assert kiln_main(["generate", str(tmp_path / "missing.kiln"), "--prompt", "x"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: Artifact directory") and err.count("\n") == 1 and "Traceback" not in err
+
+
+def test_load_names_an_unknown_backend(artifact):
+    edit_manifest(artifact, backend="abacus")
+    with pytest.raises(kiln.BackendNotFoundError, match="Unknown backend 'abacus'"):
+        kiln.load(artifact)

@@ -1,0 +1,180 @@
+"""The generation loop against the reference backend, on a hand-built tiny stateful graph.
+
+The graph is a one-layer attention model written directly in Kiln IR (embedding + position
+embedding -> q/k/v -> kv_write into the cache inputs -> attention under the position mask ->
+output projection -> logits), so these tests need neither the frontend nor the passes.
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from kiln.backends.executable import BackendOptions
+from kiln.backends.reference import ReferenceExecutable
+from kiln.ir import Graph, TensorType, symbol
+from kiln.runtime.decode_loop import BatchGeneration, GenerationRequest
+from kiln.runtime.errors import ContextLengthError
+from kiln.runtime.generate import LLM
+from kiln.runtime.stop_strings import StopStringMatcher
+from kiln.runtime.tokenizer import Tokenizer
+from tiny_models import VOCAB_SIZE, tokenizer_config, tokenizer_json
+
+MAX_BATCH, MAX_SEQ_LEN, HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 2, 24, 16, 2, 1, 8
+
+
+def tiny_stateful_graph(seed: int = 0) -> Graph:
+    """(tokens, positions, cache.k.0, cache.v.0) -> (logits, cache.k.0', cache.v.0')."""
+    gen = torch.Generator().manual_seed(seed)
+
+    def weight(*shape):
+        return torch.randn(*shape, generator=gen) * 0.5
+
+    g = Graph()
+    g.add_symbol("batch", 1, MAX_BATCH)
+    g.add_symbol("seq", 1, MAX_SEQ_LEN)
+    b, s = symbol("batch"), symbol("seq")
+    tokens = g.add_input("tokens", TensorType("i64", (b, s)))
+    positions = g.add_input("positions", TensorType("i64", (b, s)))
+    cache_type = TensorType("f32", (MAX_BATCH, KV_HEADS, MAX_SEQ_LEN, HEAD_DIM))
+    cache_k, cache_v = g.add_input("cache.k.0", cache_type), g.add_input("cache.v.0", cache_type)
+    embed = g.add_param("embed", weight(VOCAB_SIZE, HIDDEN))
+    x = g.call("add", g.call("embedding", embed, tokens),
+               g.call("embedding", g.add_param("pos_embed", weight(MAX_SEQ_LEN, HIDDEN)), positions))
+
+    def heads(name, n):
+        y = g.call("linear", x, g.add_param(name, weight(n * HEAD_DIM, HIDDEN)))
+        return g.call("permute", g.call("reshape", y, shape=(b, s, n, HEAD_DIM)), perm=(0, 2, 1, 3))
+
+    q, k, v = heads("wq", HEADS), heads("wk", KV_HEADS), heads("wv", KV_HEADS)
+    k_all = g.call("kv_write", cache_k, k, positions)
+    v_all = g.call("kv_write", cache_v, v, positions)
+    attn = g.call("attention", q, k_all, v_all, None, positions)
+    merged = g.call("reshape", g.call("permute", attn, perm=(0, 2, 1, 3)), shape=(b, s, HEADS * HEAD_DIM))
+    h = g.call("add", x, g.call("linear", merged, g.add_param("wo", weight(HIDDEN, HEADS * HEAD_DIM))))
+    head = g.add_param("lm_head", weight(VOCAB_SIZE, HIDDEN))  # untied: tied logits mostly repeat the input
+    g.outputs = [g.call("linear", h, head, name="logits"), k_all, v_all]
+    return g
+
+
+def executable(seed: int = 0) -> ReferenceExecutable:
+    return ReferenceExecutable(tiny_stateful_graph(seed), BackendOptions(max_batch=MAX_BATCH, max_seq_len=MAX_SEQ_LEN))
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory) -> Tokenizer:
+    directory = tmp_path_factory.mktemp("tokenizer")
+    (directory / "tokenizer.json").write_text(tokenizer_json())
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config()))
+    return Tokenizer.from_dir(directory)
+
+
+LONG, SHORT = [5, 17, 300, 42, 9, 77, 120], [8, 250]
+
+
+def test_batch_of_two_prompts_of_different_lengths_matches_each_prompt_alone():
+    batched = LLM(executable()).generate([LONG, SHORT], max_new_tokens=8)
+    alone = [LLM(executable()).generate(p, max_new_tokens=8) for p in (LONG, SHORT)]
+    assert [r.token_ids for r in batched] == [r.token_ids for r in alone]
+    assert all(len(r.token_ids) == 8 for r in batched)
+
+
+def test_padded_prefill_gives_each_row_the_logits_it_gets_alone():
+    tokens = torch.tensor([LONG, SHORT + [0] * (len(LONG) - len(SHORT))])
+    positions = torch.arange(len(LONG)).expand(2, -1)
+    batched = executable().run(tokens, positions)
+    short_alone = executable().run(torch.tensor([SHORT]), torch.arange(len(SHORT))[None])
+    torch.testing.assert_close(batched[1, :len(SHORT)], short_alone[0], rtol=1e-5, atol=1e-5)
+
+
+def test_sampled_batch_matches_each_prompt_alone_with_the_same_seed():
+    kw = dict(max_new_tokens=8, temperature=1.0, top_k=50, top_p=0.95, seed=7)
+    batched = LLM(executable()).generate([LONG, SHORT], **kw)
+    alone = [LLM(executable()).generate(p, **kw) for p in (LONG, SHORT)]
+    assert [r.token_ids for r in batched] == [r.token_ids for r in alone]
+    assert LLM(executable()).generate(LONG, **kw).token_ids == alone[0].token_ids
+
+
+def test_no_cache_reset_is_needed_between_requests():
+    llm = LLM(executable())
+    llm.generate(LONG + LONG, max_new_tokens=6)  # leaves stale keys in slots 0..19
+    assert llm.executable.caches[0][0, :, 15].abs().sum() > 0
+    again = llm.generate(SHORT, max_new_tokens=10)
+    fresh = LLM(executable()).generate(SHORT, max_new_tokens=10)
+    assert again.token_ids == fresh.token_ids
+
+
+def test_more_prompts_than_max_batch_run_in_chunks():
+    prompts = [LONG, SHORT, [3], [400, 401, 402], SHORT[::-1]]
+    results = LLM(executable()).generate(prompts, max_new_tokens=4)
+    assert [r.token_ids for r in results] == [LLM(executable()).generate(p, max_new_tokens=4).token_ids for p in prompts]
+
+
+def test_prompt_longer_than_max_seq_len_raises_context_length_error():
+    with pytest.raises(ContextLengthError, match=f"max_seq_len={MAX_SEQ_LEN}") as info:
+        LLM(executable()).generate([1] * (MAX_SEQ_LEN + 1))
+    assert info.value.prompt_tokens == MAX_SEQ_LEN + 1 and info.value.max_seq_len == MAX_SEQ_LEN
+
+
+def test_new_tokens_are_clamped_to_what_fits_in_the_context():
+    result = LLM(executable()).generate([1] * (MAX_SEQ_LEN - 2), max_new_tokens=10)
+    assert len(result.token_ids) == 3  # slots 22, 23 take fed tokens; the last token is never fed
+    assert result.finish_reason == "context" and result.stats.clamped and result.stats.max_new_tokens == 3
+
+
+def test_a_full_context_prompt_still_gets_one_token():
+    assert len(LLM(executable()).generate([1] * MAX_SEQ_LEN, max_new_tokens=5).token_ids) == 1
+
+
+def test_generation_stops_at_eos_and_keeps_it_in_the_token_ids():
+    free = LLM(executable()).generate(LONG, max_new_tokens=8).token_ids
+    eos = free[3]
+    run = BatchGeneration(executable(), [LONG], GenerationRequest(max_new_tokens=8, eos_ids=frozenset({eos})), [0])
+    list(run)
+    (result,) = run.results()
+    assert result.token_ids == free[:free.index(eos) + 1] and result.finish_reason == "eos"
+
+
+def test_stats_count_tokens_and_time():
+    result = LLM(executable()).generate(LONG, max_new_tokens=5)
+    stats = result.stats
+    assert (stats.tokens_in, stats.tokens_out, result.finish_reason) == (len(LONG), 5, "length")
+    assert stats.ttft_s > 0 and stats.prefill_tokens_per_s > 0 and stats.decode_tokens_per_s > 0
+
+
+def test_text_prompt_stream_concatenates_to_the_result_text(tokenizer):
+    llm = LLM(executable(), tokenizer)
+    stream = llm.stream("The capital of France", max_new_tokens=12)
+    pieces = list(stream)
+    assert "".join(pieces) == stream.results.text == llm.generate("The capital of France", max_new_tokens=12).text
+
+
+def test_stream_of_a_list_yields_prompt_indices(tokenizer):
+    llm = LLM(executable(), tokenizer)
+    pairs = list(llm.stream(["Once upon", "The quick brown fox", "A"], max_new_tokens=6))
+    texts = ["".join(p for i, p in pairs if i == k) for k in range(3)]
+    assert texts == [r.text for r in llm.generate(["Once upon", "The quick brown fox", "A"], max_new_tokens=6)]
+
+
+def test_stop_string_ends_the_text_before_it(tokenizer):
+    llm = LLM(executable(), tokenizer)
+    full = llm.generate("Once upon a time", max_new_tokens=16).text
+    stop = full[len(full) // 2:len(full) // 2 + 2]
+    result = llm.generate("Once upon a time", max_new_tokens=16, stop=[stop])
+    assert result.text == full[:full.index(stop)] and result.finish_reason == "stop"
+
+
+def test_stop_matcher_holds_back_a_possible_stop_string_start():
+    matcher = StopStringMatcher(["</end>"])
+    assert matcher.push("hello </") == "hello "
+    assert matcher.push("e") == ""
+    assert matcher.push("x") == "</ex"
+    assert matcher.push("ok</en") == "ok" and matcher.push("d>tail") == "" and matcher.stopped
+
+
+def test_chat_renders_the_template_without_adding_special_tokens_twice(tokenizer):
+    messages = [{"role": "user", "content": "Hi!"}]
+    result = LLM(executable(), tokenizer).chat(messages, max_new_tokens=2)
+    expected = tokenizer.encode("<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
+    assert result.prompt_token_ids == expected
