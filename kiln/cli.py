@@ -3,6 +3,7 @@
     compile-model [MODEL] -o model.kiln [--backend inductor|reference] [--max-seq-len N] ...
     kiln generate model.kiln --prompt "Once upon a time" [--max-new-tokens N] [--chat] ...
     kiln chat model.kiln
+    kiln ir MODEL|ARTIFACT|FILE.kir [--stateful]   (print a graph's IR)
 
 A Kiln error prints one line to stderr and exits with status 2; there is no traceback for
 mistakes the user can fix.
@@ -96,7 +97,18 @@ def _kiln(argv) -> int:
     chat.add_argument("artifact")
     chat.add_argument("--system", help="a system message to start the conversation with")
     _sampling_arguments(chat)
+    show = commands.add_parser("ir", help="print the IR of a model (captured), an artifact or a .kir file")
+    show.add_argument("target", nargs="?", help="HF directory, .gguf, artifact directory or .kir file "
+                      "(default: the bundled SmolLM2-135M-Instruct)")
+    show.add_argument("--stateful", action="store_true", help="for a model: run the pass pipeline first")
+    show.add_argument("--max-seq-len", type=int, default=1024)
+    show.add_argument("--max-batch", type=int, default=1)
     args = parser.parse_args(argv)
+    if args.command == "ir":
+        from kiln.ir_listing import show_ir
+
+        print(show_ir(args.target, stateful=args.stateful, max_batch=args.max_batch, max_seq_len=args.max_seq_len))
+        return 0
 
     import kiln
 

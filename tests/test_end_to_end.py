@@ -1,0 +1,106 @@
+"""End to end: compile, load, generate; greedy tokens must equal Hugging Face's, token for token."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kiln
+from kiln.frontend.checkpoint import load_model
+
+from tiny_models import ARCHITECTURES, VOCAB_SIZE
+
+NEW_TOKENS = 64
+import os
+BACKEND = os.environ.get("KILN_TEST_BACKEND", "inductor")
+
+
+@pytest.fixture(scope="module")
+def compiled(tiny_model_dirs, tmp_path_factory):
+    """arch -> (artifact path, HF model), compiled once per module."""
+    cache = {}
+
+    def get(arch):
+        if arch not in cache:
+            source = tiny_model_dirs(arch)
+            out = kiln.compile(str(source), out=tmp_path_factory.mktemp(arch) / "model.kiln", backend=BACKEND,
+                               max_seq_len=128, max_batch=2)
+            cache[arch] = out, load_model(source).model
+        return cache[arch]
+
+    return get
+
+
+def hf_greedy(model, prompt: list[int], new_tokens: int, eos_ids) -> list[int]:
+    """Hugging Face's greedy continuation, cut after the first end-of-sequence token."""
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+    for i, t in enumerate(out):
+        if t in eos_ids:
+            return out[:i + 1]
+    return out
+
+
+def prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, VOCAB_SIZE, (n,), generator=g).tolist() for n in lengths]
+
+
+def eos_ids(llm):
+    return set(llm.tokenizer.eos_ids) if llm.tokenizer else set()
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_greedy_batch_of_one_equals_hugging_face(compiled, arch):
+    path, model = compiled(arch)
+    llm = kiln.load(path)
+    (prompt,) = prompts([9])
+    result = llm.generate(prompt, max_new_tokens=NEW_TOKENS)
+    assert result.token_ids == hf_greedy(model, prompt, NEW_TOKENS, eos_ids(llm))
+
+
+@pytest.mark.parametrize("arch", ARCHITECTURES)
+def test_greedy_batch_of_two_prompt_lengths_equals_hugging_face(compiled, arch):
+    path, model = compiled(arch)
+    llm = kiln.load(path)
+    batch = prompts([5, 12], seed=1)
+    results = llm.generate(batch, max_new_tokens=NEW_TOKENS)
+    for prompt, result in zip(batch, results):
+        assert result.token_ids == hf_greedy(model, prompt, NEW_TOKENS, eos_ids(llm))
+
+
+def test_loaded_artifact_generates_in_a_fresh_process_without_the_frontend(compiled):
+    path, _ = compiled("llama")
+    (prompt,) = prompts([6], seed=2)
+    expected = kiln.load(path).generate(prompt, max_new_tokens=8).token_ids
+    script = (
+        "import json, sys, kiln\n"
+        f"llm = kiln.load({str(path)!r})\n"
+        f"ids = llm.generate({prompt!r}, max_new_tokens=8).token_ids\n"
+        "loaded = [m for m in sys.modules if m.startswith(('kiln.frontend', 'transformers'))]\n"
+        "print(json.dumps({'ids': ids, 'frontend_modules': loaded}))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["frontend_modules"] == []
+    assert report["ids"] == expected
+
+
+@pytest.mark.slow
+def test_real_smollm2_greedy_equals_hugging_face_and_knows_paris(smollm2_dir, tmp_path):
+    path = kiln.compile(str(smollm2_dir), out=tmp_path / "smollm2.kiln", backend=BACKEND, max_seq_len=256,
+                        max_batch=2)
+    llm = kiln.load(path)
+    model = load_model(smollm2_dir).model
+    question = llm.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    other = llm.tokenizer.encode("The quick brown fox")
+    results = llm.generate([question, other], max_new_tokens=NEW_TOKENS)
+    for prompt, result in zip([question, other], results):
+        assert result.token_ids == hf_greedy(model, prompt, NEW_TOKENS, eos_ids(llm))
+    assert "Paris" in results[0].text
+    alone = llm.generate(question, max_new_tokens=NEW_TOKENS)
+    assert alone.token_ids == results[0].token_ids
