@@ -43,20 +43,23 @@ class LLM:
 
     # -- public API ----------------------------------------------------------------------
     def generate(self, prompts, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int | Sequence[int] = 0, stop: str | Sequence[str] | None = None):
+                 top_p: float = 1.0, seed: int | Sequence[int] = 0, stop: str | Sequence[str] | None = None,
+                 ignore_eos: bool = False):
         """Generate for one prompt (-> GenerationResult) or a list of prompts (-> list of them).
 
         `seed` seeds each prompt's own generator (a list gives one seed per prompt), so a prompt's
         tokens do not depend on what it is batched with. `stop` strings end the text before them.
+        `ignore_eos` generates exactly `max_new_tokens` (for benchmarks).
         """
-        return self.stream(prompts, max_new_tokens, temperature, top_k, top_p, seed, stop).results
+        return self.stream(prompts, max_new_tokens, temperature, top_k, top_p, seed, stop, ignore_eos).results
 
     def stream(self, prompts, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
-               top_p: float = 1.0, seed: int | Sequence[int] = 0, stop: str | Sequence[str] | None = None) -> TextStream:
+               top_p: float = 1.0, seed: int | Sequence[int] = 0, stop: str | Sequence[str] | None = None,
+               ignore_eos: bool = False) -> TextStream:
         """Like `generate`, but yield text as it completes: str pieces for one prompt, or
         (prompt index, piece) pairs for a list; the returned stream's `.results` holds the
         GenerationResults afterwards. Bad arguments raise here, before any model call."""
-        single, batches = self._plan(prompts, max_new_tokens, temperature, top_k, top_p, seed, stop)
+        single, batches = self._plan(prompts, max_new_tokens, temperature, top_k, top_p, seed, stop, ignore_eos)
         return TextStream(batches, single)
 
     def chat(self, messages: list[dict], **kwargs) -> GenerationResult:
@@ -78,7 +81,7 @@ class LLM:
                                  "or recompile from a model directory with tokenizer.json.")
         return self.tokenizer
 
-    def _plan(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop):
+    def _plan(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop, ignore_eos=False):
         """Validate everything up front and build the batches (not yet run)."""
         single, token_lists = self._encode_prompts(prompts)
         if max_new_tokens < 0:
@@ -97,7 +100,7 @@ class LLM:
             self._require_tokenizer()
         request = GenerationRequest(
             max_new_tokens=int(max_new_tokens), sampling=SamplingParams(float(temperature), int(top_k), float(top_p)),
-            stop=stops, eos_ids=self.tokenizer.eos_ids if self.tokenizer else frozenset())
+            stop=stops, eos_ids=self.tokenizer.eos_ids if self.tokenizer and not ignore_eos else frozenset())
         decoder = self.tokenizer.incremental_decoder if self.tokenizer else None
         n = self.max_batch
         batches = [BatchGeneration(self.executable, token_lists[i:i + n], request, seeds[i:i + n], decoder)

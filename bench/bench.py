@@ -1,0 +1,173 @@
+"""Decode and prefill speed of SmolLM2-135M: Kiln beside Hugging Face, measured in one run.
+
+    .venv/bin/python bench/bench.py [--model DIR] [--threads 2] [--reps 5] [--skip-hf-compile]
+
+Prints a llama-bench style table (pp64: prompt processing of 64 tokens; tg128: generating 128
+tokens, batch 1) with tokens/s as mean ± sd, the weight bandwidth decode reached, and the
+ratios of Kiln to the baselines. Runs during which other processes took more than a quarter
+core are repeated (up to 3 times) and flagged with `*` if they stay contended.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from cpu_contention import CpuMeter  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def timed(fn, retries: int = 3):
+    """Run fn under a CpuMeter; retry while contended. Returns (seconds, contended, others' cores)."""
+    for _ in range(retries):
+        with CpuMeter() as meter:
+            fn()
+        if not meter.result.contended:
+            break
+    m = meter.result
+    return m.wall_s, m.contended, m.other_cores
+
+
+class KilnRunner:
+    def __init__(self, artifact: Path):
+        import kiln
+
+        self.llm = kiln.load(artifact)
+        self.name = f"kiln-{self.llm.manifest['backend']}"
+
+    def prefill(self, n: int):
+        tokens = torch.randint(100, 1000, (1, n))
+        positions = torch.arange(n)[None]
+        return lambda: self.llm.executable.run(tokens, positions)
+
+    def generate(self, n: int):
+        return lambda: self.llm.generate([1], max_new_tokens=n, ignore_eos=True)
+
+
+class HFRunner:
+    def __init__(self, model_dir: Path, compiled: bool):
+        from kiln.frontend.checkpoint import load_model
+
+        self.model = load_model(model_dir).model
+        self.name = "hf-static+compile" if compiled else "hf-eager"
+        if compiled:
+            self.model.generation_config.cache_implementation = "static"
+            self.model.forward = torch.compile(self.model.forward, fullgraph=True)
+
+    def prefill(self, n: int):
+        tokens = torch.randint(100, 1000, (1, n))
+
+        def run():
+            with torch.no_grad():
+                self.model(input_ids=tokens, use_cache=False)
+        return run
+
+    def generate(self, n: int):
+        ids = torch.tensor([[1]])
+
+        def run():
+            with torch.no_grad():
+                self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                                    do_sample=False, pad_token_id=0)
+        return run
+
+
+def measure(runner, test: str, n: int, reps: int) -> dict:
+    """tokens/s of `reps` timed runs after one warm-up. tg subtracts a 1-token generate's time."""
+    if test == "pp":
+        fn, base = runner.prefill(n), None
+    else:
+        fn, base = runner.generate(n), runner.generate(1)
+    fn()
+    if base:
+        base()
+    rates, flagged, others = [], False, []
+    for _ in range(reps):
+        seconds, contended, other = timed(fn)
+        if base:
+            base_s, base_contended, _ = timed(base)
+            seconds, contended = seconds - base_s, contended or base_contended
+            rates.append((n - 1) / seconds)
+        else:
+            rates.append(n / seconds)
+        flagged |= contended
+        others.append(other)
+    return {"backend": runner.name, "test": f"{test}{n}", "mean": statistics.mean(rates),
+            "sd": statistics.stdev(rates) if len(rates) > 1 else 0.0, "contended": flagged,
+            "other_cores": max(others)}
+
+
+def table(rows: list[dict], weight_bytes: int, params: int, threads: int) -> str:
+    lines = ["| model | size | params | backend | threads | test | t/s | weight GB/s |",
+             "| --- | ---: | ---: | --- | ---: | --- | ---: | ---: |"]
+    for r in rows:
+        gbs = f"{r['mean'] * weight_bytes / 1e9:.1f}" if r["test"].startswith("tg") else ""
+        flag = " *" if r["contended"] else ""
+        lines.append(f"| SmolLM2-135M f32 | {weight_bytes / 2**20:.0f} MiB | {params / 1e6:.1f} M | {r['backend']} | "
+                     f"{threads} | {r['test']} | {r['mean']:.2f} ± {r['sd']:.2f}{flag} | {gbs} |")
+    return "\n".join(lines)
+
+
+def ratios(rows: list[dict]) -> list[str]:
+    by = {(r["backend"], r["test"]): r["mean"] for r in rows}
+    out = []
+    for (backend, test), rate in by.items():
+        if backend.startswith("kiln"):
+            for base in ("hf-eager", "hf-static+compile"):
+                if (base, test) in by:
+                    out.append(f"{backend} {test}: {rate / by[(base, test)]:.2f}x {base}")
+    return out
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", help="HF directory (default: the bundled SmolLM2-135M-Instruct)")
+    parser.add_argument("--artifact", default="out/bench-smollm2.kiln")
+    parser.add_argument("--backend", default="inductor")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--pp", type=int, default=64)
+    parser.add_argument("--tg", type=int, default=128)
+    parser.add_argument("--skip-hf-compile", action="store_true", help="skip the slow-to-compile baseline")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+
+    import kiln
+    from kiln.frontend.default_model import default_model_dir
+
+    model_dir = Path(args.model) if args.model else default_model_dir()
+    artifact = Path(args.artifact)
+    if not (artifact / "manifest.json").exists():
+        started = time.perf_counter()
+        kiln.compile(str(model_dir), out=artifact, backend=args.backend, max_seq_len=512, max_batch=1)
+        print(f"compiled {artifact} in {time.perf_counter() - started:.0f}s", file=sys.stderr)
+    runners = [lambda: KilnRunner(artifact), lambda: HFRunner(model_dir, compiled=False)]
+    if not args.skip_hf_compile:
+        runners.append(lambda: HFRunner(model_dir, compiled=True))
+    rows = []
+    for make in runners:
+        runner = make()
+        for test, n in (("pp", args.pp), ("tg", args.tg)):
+            rows.append(measure(runner, test, n, args.reps))
+            print(f"{rows[-1]}", file=sys.stderr)
+        del runner
+    weights = kiln.load(artifact).graph.weights
+    weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
+    params = sum(t.numel() for t in weights.values())
+    report = table(rows, weight_bytes, params, args.threads) + "\n\n" + "\n".join(ratios(rows))
+    print(report)
+    RESULTS.mkdir(exist_ok=True)
+    (RESULTS / "latest.md").write_text(report + "\n")
+    (RESULTS / "latest.json").write_text(json.dumps(rows, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
