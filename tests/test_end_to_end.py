@@ -104,3 +104,22 @@ def test_real_smollm2_greedy_equals_hugging_face_and_knows_paris(smollm2_dir, tm
     assert "Paris" in results[0].text
     alone = llm.generate(question, max_new_tokens=NEW_TOKENS)
     assert alone.token_ids == results[0].token_ids
+
+
+def test_inductor_compilations_do_not_grow_with_generated_tokens(tiny_model_dirs):
+    from kiln.backends.executable import BackendOptions
+    from kiln.backends.inductor import lower
+    from kiln.frontend.capture import capture_causal_lm
+    from kiln.passes.pipeline import run_pipeline
+    from kiln.runtime.generate import LLM
+
+    options = BackendOptions(max_batch=2, max_seq_len=128)
+    graph = run_pipeline(capture_causal_lm(load_model(tiny_model_dirs("llama")).model, 2, 128), options)
+    executable = lower(graph, options)
+    llm = LLM(executable)
+    llm.generate(prompts([7])[0], max_new_tokens=4, ignore_eos=True)
+    after_few = executable.compile_count
+    llm.generate(prompts([7])[0], max_new_tokens=40, ignore_eos=True)
+    llm.generate(prompts([5, 9]), max_new_tokens=20, ignore_eos=True)
+    assert after_few <= 2  # prefill (dynamic seq) and decode (seq 1)
+    assert executable.compile_count <= after_few + 2  # batch 2 may add its own pair, never one per token

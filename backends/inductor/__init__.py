@@ -1,1 +1,30 @@
-"""Kiln stage."""
+"""The inductor backend: Kiln IR -> torch.fx -> Inductor.
+
+- `lower(graph, options)` compiles just in time with torch.compile (executable.py);
+- `executable.save(directory)` writes an AOTInductor package, and `load(directory, graph, weights,
+  options)` runs it without tracing or compiling (aoti_package.py);
+- lower_to_fx.py holds the one table from IR op to torch call (`FX_LOWERINGS`), and the hook for
+  custom linear kernels (`register_linear_lowering`).
+"""
+from __future__ import annotations
+
+import torch
+
+from .aoti_package import AOTIExecutable, PackageError, load
+from .executable import FeedError, InductorExecutable, lower
+from .lower_to_fx import (FX_LOWERINGS, LoweringError, UnsupportedOpError, check_lowering_table, graph_to_fx,
+                          register_linear_lowering)
+
+NAME = "inductor"
+
+
+def backend_version() -> str:
+    """Inductor is part of torch: its version is torch's."""
+    return torch.__version__
+
+
+__all__ = [
+    "NAME", "backend_version", "lower", "load", "InductorExecutable", "AOTIExecutable", "FeedError",
+    "PackageError", "FX_LOWERINGS", "LoweringError", "UnsupportedOpError", "check_lowering_table",
+    "graph_to_fx", "register_linear_lowering",
+]

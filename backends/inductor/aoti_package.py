@@ -1,0 +1,122 @@
+"""Artifacts as AOTInductor packages: compiled once at save, loaded without tracing or compiling.
+
+What AOTI does for Kiln (torch 2.13, checked by tests/test_inductor_backend.py):
+- `torch.export` of the FX module with a `Dim` per graph symbol (bounds from the graph) keeps
+  batch and seq dynamic, so one package serves prefill and decode at any batch <= max batch;
+- the KV caches stay module buffers that the compiled code writes in place; at load,
+  `load_constants(..., user_managed=True)` points them at zero tensors this executable owns, so
+  nothing is copied per step and `reset()` is a `zero_()`;
+- the package is built without weights (`package_constants_in_so=False`): the artifact already
+  has them in safetensors, and at load they are handed over the same zero-copy way.
+What it does not do: Inductor's `freezing` (weights folded into the code, oneDNN prepacking)
+needs the weights at compile time and bakes them in, so packages are built unfrozen.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+from torch.export import Dim
+
+from kiln.backends.executable import BackendOptions
+from kiln.ir import Graph
+
+from .executable import StatefulRunner, apply_threads, dynamic_dims
+from .lower_to_fx import graph_to_fx
+
+PACKAGE_FILE = "inductor.pt2"
+PACKAGE_INFO_FILE = "inductor.json"
+PACKAGE_FORMAT = 1
+
+
+class PackageError(RuntimeError):
+    """The AOTInductor package is missing, foreign, or does not match the graph/weights given."""
+
+
+def example_feeds(graph: Graph) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zero tokens/positions with every dynamic dim at 2 (sizes 0 and 1 would specialize)."""
+    sizes = [[1] * v.type.rank for v in graph.inputs[:2]]
+    for index, axis, low, high in dynamic_dims(graph):
+        sizes[index][axis] = min(max(low, 2), high)
+    return tuple(torch.zeros(s, dtype=torch.int64) for s in sizes)
+
+
+def export_module(graph: Graph, module: torch.fx.GraphModule) -> torch.export.ExportedProgram:
+    """torch.export of the FX module, batch/seq dynamic within the graph's symbol bounds."""
+    dims = {}
+    for index, axis, low, high in dynamic_dims(graph):
+        name = graph.inputs[index].type.shape[axis].name
+        dims.setdefault(index, {})[axis] = Dim(name, min=low, max=high)
+    dynamic_shapes = tuple(dims.get(i) for i in range(2))
+    with torch.no_grad():
+        return torch.export.export(module, example_feeds(graph), dynamic_shapes=dynamic_shapes, strict=False)
+
+
+def write_package(graph: Graph, module: torch.fx.GraphModule, options: BackendOptions, directory: Path) -> list[str]:
+    """Export and AOT-compile `module` into `directory/inductor.pt2` (weights left out)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    apply_threads(options)
+    program = export_module(graph, module)
+    torch._inductor.aoti_compile_and_package(
+        program, package_path=str(directory / PACKAGE_FILE),
+        inductor_configs={"aot_inductor.package_constants_in_so": False})
+    info = {"format": PACKAGE_FORMAT, "torch": torch.__version__, "threads": torch.get_num_threads()}
+    (directory / PACKAGE_INFO_FILE).write_text(json.dumps(info, indent=1) + "\n")
+    return [PACKAGE_FILE, PACKAGE_INFO_FILE]
+
+
+class AOTIExecutable(StatefulRunner):
+    """A stateful graph run from an AOTInductor package; owns its KV buffers."""
+
+    compile_count = 0  # nothing is compiled at load
+
+    def __init__(self, directory: Path, graph: Graph, weights, options: BackendOptions):
+        named_caches = self._init_state(graph, options)
+        self.directory = Path(directory)
+        info = _read_info(self.directory)
+        if info["torch"] != torch.__version__:
+            raise PackageError(f"{self.directory / PACKAGE_FILE} was built by torch {info['torch']}, this is "
+                               f"torch {torch.__version__}; recompile the artifact")
+        # The FX module is built only to name the constants exactly as at export (no tracing).
+        module = graph_to_fx(graph, weights, state=named_caches)
+        constants = {**dict(module.named_parameters()), **dict(module.named_buffers())}
+        self.model = torch._inductor.aoti_load_package(str(self.directory / PACKAGE_FILE))
+        # Inductor may fold a small weight into the code (e.g. RoPE's inv_freq): it then needs no feed.
+        expected = self.model.get_constant_fqns()
+        missing = sorted(set(expected) - set(constants))
+        if missing:
+            raise PackageError(f"{self.directory / PACKAGE_FILE} does not match the graph: it needs "
+                               f"constants {missing} that the graph does not have; recompile the artifact")
+        self.model.load_constants({k: constants[k].detach() for k in expected},
+                                  check_full_update=True, user_managed=True)
+
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Logits f32[batch, seq, vocab]; writes the tokens' keys/values into the caches."""
+        return self.model(*self.check_feeds(tokens, positions))[0]
+
+    def save(self, directory: Path) -> list[str]:
+        """Copy the package into `directory` (nothing to recompile)."""
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        for name in (PACKAGE_FILE, PACKAGE_INFO_FILE):
+            if (self.directory / name).resolve() != (directory / name).resolve():
+                shutil.copyfile(self.directory / name, directory / name)
+        return [PACKAGE_FILE, PACKAGE_INFO_FILE]
+
+
+def _read_info(directory: Path) -> dict:
+    try:
+        info = json.loads((directory / PACKAGE_INFO_FILE).read_text())
+    except (OSError, ValueError) as e:
+        raise PackageError(f"cannot read {directory / PACKAGE_INFO_FILE} ({e}); the artifact has no "
+                           "valid inductor package: recompile it with backend='inductor'") from None
+    if info.get("format") != PACKAGE_FORMAT or not (directory / PACKAGE_FILE).is_file():
+        raise PackageError(f"{directory} holds no inductor package of format {PACKAGE_FORMAT}; recompile the artifact")
+    return info
+
+
+def load(directory: Path, graph: Graph, weights, options: BackendOptions) -> AOTIExecutable:
+    """Rebuild the executable from an artifact's graph, weights and AOTInductor package."""
+    return AOTIExecutable(Path(directory), graph, weights, options)

@@ -1,0 +1,93 @@
+"""Torch implementations of the IR ops that are more than one torch call.
+
+The FX graph calls these functions as single nodes; Dynamo traces through them when the module is
+compiled, so Inductor sees plain aten ops. Each follows its op's reference kernel in
+`kiln.ir.ops` exactly, but is written so that sizes stay symbolic (no Python ints taken from
+tensor shapes, no `tril` with a size-dependent diagonal) and so that caches are written in place.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float) -> torch.Tensor:
+    """x / rms(x) * (weight + offset), as `kiln.ir` defines it."""
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    if weight is None:
+        return y
+    return y * (weight + offset) if offset else y * weight
+
+
+def kv_write_inplace(cache: torch.Tensor, new: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """cache[b, h, positions[b, t]] = new[b, h, t] for the first `batch` rows, in place; returns cache.
+
+    Inside a compiled module whose cache is a registered buffer, Inductor turns this into one
+    scatter kernel into the buffer (as gpt-fast's `k_out[:, :, input_pos] = k_val`): no copy of
+    the whole cache per step.
+    """
+    rows = torch.arange(new.size(0), device=new.device)[:, None, None]
+    heads = torch.arange(new.size(1), device=new.device)[None, :, None]
+    cache.index_put_((rows, heads, positions[:, None, :]), new.to(cache.dtype))
+    return cache
+
+
+def kv_write_functional(cache: torch.Tensor, new: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """kv_write on a cache the module does not own: a written copy, the caller's tensor untouched."""
+    return kv_write_inplace(cache.clone(), new, positions)
+
+
+def visible_keys(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None,
+                 causal: bool, window: int) -> torch.Tensor | None:
+    """Bool [batch|1, 1, seq, keys]: which key slots each query sees (None: all of them)."""
+    seq, keys = q.size(2), k.size(2)
+    key_slot = torch.arange(keys, device=q.device)
+    if positions is not None:
+        query_pos = positions[:, None, :, None]
+    elif causal:  # the last query sits at the last key
+        query_pos = (torch.arange(seq, device=q.device) + (keys - seq))[None, None, :, None]
+    else:
+        return None
+    visible = key_slot <= query_pos
+    if window:
+        visible = visible & (key_slot > query_pos - window)
+    return visible
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
+              positions: torch.Tensor | None, scale: float | None, causal: bool, window: int,
+              softcap: float) -> torch.Tensor:
+    """The IR's `attention`: GQA kept grouped, keys masked by positions (or causally), optional softcap.
+
+    Reads only the first `batch` rows of k/v (a static cache has max_batch rows). Without softcap
+    this is one `scaled_dot_product_attention` with a boolean mask (or a float mask where the
+    graph supplies one); softcap needs the scores themselves, so it is spelled out.
+    """
+    batch = q.size(0)
+    k, v = k[:batch], v[:batch]
+    visible = visible_keys(q, k, positions, causal, window)
+    if mask is not None and mask.dtype == torch.bool:
+        visible = mask if visible is None else visible & mask
+        mask = None
+    if softcap:
+        return _softcapped_attention(q, k, v, visible, mask, scale, softcap)
+    attn_mask = visible
+    if mask is not None:  # a float mask is added to the scores; hidden keys get -inf on top
+        attn_mask = mask if visible is None else mask.masked_fill(~visible, float("-inf"))
+    grouped = q.size(1) != k.size(1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=grouped)
+
+
+def _softcapped_attention(q, k, v, visible, mask, scale, softcap):
+    groups = q.size(1) // k.size(1)
+    if groups != 1:
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scale = scale if scale is not None else q.size(-1) ** -0.5
+    scores = (q @ k.transpose(-1, -2)) * scale
+    scores = softcap * torch.tanh(scores / softcap)
+    if mask is not None:
+        scores = scores + mask
+    if visible is not None:
+        scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # a row that sees nothing attends to nothing
+    return probs @ v

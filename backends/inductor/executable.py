@@ -1,0 +1,145 @@
+"""The stateful graph compiled just in time by torch.compile with Inductor.
+
+`lower(graph, options)` lowers the IR to an FX module whose KV caches are registered buffers
+(`kv_write` scatters into them in place, as in gpt-fast) and compiles it with `torch.compile`.
+
+Recompiles: positions are data, so decoding never recompiles per position. Sizes are the only
+guards: the first call with seq > 1 marks seq dynamic (within the graph's symbol bounds), so one
+graph serves every prefill length; seq == 1 (decode) gets its own specialization, as does
+batch == 1 when max batch > 2 makes batch dynamic too. Hence at most four compiles for the life
+of an executable: {batch 1, batch dynamic} x {decode, prefill}. `compile_count` counts them:
+the torch.compile backend is a wrapper that increments it, then calls Inductor's `compile_fx`.
+
+`save` writes an AOTInductor package (see aoti_package.py); `load` runs that package without
+tracing or compiling anything.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import sympy
+import torch
+from torch._inductor.compile_fx import compile_fx
+
+from kiln.backends.executable import BackendOptions, cache_inputs
+from kiln.ir import Graph, evaluate, to_torch, verify
+
+from .lower_to_fx import graph_to_fx
+
+
+class FeedError(ValueError):
+    """tokens/positions do not fit the executable (shape, batch or position out of range)."""
+
+
+def apply_threads(options: BackendOptions) -> None:
+    """Use options.threads intra-op threads; Inductor bakes the count into its kernels at compile."""
+    if options.threads:
+        torch.set_num_threads(options.threads)
+
+
+def allocate_caches(graph: Graph) -> dict[str, torch.Tensor]:
+    """Zero KV buffers for the graph's cache inputs, by input name (symbols at their upper bound)."""
+    bounds = {name: bound.max for name, bound in graph.symbols.items()}
+    return {v.name: torch.zeros([evaluate(d, bounds) for d in v.type.shape], dtype=to_torch(v.type.dtype))
+            for v in cache_inputs(graph)}
+
+
+def dynamic_dims(graph: Graph) -> list[tuple[int, int, int, int]]:
+    """(input index, axis, min, max) for each tokens/positions dim that is a bounded symbol."""
+    dims = []
+    for index, v in enumerate(graph.inputs[:2]):
+        for axis, d in enumerate(v.type.shape):
+            if isinstance(d, sympy.Symbol) and d.name in graph.symbols:
+                bound = graph.symbols[d.name]
+                dims.append((index, axis, bound.min, bound.max))
+    return dims
+
+
+class StatefulRunner:
+    """What every inductor executable shares: the KV buffers and the checks on tokens/positions."""
+
+    graph: Graph
+    options: BackendOptions
+    caches: list[torch.Tensor]
+
+    def _init_state(self, graph: Graph, options: BackendOptions) -> dict[str, torch.Tensor]:
+        if options.device != "cpu":
+            raise ValueError(f"the inductor backend runs on the CPU only so far, not {options.device!r}; "
+                             "use device='cpu' or another backend")
+        verify(graph)
+        apply_threads(options)
+        self.graph, self.options = graph, options
+        named = allocate_caches(graph)
+        self.caches = list(named.values())
+        self.max_batch = min([c.size(0) for c in self.caches] + [options.max_batch])
+        self.max_seq_len = min([c.size(2) for c in self.caches] + [options.max_seq_len])
+        return named
+
+    def check_feeds(self, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """int64 tokens/positions of equal shape [batch, seq], batch and positions within the buffers."""
+        if tokens.dim() != 2 or tokens.shape != positions.shape:
+            raise FeedError(f"tokens {list(tokens.shape)} and positions {list(positions.shape)} must both be [batch, seq]")
+        if tokens.size(0) > self.max_batch:
+            raise FeedError(f"batch {tokens.size(0)} exceeds max_batch {self.max_batch}; lower with a larger max_batch")
+        low, high = torch.aminmax(positions)
+        if low < 0 or high >= self.max_seq_len:
+            raise FeedError(f"positions must lie in [0, {self.max_seq_len}), got [{int(low)}, {int(high)}]")
+        # contiguous: compiled graphs also guard on strides
+        return tokens.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous()
+
+    def reset(self) -> None:
+        """Forget all cached keys and values (zero the buffers in place)."""
+        for cache in self.caches:
+            cache.zero_()
+
+
+class InductorExecutable(StatefulRunner):
+    """A stateful graph compiled by torch.compile (Inductor) that owns its KV buffers."""
+
+    def __init__(self, graph: Graph, options: BackendOptions, weights=None, freezing: bool = True):
+        """`freezing` lets Inductor treat weights as constants (oneDNN prepacks linears); the
+        caches stay buffers since they are mutated."""
+        named_caches = self._init_state(graph, options)
+        self.module = graph_to_fx(graph, weights, state=named_caches)
+        self.compile_count = 0
+        self.freezing = freezing
+        self._dynamic_dims = dynamic_dims(graph)
+        self._compiled_shapes: set[tuple[int, ...]] = set()
+        self._compiled = torch.compile(self.module, backend=self._compile_with_inductor)
+
+    def _compile_with_inductor(self, gm: torch.fx.GraphModule, example_inputs) -> object:
+        """The torch.compile backend: counts each compile (first call and every recompile)."""
+        self.compile_count += 1
+        return compile_fx(gm, example_inputs)
+
+    def _mark_dynamic(self, feeds: tuple[torch.Tensor, torch.Tensor]) -> None:
+        # Sizes 0/1 always specialize, and a symbol whose range is {1, 2} is not worth a dynamic graph.
+        for index, axis, low, high in self._dynamic_dims:
+            if feeds[index].size(axis) > 1 and high > 2:
+                torch._dynamo.mark_dynamic(feeds[index], axis, min=max(low, 2), max=high)
+
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Logits f32[batch, seq, vocab]; writes the tokens' keys/values into the caches."""
+        feeds = self.check_feeds(tokens, positions)
+        self._mark_dynamic(feeds)
+        shape_class = tuple(min(size, 2) for size in feeds[0].shape)  # what the compiled graphs guard on
+        with torch.no_grad():
+            if shape_class in self._compiled_shapes:
+                return self._compiled(*feeds)[0]
+            # Dynamo reads `freezing` while tracing (weights become graph constants), so it must be
+            # set around the call that compiles, not only in compile_fx; other calls skip the patch.
+            with torch._inductor.config.patch(freezing=self.freezing):
+                logits = self._compiled(*feeds)[0]
+            self._compiled_shapes.add(shape_class)
+            return logits
+
+    def save(self, directory: Path) -> list[str]:
+        """Write an AOTInductor package of this graph (no weights inside); returns its file names."""
+        from .aoti_package import write_package
+
+        return write_package(self.graph, self.module, self.options, Path(directory))
+
+
+def lower(graph: Graph, options: BackendOptions) -> InductorExecutable:
+    """Compile a stateful graph (weights attached as graph.weights) with Inductor."""
+    return InductorExecutable(graph, options)
