@@ -27,4 +27,4 @@ test: $(VENV_STAMP)
 
 run: $(VENV_STAMP)
 	$(VENV)/bin/compile-model -o out/smollm2.kiln && \
-		$(VENV)/bin/kiln generate out/smollm2.kiln --prompt "$(PROMPT)"
+		$(VENV)/bin/kiln generate out/smollm2.kiln --chat --max-new-tokens 64 --prompt "$(PROMPT)"

@@ -126,7 +126,7 @@ def _kiln(argv) -> int:
 def _print_stream(stream):
     for piece in stream:
         print(piece, end="", flush=True)
-    print()
+    print(flush=True)  # the stats line goes to stderr: end the text first
     return stream.results
 
 
