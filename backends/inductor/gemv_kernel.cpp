@@ -1,0 +1,383 @@
+// Kiln CPU linear kernels for decode (M = 1) and small batches (M <= kSmallM = 8).
+//
+// Packed fp32 weight layout: Wt = W.t().contiguous(), shape [K, N] (W is nn.Linear's [N, K]).
+// A GEMV then streams Wt front to back (long sequential runs, friendly to every hardware
+// prefetcher), and large M (prefill) is an ordinary row-major GEMM x[M,K] @ Wt[K,N] that
+// MKL runs at full speed without a second copy of the weight.
+//
+// Packed int8 layout: Wq_t int8 [K, N] with per-output-channel fp32 scales [N]
+// (symmetric, weight-only): y = (x @ Wq_t) * scales + bias.
+//
+// Any K and N are accepted (tails are handled); only AVX2 + FMA are required
+// (Intel Haswell+, AMD Zen+). Threads: torch's intra-op pool (at::parallel_for,
+// torch.set_num_threads). Ops are registered as kiln::linear_f32 / kiln::linear_i8
+// with TORCH_LIBRARY_FRAGMENT; fake (meta) impls are registered from Python.
+//
+// One file, two translation units compiled in parallel (see gemv_kernel.py):
+//   -DKILN_GEMV_KERNELS : the SIMD kernels, no torch headers (fast to compile);
+//   (default)           : threading, dispatch and op registration against libtorch.
+#include <cstdint>
+
+extern "C" {
+// y[0:M, c0:c1] = init_row (or 0) + x[0:M, k0:k1] @ Wt[k0:k1, c0:c1]; M <= 8; ld* in elements.
+void kiln_gemv_panel_f32(const float* x, int64_t ldx, int64_t M, const float* Wt, int64_t N, int64_t k0,
+                         int64_t k1, int64_t c0, int64_t c1, float* y, int64_t ldy, const float* init_row);
+void kiln_gemv_panel_i8(const float* x, int64_t ldx, int64_t M, const int8_t* Wt, int64_t N, int64_t k0,
+                        int64_t k1, int64_t c0, int64_t c1, float* y, int64_t ldy, const float* init_row);
+}
+
+#ifdef KILN_GEMV_KERNELS
+#include <immintrin.h>
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <type_traits>
+
+namespace kiln_gemv {
+
+static inline __m256i tail_mask(int64_t n) {  // n in [0, 8]
+  alignas(32) static const int32_t m[16] = {-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0};
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(m + 8 - n));
+}
+
+// Weight element loaders: 8 consecutive weights -> 8 floats.
+struct LoadF32 {
+  using T = float;
+  static inline __m256 load(const float* p) { return _mm256_loadu_ps(p); }
+  static inline __m256 load_tail(const float* p, int64_t n) {
+    return _mm256_maskload_ps(p, tail_mask(n));
+  }
+};
+struct LoadI8 {
+  using T = int8_t;
+  static inline __m256 load(const int8_t* p) {
+    __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+  }
+  static inline __m256 load_tail(const int8_t* p, int64_t n) {
+    alignas(16) int8_t buf[16] = {0};
+    std::memcpy(buf, p, n);
+    return load(buf);
+  }
+};
+
+// Accumulator start values for one 8-column vector of row m: zero, bias (init_row, lds = 0)
+// or the running partial sum in y.
+struct Src {
+  const float* p;  // nullptr: zeros
+  int64_t ld;
+  inline __m256 get(int m, int64_t c) const {
+    return p ? _mm256_loadu_ps(p + m * ld + c) : _mm256_setzero_ps();
+  }
+  inline __m256 get_tail(int m, int64_t c, __m256i msk) const {
+    return p ? _mm256_maskload_ps(p + m * ld + c, msk) : _mm256_setzero_ps();
+  }
+};
+
+// One 16-column tile, rows [m0, m0+MB) of x, RN rows of Wt starting at w (row stride N).
+// xk: x values for this k step, x(m, k + r) at xk[r * XS + m].
+template <class L, int MB, int RN, int XS>
+static inline void tile16(const float* xk, const typename L::T* w, int64_t N, int64_t c, float* y,
+                          int64_t ldy, const Src& src) {
+  __m256 a[MB][2];
+  for (int m = 0; m < MB; m++) {
+    a[m][0] = src.get(m, c);
+    a[m][1] = src.get(m, c + 8);
+  }
+  for (int r = 0; r < RN; r++) {
+    const __m256 w0 = L::load(w + r * N + c), w1 = L::load(w + r * N + c + 8);
+    for (int m = 0; m < MB; m++) {
+      const __m256 b = _mm256_broadcast_ss(xk + r * XS + m);
+      a[m][0] = _mm256_fmadd_ps(w0, b, a[m][0]);
+      a[m][1] = _mm256_fmadd_ps(w1, b, a[m][1]);
+    }
+  }
+  for (int m = 0; m < MB; m++) {
+    _mm256_storeu_ps(y + m * ldy + c, a[m][0]);
+    _mm256_storeu_ps(y + m * ldy + c + 8, a[m][1]);
+  }
+}
+
+// Columns [c, c+n), n <= 8 (masked when n < 8).
+template <class L, int MB, int RN, int XS>
+static inline void tile_tail(const float* xk, const typename L::T* w, int64_t N, int64_t c, int64_t n,
+                             float* y, int64_t ldy, const Src& src) {
+  const __m256i msk = tail_mask(n);
+  __m256 a[MB];
+  for (int m = 0; m < MB; m++) a[m] = src.get_tail(m, c, msk);
+  for (int r = 0; r < RN; r++) {
+    const __m256 w0 = n == 8 ? L::load(w + r * N + c) : L::load_tail(w + r * N + c, n);
+    for (int m = 0; m < MB; m++) a[m] = _mm256_fmadd_ps(w0, _mm256_broadcast_ss(xk + r * XS + m), a[m]);
+  }
+  for (int m = 0; m < MB; m++) _mm256_maskstore_ps(y + m * ldy + c, msk, a[m]);
+}
+
+// M = 1: y[c0:c1] = src + sum_{r < RN} x[r] * w[r, c0:c1], broadcasts hoisted (RN + 4 registers).
+template <class L, int RN>
+static void step_m1(const float* xk, const typename L::T* w, int64_t N, int64_t c0, int64_t c1, float* y,
+                    const Src& src) {
+  __m256 xv[RN];
+  for (int r = 0; r < RN; r++) xv[r] = _mm256_broadcast_ss(xk + r);
+  int64_t c = c0;
+  for (; c + 16 <= c1; c += 16) {
+    __m256 a0 = src.get(0, c), a1 = src.get(0, c + 8);
+    for (int r = 0; r < RN; r++) {
+      a0 = _mm256_fmadd_ps(L::load(w + r * N + c), xv[r], a0);
+      a1 = _mm256_fmadd_ps(L::load(w + r * N + c + 8), xv[r], a1);
+    }
+    _mm256_storeu_ps(y + c, a0);
+    _mm256_storeu_ps(y + c + 8, a1);
+  }
+  for (; c < c1; c += 8) tile_tail<L, 1, RN, 1>(xk, w, N, c, std::min<int64_t>(8, c1 - c), y, 0, src);
+}
+
+// M in [2, 8]: rows of x in one chunk (M <= 6: 2*M accumulators) or two (4 + rest); the
+// second chunk re-reads the 16-column weight tile from L1, never from memory.
+template <class L, int M, int RN>
+static void step_mm(const float* xk, const typename L::T* w, int64_t N, int64_t c0, int64_t c1, float* y,
+                    int64_t ldy, const Src& src) {
+  constexpr int M0 = M <= 6 ? M : 4, M1 = M - M0;
+  const Src src1{src.p ? src.p + M0 * src.ld : nullptr, src.ld};
+  int64_t c = c0;
+  for (; c + 16 <= c1; c += 16) {
+    tile16<L, M0, RN, 8>(xk, w, N, c, y, ldy, src);
+    if constexpr (M1 > 0) tile16<L, M1, RN, 8>(xk + M0, w, N, c, y + M0 * ldy, ldy, src1);
+  }
+  for (; c < c1; c += 8) {
+    const int64_t n = std::min<int64_t>(8, c1 - c);
+    tile_tail<L, M0, RN, 8>(xk, w, N, c, n, y, ldy, src);
+    if constexpr (M1 > 0) tile_tail<L, M1, RN, 8>(xk + M0, w, N, c, n, y + M0 * ldy, ldy, src1);
+  }
+}
+
+// y[0:M, c0:c1] = init_row (or 0) + sum_{k in [k0,k1)} x[0:M, k] * Wt[k, c0:c1].
+// Walks Wt in groups of R rows (R sequential streams), each group over all columns [c0, c1).
+template <class L, int M>
+static void panel(const float* x, int64_t ldx, const typename L::T* Wt, int64_t N, int64_t k0, int64_t k1,
+                  int64_t c0, int64_t c1, float* y, int64_t ldy, const float* init_row) {
+  constexpr int R = M == 1 ? 8 : 4;
+  Src src{init_row, 0};
+  if (k0 == k1) {
+    for (int m = 0; m < M; m++)
+      for (int64_t c = c0; c < c1; c++) y[m * ldy + c] = init_row ? init_row[c] : 0.f;
+    return;
+  }
+  const float* xs = x + k0;  // M = 1: x itself, stride 1 per k
+  std::unique_ptr<float[]> xt;
+  if constexpr (M > 1) {  // x transposed to [k][8]: every broadcast is base + constant offset
+    xt.reset(new float[(k1 - k0) * 8]);
+    for (int64_t k = k0; k < k1; k++)
+      for (int m = 0; m < M; m++) xt[(k - k0) * 8 + m] = x[m * ldx + k];
+    xs = xt.get();
+  }
+  constexpr int XS = M == 1 ? 1 : 8;
+  int64_t k = k0;
+  auto run = [&](auto rr) {
+    constexpr int RN = decltype(rr)::value;
+    const float* xk = xs + (k - k0) * XS;
+    const typename L::T* w = Wt + k * N;
+    if constexpr (M == 1) step_m1<L, RN>(xk, w, N, c0, c1, y, src);
+    else step_mm<L, M, RN>(xk, w, N, c0, c1, y, ldy, src);
+    src = Src{y, ldy};
+    k += RN;
+  };
+  while (k + R <= k1) run(std::integral_constant<int, R>{});
+  while (k < k1) run(std::integral_constant<int, 1>{});
+}
+
+template <class L>
+static void panel_m(const float* x, int64_t ldx, int64_t M, const typename L::T* Wt, int64_t N,
+                    int64_t k0, int64_t k1, int64_t c0, int64_t c1, float* y, int64_t ldy,
+                    const float* init_row) {
+  switch (M) {
+    case 1: return panel<L, 1>(x, ldx, Wt, N, k0, k1, c0, c1, y, ldy, init_row);
+    case 2: return panel<L, 2>(x, ldx, Wt, N, k0, k1, c0, c1, y, ldy, init_row);
+    case 3: return panel<L, 3>(x, ldx, Wt, N, k0, k1, c0, c1, y, ldy, init_row);
+    case 4: return panel<L, 4>(x, ldx, Wt, N, k0, k1, c0, c1, y, ldy, init_row);
+    case 5: return panel<L, 5>(x, ldx, Wt, N, k0, k1, c0, c1, y, ldy, init_row);
+    case 6: return panel<L, 6>(x, ldx, Wt, N, k0, k1, c0, c1, y, ldy, init_row);
+    case 7: return panel<L, 7>(x, ldx, Wt, N, k0, k1, c0, c1, y, ldy, init_row);
+    default:
+      for (int64_t m = 0; m < M; m += 8)
+        panel<L, 8>(x + m * ldx, ldx, Wt, N, k0, k1, c0, c1, y + m * ldy, ldy, init_row);
+  }
+}
+
+}  // namespace kiln_gemv
+
+extern "C" {
+void kiln_gemv_panel_f32(const float* x, int64_t ldx, int64_t M, const float* Wt, int64_t N, int64_t k0,
+                         int64_t k1, int64_t c0, int64_t c1, float* y, int64_t ldy, const float* init_row) {
+  kiln_gemv::panel_m<kiln_gemv::LoadF32>(x, ldx, M, Wt, N, k0, k1, c0, c1, y, ldy, init_row);
+}
+void kiln_gemv_panel_i8(const float* x, int64_t ldx, int64_t M, const int8_t* Wt, int64_t N, int64_t k0,
+                        int64_t k1, int64_t c0, int64_t c1, float* y, int64_t ldy, const float* init_row) {
+  kiln_gemv::panel_m<kiln_gemv::LoadI8>(x, ldx, M, Wt, N, k0, k1, c0, c1, y, ldy, init_row);
+}
+}
+
+#else  // ---------------------------------------------------------------- torch binding TU
+
+#include <torch/library.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
+#include <ATen/ops/mm.h>
+#include <ATen/ops/addmm.h>
+#include <c10/util/Exception.h>
+#include <algorithm>
+#include <memory>
+#include <vector>
+
+namespace kiln_gemv {
+
+constexpr int64_t kSmallM = 8;            // M above this goes to MKL (fp32) / dequant + MKL (int8)
+constexpr int64_t kMinBytesPerThread = 96 * 1024;  // below this, one thread is faster
+
+template <class T> struct Panel;
+template <> struct Panel<float> {
+  static void run(const float* x, int64_t ldx, int64_t M, const float* Wt, int64_t N, int64_t k0, int64_t k1,
+                  int64_t c0, int64_t c1, float* y, int64_t ldy, const float* init_row) {
+    kiln_gemv_panel_f32(x, ldx, M, Wt, N, k0, k1, c0, c1, y, ldy, init_row);
+  }
+};
+template <> struct Panel<int8_t> {
+  static void run(const float* x, int64_t ldx, int64_t M, const int8_t* Wt, int64_t N, int64_t k0, int64_t k1,
+                  int64_t c0, int64_t c1, float* y, int64_t ldy, const float* init_row) {
+    kiln_gemv_panel_i8(x, ldx, M, Wt, N, k0, k1, c0, c1, y, ldy, init_row);
+  }
+};
+
+// y[M,N] = x[M,K] @ Wt[K,N] (* scale) (+ bias). Threads split K (each streams one contiguous
+// slab of Wt; partial sums reduced at the end) or, for very wide N, split N.
+template <class T>
+static void small_m_linear(const float* x, int64_t M, int64_t K, const T* Wt, int64_t N,
+                           const float* scale, const float* bias, float* y) {
+  const int64_t bytes = K * N * (int64_t)sizeof(T);
+  int64_t nt = std::min<int64_t>({(int64_t)at::get_num_threads(), bytes / kMinBytesPerThread, K});
+  if (nt < 1 || at::in_parallel_region()) nt = 1;
+  // Scale is applied after accumulation, so the bias cannot ride along in the accumulator.
+  const float* init_row = scale ? nullptr : bias;
+  auto finish = [&](int64_t c0, int64_t c1) {
+    if (!scale) return;
+    for (int64_t m = 0; m < M; m++) {
+      float* ym = y + m * N;
+      for (int64_t c = c0; c < c1; c++) ym[c] = ym[c] * scale[c] + (bias ? bias[c] : 0.f);
+    }
+  };
+  if (nt == 1) {
+    Panel<T>::run(x, K, M, Wt, N, 0, K, 0, N, y, N, init_row);
+    finish(0, N);
+    return;
+  }
+  if (N / nt >= 4096) {  // wide output (lm_head): split columns, runs of >= 16 KB per row
+    const int64_t cols = (N / nt + 15) / 16 * 16;
+    at::parallel_for(0, nt, 1, [&](int64_t a, int64_t b) {
+      for (int64_t t = a; t < b; t++) {
+        int64_t c0 = std::min(N, t * cols), c1 = std::min(N, (t + 1) * cols);
+        if (c0 < c1) {
+          Panel<T>::run(x, K, M, Wt, N, 0, K, c0, c1, y, N, init_row);
+          finish(c0, c1);
+        }
+      }
+    });
+    return;
+  }
+  std::unique_ptr<float[]> part(new float[(size_t)(nt - 1) * M * N]);  // fully overwritten
+  at::parallel_for(0, nt, 1, [&](int64_t a, int64_t b) {
+    for (int64_t t = a; t < b; t++) {
+      int64_t k0 = K * t / nt, k1 = K * (t + 1) / nt;
+      float* yt = t == 0 ? y : part.get() + (size_t)(t - 1) * M * N;
+      Panel<T>::run(x, K, M, Wt, N, k0, k1, 0, N, yt, N, t == 0 ? init_row : nullptr);
+    }
+  });
+  const int64_t total = M * N;
+  auto reduce = [&](int64_t i0, int64_t i1) {
+    for (int64_t t = 1; t < nt; t++) {
+      const float* p = part.get() + (size_t)(t - 1) * total;
+      for (int64_t i = i0; i < i1; i++) y[i] += p[i];
+    }
+  };
+  if (total >= 16384) at::parallel_for(0, total, 8192, reduce);
+  else reduce(0, total);
+  if (scale) {
+    if (M * N >= 16384) at::parallel_for(0, N, 4096, finish);
+    else finish(0, N);
+  }
+}
+
+static std::vector<int64_t> out_shape(const at::Tensor& x, int64_t N) {
+  std::vector<int64_t> s(x.sizes().begin(), x.sizes().end());
+  s.back() = N;
+  return s;
+}
+
+static void check_common(const at::Tensor& x, const at::Tensor& w, const std::optional<at::Tensor>& bias,
+                         const char* op) {
+  TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), op, ": CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, op, ": x must be float32, got ", x.scalar_type());
+  TORCH_CHECK(x.dim() >= 1, op, ": x must have at least one dim");
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), op,
+              ": packed weight must be a contiguous [K, N] tensor (use pack_linear_weight)");
+  TORCH_CHECK(x.size(-1) == w.size(0), op, ": x has K=", x.size(-1), " but packed weight has K=",
+              w.size(0), " (packed layout is [K, N] = W.t())");
+  if (bias) {
+    TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == w.size(1),
+                op, ": bias must be float32 [N]");
+  }
+}
+
+at::Tensor linear_f32(const at::Tensor& x_in, const at::Tensor& wt, const std::optional<at::Tensor>& bias_in) {
+  check_common(x_in, wt, bias_in, "kiln::linear_f32");
+  TORCH_CHECK(wt.scalar_type() == at::kFloat, "kiln::linear_f32: packed weight must be float32");
+  const int64_t K = wt.size(0), N = wt.size(1);
+  at::Tensor x = x_in.contiguous().view({-1, K});
+  const int64_t M = x.size(0);
+  if (M > kSmallM) {
+    at::Tensor y = bias_in ? at::addmm(*bias_in, x, wt) : at::mm(x, wt);
+    return y.view(out_shape(x_in, N));
+  }
+  at::Tensor bias = bias_in ? bias_in->contiguous() : at::Tensor();
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M > 0 && N > 0)
+    small_m_linear<float>(x.data_ptr<float>(), M, K, wt.data_ptr<float>(), N, nullptr,
+                            bias.defined() ? bias.data_ptr<float>() : nullptr, y.data_ptr<float>());
+  return y.view(out_shape(x_in, N));
+}
+
+at::Tensor linear_i8(const at::Tensor& x_in, const at::Tensor& wq, const at::Tensor& scales_in,
+                     const std::optional<at::Tensor>& bias_in) {
+  check_common(x_in, wq, bias_in, "kiln::linear_i8");
+  TORCH_CHECK(wq.scalar_type() == at::kChar, "kiln::linear_i8: packed weight must be int8");
+  const int64_t K = wq.size(0), N = wq.size(1);
+  TORCH_CHECK(scales_in.scalar_type() == at::kFloat && scales_in.numel() == N,
+              "kiln::linear_i8: scales must be float32 [N]");
+  at::Tensor x = x_in.contiguous().view({-1, K});
+  at::Tensor scales = scales_in.contiguous();
+  const int64_t M = x.size(0);
+  if (M > kSmallM) {  // prefill: dequantize once, run the GEMM in MKL
+    at::Tensor w = wq.to(at::kFloat).mul_(scales.view({1, N}));
+    at::Tensor y = bias_in ? at::addmm(*bias_in, x, w) : at::mm(x, w);
+    return y.view(out_shape(x_in, N));
+  }
+  at::Tensor bias = bias_in ? bias_in->contiguous() : at::Tensor();
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M > 0 && N > 0)
+    small_m_linear<int8_t>(x.data_ptr<float>(), M, K, wq.data_ptr<int8_t>(), N, scales.data_ptr<float>(),
+                           bias.defined() ? bias.data_ptr<float>() : nullptr, y.data_ptr<float>());
+  return y.view(out_shape(x_in, N));
+}
+
+}  // namespace kiln_gemv
+
+TORCH_LIBRARY_FRAGMENT(kiln, m) {
+  m.def("linear_f32(Tensor x, Tensor packed_weight, Tensor? bias=None) -> Tensor");
+  m.def("linear_i8(Tensor x, Tensor packed_weight, Tensor scales, Tensor? bias=None) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kiln, CPU, m) {
+  m.impl("linear_f32", &kiln_gemv::linear_f32);
+  m.impl("linear_i8", &kiln_gemv::linear_i8);
+}
+
+#endif  // KILN_GEMV_KERNELS

@@ -1,0 +1,244 @@
+"""Kiln's CPU linear kernels for decode: fp32 and int8 weight-only GEMV as torch custom ops.
+
+Usage::
+
+    from kiln.backends.inductor import gemv_kernel as gk
+    gk.ensure_loaded()                      # builds once (cached), registers the ops
+    wt = gk.pack_linear_weight(linear.weight)          # [N, K] -> packed [K, N] (= W.t())
+    y = torch.ops.kiln.linear_f32(x, wt, linear.bias)  # == F.linear(x, W, b); x: [..., K]
+
+    wq, scales = gk.pack_linear_weight_int8(linear.weight)   # int8 [K, N], fp32 [N]
+    y = torch.ops.kiln.linear_i8(x, wq, scales, bias)        # == F.linear(x, W_dequant, b)
+
+Layout: the packed weight is the transposed weight, contiguous ``[K, N]``. For M = 1..8 rows
+(M = prod(x.shape[:-1])) the op streams it with an AVX2/FMA kernel over torch's intra-op threads;
+for larger M (prefill) it is a plain ``x @ Wt`` GEMM in MKL, so no second copy of the weight is
+kept. Fused projections (qkv, gate/up) are packed from ``torch.cat([Wq, Wk, Wv])``. Any K and N
+work; float32 activations only; CPU only; the CPU must have AVX2 and FMA.
+
+Both ops have fake (meta) implementations, so a ``torch.compile(fullgraph=True)`` graph calls them
+without a graph break (Inductor keeps them as extern calls).
+
+The shared library is compiled with the system C++ compiler (``$CXX`` or ``g++``; no ninja, no
+pybind) into ``$KILN_CACHE/ext`` (default ``~/.cache/kiln/ext``), keyed by the source, flags, torch
+version and compiler, and loaded with ``torch.ops.load_library``. A first build takes ~15 s.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "ensure_loaded",
+    "library_path",
+    "pack_linear_weight",
+    "pack_linear_weight_int8",
+    "linear_f32",
+    "linear_i8",
+    "SMALL_M",
+    "KernelBuildError",
+]
+
+_SRC = Path(__file__).with_name("gemv_kernel.cpp")
+_FLAGS = ["-O3", "-fopenmp", "-fPIC", "-std=c++20", "-w"]
+_KERNEL_FLAGS = ["-mavx2", "-mfma"]  # only the SIMD translation unit; no -march=native (CI/other CPUs)
+SMALL_M = 8  # rows handled by the GEMV kernel; above this the op runs MKL (kSmallM in the .cpp)
+
+_lock = threading.Lock()
+_loaded_path: str | None = None
+
+
+class KernelBuildError(RuntimeError):
+    """The C++ kernel could not be built or loaded (no compiler, unsupported CPU, ...)."""
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("KILN_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "kiln")
+    return Path(root) / "ext"
+
+
+def _compiler() -> str:
+    cxx = os.environ.get("CXX") or "g++"
+    path = shutil.which(cxx)
+    if path is None:
+        raise KernelBuildError(
+            f"kiln GEMV kernel: C++ compiler {cxx!r} not found on PATH. Install g++ "
+            "(e.g. `apt-get install g++`) or point $CXX at a C++20 compiler."
+        )
+    return path
+
+
+def _check_cpu() -> None:
+    cap = torch.backends.cpu.get_cpu_capability()
+    if cap not in ("AVX2", "AVX512"):
+        raise KernelBuildError(
+            f"kiln GEMV kernel needs a CPU with AVX2 and FMA (torch reports capability {cap!r})"
+        )
+
+
+def _build_cmds(cxx: str, src: Path, out: Path) -> list[list[str]]:
+    """Two compile commands (run in parallel) and one link command."""
+    from torch.utils import cpp_extension
+
+    lib = str(Path(torch.__file__).parent / "lib")
+    abi = f"-D_GLIBCXX_USE_CXX11_ABI={int(torch._C._GLIBCXX_USE_CXX11_ABI)}"
+    incs = [a for inc in cpp_extension.include_paths() for a in ("-isystem", inc)]
+    kern_o, ops_o = str(out) + ".kern.o", str(out) + ".ops.o"
+    return [
+        [cxx, *_FLAGS, *_KERNEL_FLAGS, "-c", "-DKILN_GEMV_KERNELS", str(src), "-o", kern_o],
+        [cxx, *_FLAGS, "-c", abi, *incs, str(src), "-o", ops_o],
+        [cxx, *_FLAGS, "-shared", kern_o, ops_o, "-o", str(out), f"-L{lib}", "-lc10", "-ltorch_cpu",
+         f"-Wl,-rpath,{lib}"],
+    ]
+
+
+def _run_build(cmds: list[list[str]]) -> None:
+    def fail(cmd, r_out):
+        raise KernelBuildError("kiln GEMV kernel: compilation failed:\n  " + " ".join(cmd) + "\n" + r_out[-4000:])
+
+    procs = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for c in cmds[:2]]
+    for cmd, p in zip(cmds[:2], procs):
+        out, _ = p.communicate(timeout=600)
+        if p.returncode != 0:
+            for q in procs:
+                q.kill()
+            fail(cmd, out)
+    r = subprocess.run(cmds[2], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=300)
+    if r.returncode != 0:
+        fail(cmds[2], r.stdout)
+
+
+def library_path() -> Path:
+    """Path of the cached shared library for this source/torch/compiler (may not exist yet)."""
+    cxx = _compiler()
+    try:
+        ver = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except OSError as e:  # pragma: no cover - broken compiler install
+        raise KernelBuildError(f"kiln GEMV kernel: cannot run {cxx}: {e}") from e
+    h = hashlib.sha256()
+    for part in (_SRC.read_bytes(), " ".join(_FLAGS + _KERNEL_FLAGS).encode(), torch.__version__.encode(),
+                 cxx.encode(), ver.encode(), sys.platform.encode()):
+        h.update(part)
+        h.update(b"\0")
+    return _cache_dir() / f"kiln_gemv_{h.hexdigest()[:16]}.so"
+
+
+def _build(out: Path) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / (out.name + ".lock"), "w") as lockf:
+        fcntl.flock(lockf, fcntl.LOCK_EX)  # concurrent processes (pytest -n, CI) build once
+        try:
+            if out.exists():
+                return
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+            os.close(fd)
+            cmds = _build_cmds(_compiler(), _SRC, Path(tmp))
+            try:
+                _run_build(cmds)
+                os.replace(tmp, out)
+            finally:
+                for f in (tmp, tmp + ".kern.o", tmp + ".ops.o"):
+                    if os.path.exists(f):
+                        os.unlink(f)
+        finally:
+            fcntl.flock(lockf, fcntl.LOCK_UN)
+
+
+def _ops_registered() -> bool:
+    try:
+        return all(torch._C._dispatch_has_kernel_for_dispatch_key(f"kiln::{op}", "CPU")
+                   for op in ("linear_f32", "linear_i8"))
+    except RuntimeError:  # "operator ... does not exist"
+        return False
+
+
+def _has_fake(op: str) -> bool:
+    try:
+        from torch._library.simple_registry import singleton
+
+        return singleton.find(op).fake_impl.kernel is not None
+    except Exception:  # private API moved: assume not registered
+        return False
+
+
+def _register_fakes() -> None:
+    if _has_fake("kiln::linear_f32") and _has_fake("kiln::linear_i8"):
+        return
+
+    @torch.library.register_fake("kiln::linear_f32")
+    def _linear_f32_fake(x, packed_weight, bias=None):
+        torch._check(x.shape[-1] == packed_weight.shape[0])
+        return x.new_empty((*x.shape[:-1], packed_weight.shape[1]))
+
+    @torch.library.register_fake("kiln::linear_i8")
+    def _linear_i8_fake(x, packed_weight, scales, bias=None):
+        torch._check(x.shape[-1] == packed_weight.shape[0])
+        return x.new_empty((*x.shape[:-1], packed_weight.shape[1]))
+
+
+def ensure_loaded() -> str:
+    """Build (once, cached) and load the kernels; registers ``torch.ops.kiln.linear_f32`` and
+    ``torch.ops.kiln.linear_i8`` with fake impls. Returns the library path. Idempotent."""
+    global _loaded_path
+    with _lock:
+        if _loaded_path is not None:
+            return _loaded_path
+        _check_cpu()
+        if _ops_registered():  # loaded by someone else in this process (e.g. an older cache path)
+            _register_fakes()
+            _loaded_path = "<already registered>"
+            return _loaded_path
+        path = library_path()
+        if not path.exists():
+            _build(path)
+        try:
+            torch.ops.load_library(str(path))
+        except OSError as e:
+            raise KernelBuildError(f"kiln GEMV kernel: cannot load {path}: {e}") from e
+        _register_fakes()
+        _loaded_path = str(path)
+        return _loaded_path
+
+
+@torch.no_grad()
+def pack_linear_weight(w: torch.Tensor) -> torch.Tensor:
+    """nn.Linear weight ``[N, K]`` -> packed fp32 ``[K, N]`` (contiguous transpose), done once
+    at load time. For fused projections pass ``torch.cat([W1, W2, ...], dim=0)``."""
+    if w.dim() != 2:
+        raise ValueError(f"pack_linear_weight: expected a 2-D [N, K] weight, got {tuple(w.shape)}")
+    return w.detach().to(torch.float32).t().contiguous()
+
+
+@torch.no_grad()
+def pack_linear_weight_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """nn.Linear weight ``[N, K]`` -> (int8 ``[K, N]``, fp32 scales ``[N]``): symmetric
+    per-output-channel round-to-nearest, scale = max|w_n| / 127."""
+    if w.dim() != 2:
+        raise ValueError(f"pack_linear_weight_int8: expected a 2-D [N, K] weight, got {tuple(w.shape)}")
+    w = w.detach().to(torch.float32)
+    scales = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
+    q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)
+    return q.t().contiguous(), scales.contiguous()
+
+
+def linear_f32(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, W, bias)`` with ``packed_weight = pack_linear_weight(W)``."""
+    ensure_loaded()
+    return torch.ops.kiln.linear_f32(x, packed_weight, bias)
+
+
+def linear_i8(x: torch.Tensor, packed_weight: torch.Tensor, scales: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Weight-only int8 linear with ``(packed_weight, scales) = pack_linear_weight_int8(W)``."""
+    ensure_loaded()
+    return torch.ops.kiln.linear_i8(x, packed_weight, scales, bias)
