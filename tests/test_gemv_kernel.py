@@ -42,16 +42,19 @@ def _weights(n, k, seed=0):
 @pytest.mark.parametrize("n,k", SMOL_SHAPES + ODD_SHAPES)
 def test_linear_f32_matches_f_linear(n, k):
     w, b = _weights(n, k)
-    wt = gk.pack_linear_weight(w)
-    assert wt.shape == (k, n) and wt.is_contiguous()
     g = torch.Generator().manual_seed(1)
-    for m in MS:
-        x = torch.randn(m, k, generator=g)
-        for bias in (None, b):
-            got = torch.ops.kiln.linear_f32(x, wt, bias)
-            ref = F.linear(x, w, bias)
-            assert got.shape == ref.shape
-            assert (got - ref).abs().max().item() < 1e-4, (n, k, m, bias is None)
+    for layout in ("kn", "nk", "auto"):
+        wt = gk.pack_linear_weight(w, layout)
+        assert wt.shape == (k, n)
+        if n > 1 and k > 1:  # a [1, K] or [K, 1] tensor is both
+            assert gk.packed_layout(wt) == (layout if layout != "auto" else ("kn" if n > k else "nk"))
+        for m in MS:
+            x = torch.randn(m, k, generator=g)
+            for bias in (None, b):
+                got = torch.ops.kiln.linear_f32(x, wt, bias)
+                ref = F.linear(x, w, bias)
+                assert got.shape == ref.shape
+                assert (got - ref).abs().max().item() < 1e-4, (n, k, m, layout, bias is None)
 
 
 @pytest.mark.parametrize("n,k", [(576, 1536), (49152, 576)])
@@ -60,7 +63,7 @@ def test_linear_f32_unscaled_data_is_fp32_accurate(n, k):
     any summation order: bound the error relative to the output scale, against float64."""
     g = torch.Generator().manual_seed(2)
     w = torch.randn(n, k, generator=g)
-    wt = gk.pack_linear_weight(w)
+    wt = gk.pack_linear_weight(w, "kn")
     for m in (1, 4):
         x = torch.randn(m, k, generator=g)
         ref = F.linear(x.double(), w.double())
@@ -72,6 +75,8 @@ def test_leading_dims_noncontiguous_and_threads():
     w, b = _weights(960, 576)
     wt = gk.pack_linear_weight(w)
     x = torch.randn(2, 3, 576)
+    got_nk = torch.ops.kiln.linear_f32(x, gk.pack_linear_weight(w, "nk"), b)
+    assert torch.allclose(got_nk, F.linear(x, w, b), atol=1e-4, rtol=0)
     assert torch.allclose(torch.ops.kiln.linear_f32(x, wt, b), F.linear(x, w, b), atol=1e-4, rtol=0)
     xt = torch.randn(576, 4).t()  # non-contiguous [4, 576]
     assert torch.allclose(torch.ops.kiln.linear_f32(xt, wt, b), F.linear(xt, w, b), atol=1e-4, rtol=0)
@@ -93,6 +98,7 @@ def test_pack_fused_projection():
     wk, _ = _weights(192, 576, 2)
     wv, _ = _weights(192, 576, 3)
     wt = gk.pack_linear_weight(torch.cat([wq, wk, wv]))
+    assert gk.packed_layout(wt) == "kn"
     x = torch.randn(1, 576)
     q, k, v = torch.ops.kiln.linear_f32(x, wt).split([576, 192, 192], dim=-1)
     for got, w in ((q, wq), (k, wk), (v, wv)):
@@ -125,12 +131,17 @@ def test_bad_inputs_raise():
         torch.ops.kiln.linear_f32(torch.randn(1, 31), wt)
     with pytest.raises(RuntimeError, match="float32"):
         torch.ops.kiln.linear_f32(torch.randn(1, 32, dtype=torch.float64), wt)
+    with pytest.raises(RuntimeError, match="strides"):
+        torch.ops.kiln.linear_f32(torch.randn(1, 64), torch.randn(64, 128)[:, ::2])
     with pytest.raises(RuntimeError, match="contiguous"):
-        torch.ops.kiln.linear_f32(torch.randn(1, 64), wt.t())
+        wq, s = gk.pack_linear_weight_int8(w)
+        torch.ops.kiln.linear_i8(torch.randn(1, 64), wq.t(), s)
     with pytest.raises(RuntimeError, match="bias"):
         torch.ops.kiln.linear_f32(torch.randn(1, 32), wt, torch.randn(63))
     with pytest.raises(ValueError):
         gk.pack_linear_weight(torch.randn(3))
+    with pytest.raises(ValueError):
+        gk.pack_linear_weight(w, "blocked")
 
 
 def test_missing_compiler_is_a_clear_error(tmp_path, monkeypatch):

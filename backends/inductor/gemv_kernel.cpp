@@ -1,9 +1,13 @@
 // Kiln CPU linear kernels for decode (M = 1) and small batches (M <= kSmallM = 8).
 //
-// Packed fp32 weight layout: Wt = W.t().contiguous(), shape [K, N] (W is nn.Linear's [N, K]).
-// A GEMV then streams Wt front to back (long sequential runs, friendly to every hardware
-// prefetcher), and large M (prefill) is an ordinary row-major GEMM x[M,K] @ Wt[K,N] that
-// MKL runs at full speed without a second copy of the weight.
+// Packed fp32 weight: logical shape [K, N] (= W.t(), W is nn.Linear's [N, K]) in one of two
+// memory layouts (pack_linear_weight in gemv_kernel.py picks per weight):
+//   "kn": W.t().contiguous(). A GEMV streams it front to back, 8 rows at a time (long
+//         sequential runs when N is large: qkv, gate_up, lm_head) -> this file's kernel for
+//         M <= 8; prefill (M > 8) is the plain row-major GEMM x[M,K] @ Wt[K,N] in MKL, so no
+//         second copy of the weight is kept.
+//   "nk": W itself, seen through .t() -> MKL for every M (its row-dot GEMV is as fast or faster
+//         when K >= N: o, k/v, down).
 //
 // Packed int8 layout: Wq_t int8 [K, N] with per-output-channel fp32 scales [N]
 // (symmetric, weight-only): y = (x @ Wq_t) * scales + bias.
@@ -155,7 +159,7 @@ static void step_mm(const float* xk, const typename L::T* w, int64_t N, int64_t 
 template <class L, int M>
 static void panel(const float* x, int64_t ldx, const typename L::T* Wt, int64_t N, int64_t k0, int64_t k1,
                   int64_t c0, int64_t c1, float* y, int64_t ldy, const float* init_row) {
-  constexpr int R = M == 1 ? 8 : 4;
+  constexpr int R = 8;  // 8 concurrent row streams: measured best of 1, 2, 4, 8
   Src src{init_row, 0};
   if (k0 == k1) {
     for (int m = 0; m < M; m++)
@@ -197,9 +201,11 @@ static void panel_m(const float* x, int64_t ldx, int64_t M, const typename L::T*
     case 5: return panel<L, 5>(x, ldx, Wt, N, k0, k1, c0, c1, y, ldy, init_row);
     case 6: return panel<L, 6>(x, ldx, Wt, N, k0, k1, c0, c1, y, ldy, init_row);
     case 7: return panel<L, 7>(x, ldx, Wt, N, k0, k1, c0, c1, y, ldy, init_row);
-    default:
+    case 8: return panel<L, 8>(x, ldx, Wt, N, k0, k1, c0, c1, y, ldy, init_row);
+    default:  // M > 8 (the ops send such M to MKL; kept correct for direct callers)
       for (int64_t m = 0; m < M; m += 8)
-        panel<L, 8>(x + m * ldx, ldx, Wt, N, k0, k1, c0, c1, y + m * ldy, ldy, init_row);
+        panel_m<L>(x + m * ldx, ldx, std::min<int64_t>(8, M - m), Wt, N, k0, k1, c0, c1, y + m * ldy, ldy,
+                   init_row);
   }
 }
 
@@ -317,23 +323,30 @@ static void check_common(const at::Tensor& x, const at::Tensor& w, const std::op
   TORCH_CHECK(x.device().is_cpu() && w.device().is_cpu(), op, ": CPU tensors only");
   TORCH_CHECK(x.scalar_type() == at::kFloat, op, ": x must be float32, got ", x.scalar_type());
   TORCH_CHECK(x.dim() >= 1, op, ": x must have at least one dim");
-  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), op,
-              ": packed weight must be a contiguous [K, N] tensor (use pack_linear_weight)");
+  TORCH_CHECK(w.dim() == 2, op, ": packed weight must be 2-D [K, N] (use pack_linear_weight)");
   TORCH_CHECK(x.size(-1) == w.size(0), op, ": x has K=", x.size(-1), " but packed weight has K=",
-              w.size(0), " (packed layout is [K, N] = W.t())");
+              w.size(0), " (packed weights are [K, N] = W.t())");
   if (bias) {
     TORCH_CHECK(bias->scalar_type() == at::kFloat && bias->dim() == 1 && bias->size(0) == w.size(1),
                 op, ": bias must be float32 [N]");
   }
 }
 
+// The fp32 packed weight is [K, N] in one of two memory layouts (pack_linear_weight picks):
+//  "kn": contiguous [K, N] -> this file's GEMV kernel for M <= kSmallM, MKL GEMM above;
+//  "nk": W [N, K] contiguous, seen through .t() (strides (1, K)) -> MKL for every M (its
+//        row-dot GEMV streams long rows of W well when K >= N).
 at::Tensor linear_f32(const at::Tensor& x_in, const at::Tensor& wt, const std::optional<at::Tensor>& bias_in) {
   check_common(x_in, wt, bias_in, "kiln::linear_f32");
   TORCH_CHECK(wt.scalar_type() == at::kFloat, "kiln::linear_f32: packed weight must be float32");
   const int64_t K = wt.size(0), N = wt.size(1);
+  const bool kn = wt.is_contiguous();
+  const bool nk = wt.stride(0) == 1 && wt.stride(1) == std::max<int64_t>(K, 1);
+  TORCH_CHECK(kn || nk, "kiln::linear_f32: packed weight must be contiguous [K, N] or W.t() of a "
+              "contiguous [N, K] W (use pack_linear_weight); got strides ", wt.strides());
   at::Tensor x = x_in.contiguous().view({-1, K});
   const int64_t M = x.size(0);
-  if (M > kSmallM) {
+  if (!kn || M > kSmallM) {
     at::Tensor y = bias_in ? at::addmm(*bias_in, x, wt) : at::mm(x, wt);
     return y.view(out_shape(x_in, N));
   }
@@ -341,7 +354,7 @@ at::Tensor linear_f32(const at::Tensor& x_in, const at::Tensor& wt, const std::o
   at::Tensor y = at::empty({M, N}, x.options());
   if (M > 0 && N > 0)
     small_m_linear<float>(x.data_ptr<float>(), M, K, wt.data_ptr<float>(), N, nullptr,
-                            bias.defined() ? bias.data_ptr<float>() : nullptr, y.data_ptr<float>());
+                          bias.defined() ? bias.data_ptr<float>() : nullptr, y.data_ptr<float>());
   return y.view(out_shape(x_in, N));
 }
 
@@ -349,6 +362,8 @@ at::Tensor linear_i8(const at::Tensor& x_in, const at::Tensor& wq, const at::Ten
                      const std::optional<at::Tensor>& bias_in) {
   check_common(x_in, wq, bias_in, "kiln::linear_i8");
   TORCH_CHECK(wq.scalar_type() == at::kChar, "kiln::linear_i8: packed weight must be int8");
+  TORCH_CHECK(wq.is_contiguous(), "kiln::linear_i8: packed weight must be a contiguous int8 [K, N] "
+              "(use pack_linear_weight_int8)");
   const int64_t K = wq.size(0), N = wq.size(1);
   TORCH_CHECK(scales_in.scalar_type() == at::kFloat && scales_in.numel() == N,
               "kiln::linear_i8: scales must be float32 [N]");

@@ -4,24 +4,30 @@ Usage::
 
     from kiln.backends.inductor import gemv_kernel as gk
     gk.ensure_loaded()                      # builds once (cached), registers the ops
-    wt = gk.pack_linear_weight(linear.weight)          # [N, K] -> packed [K, N] (= W.t())
+    wt = gk.pack_linear_weight(linear.weight)          # [N, K] -> packed, logical [K, N] (= W.t())
     y = torch.ops.kiln.linear_f32(x, wt, linear.bias)  # == F.linear(x, W, b); x: [..., K]
 
     wq, scales = gk.pack_linear_weight_int8(linear.weight)   # int8 [K, N], fp32 [N]
     y = torch.ops.kiln.linear_i8(x, wq, scales, bias)        # == F.linear(x, W_dequant, b)
 
-Layout: the packed weight is the transposed weight, contiguous ``[K, N]``. For M = 1..8 rows
-(M = prod(x.shape[:-1])) the op streams it with an AVX2/FMA kernel over torch's intra-op threads;
-for larger M (prefill) it is a plain ``x @ Wt`` GEMM in MKL, so no second copy of the weight is
-kept. Fused projections (qkv, gate/up) are packed from ``torch.cat([Wq, Wk, Wv])``. Any K and N
-work; float32 activations only; CPU only; the CPU must have AVX2 and FMA.
+Layout: the packed fp32 weight has logical shape ``[K, N]`` (= ``W.t()``) in one of two memory
+layouts, chosen per weight by ``pack_linear_weight`` (``layout="auto"``): "kn" (contiguous
+``[K, N]``, used when N > K: fused qkv, gate_up, lm_head) and "nk" (the ``[N, K]`` weight seen
+through ``.t()``: o, k/v, down). For "kn" and M = 1..8 rows (M = prod(x.shape[:-1])) the op
+streams the weight with an AVX2/FMA kernel over torch's intra-op threads (split over K, or over N
+for very wide outputs); for larger M (prefill), and always for "nk", it is one MKL GEMM
+``x @ packed`` -- no second copy of any weight. Fused projections are packed from
+``torch.cat([Wq, Wk, Wv])``. Any K and N work; float32 activations only; CPU only; the CPU must
+have AVX2 and FMA. The int8 weight is always contiguous ``[K, N]`` (kernel for M <= 8; for larger
+M it is dequantized per call and run by MKL). Inference only (no autograd).
 
 Both ops have fake (meta) implementations, so a ``torch.compile(fullgraph=True)`` graph calls them
 without a graph break (Inductor keeps them as extern calls).
 
 The shared library is compiled with the system C++ compiler (``$CXX`` or ``g++``; no ninja, no
 pybind) into ``$KILN_CACHE/ext`` (default ``~/.cache/kiln/ext``), keyed by the source, flags, torch
-version and compiler, and loaded with ``torch.ops.load_library``. A first build takes ~15 s.
+version and compiler, and loaded with ``torch.ops.load_library``. A first build (two translation
+units compiled in parallel) takes ~20 s on 2 idle cores, ~40 s on a loaded machine.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ __all__ = [
     "library_path",
     "pack_linear_weight",
     "pack_linear_weight_int8",
+    "packed_layout",
     "linear_f32",
     "linear_i8",
     "SMALL_M",
@@ -211,12 +218,32 @@ def ensure_loaded() -> str:
 
 
 @torch.no_grad()
-def pack_linear_weight(w: torch.Tensor) -> torch.Tensor:
-    """nn.Linear weight ``[N, K]`` -> packed fp32 ``[K, N]`` (contiguous transpose), done once
-    at load time. For fused projections pass ``torch.cat([W1, W2, ...], dim=0)``."""
+def pack_linear_weight(w: torch.Tensor, layout: str = "auto") -> torch.Tensor:
+    """nn.Linear weight ``[N, K]`` -> packed fp32 weight of logical shape ``[K, N]``, done once at
+    load time. For fused projections pass ``torch.cat([W1, W2, ...], dim=0)``.
+
+    layout: ``"kn"`` = ``W.t().contiguous()`` (Kiln's GEMV kernel for M <= 8, MKL above);
+    ``"nk"`` = ``W.contiguous().t()``, a transposed view of the [N, K] weight (MKL for every M);
+    ``"auto"`` = ``"kn"`` when N > K (qkv, gate_up, lm_head: long contiguous rows to stream) else
+    ``"nk"`` (o, k/v, down: MKL's row-dot GEMV on W is as fast or faster there, measured).
+    An "nk" result shares storage with ``w`` when ``w`` is already contiguous fp32. To serialize,
+    save the original weight and re-pack at load."""
     if w.dim() != 2:
         raise ValueError(f"pack_linear_weight: expected a 2-D [N, K] weight, got {tuple(w.shape)}")
-    return w.detach().to(torch.float32).t().contiguous()
+    n, k = w.shape
+    if layout == "auto":
+        layout = "kn" if n > k else "nk"
+    w = w.detach().to(torch.float32)
+    if layout == "kn":
+        return w.t().contiguous()
+    if layout == "nk":
+        return w.contiguous().t()  # shares storage with a contiguous fp32 w (no copy)
+    raise ValueError(f"pack_linear_weight: layout must be 'auto', 'kn' or 'nk', got {layout!r}")
+
+
+def packed_layout(packed: torch.Tensor) -> str:
+    """"kn" or "nk" for a tensor made by pack_linear_weight."""
+    return "kn" if packed.is_contiguous() else "nk"
 
 
 @torch.no_grad()
