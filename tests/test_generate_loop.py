@@ -141,7 +141,8 @@ def test_stats_count_tokens_and_record_every_phase():
     stats = result.stats
     assert (stats.tokens_in, stats.tokens_out, result.finish_reason) == (len(LONG), 5, "length")
     # every phase was recorded (a value, not a speed claim: speed lives in bench/)
-    assert None not in (stats.ttft_s, stats.prefill_tokens_per_s, stats.decode_tokens_per_s)
+    phases = (stats.ttft_s, stats.prefill_tokens_per_s, stats.decode_tokens_per_s)
+    assert None not in phases
 
 
 def test_text_prompt_stream_concatenates_to_the_result_text(tokenizer):
