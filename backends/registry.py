@@ -14,6 +14,8 @@ from kiln.ir.errors import KilnError
 BACKENDS: dict[str, str] = {
     "reference": "kiln.backends.reference",
     "inductor": "kiln.backends.inductor",
+    "onnxruntime": "kiln.backends.onnxruntime",
+    "tinygrad": "kiln.backends.tinygrad",
 }
 
 

@@ -1,5 +1,6 @@
 """End to end: compile, load, generate; greedy tokens must equal Hugging Face's, token for token."""
 import json
+import os
 import subprocess
 import sys
 
@@ -9,10 +10,10 @@ import torch
 import kiln
 from kiln.frontend.checkpoint import load_model
 
-from tiny_models import ARCHITECTURES, VOCAB_SIZE
+from hf_oracle import eos_ids, hf_greedy, prompts
+from tiny_models import ARCHITECTURES
 
 NEW_TOKENS = 64
-import os
 BACKEND = os.environ.get("KILN_TEST_BACKEND", "inductor")
 
 
@@ -30,27 +31,6 @@ def compiled(tiny_model_dirs, tmp_path_factory):
         return cache[arch]
 
     return get
-
-
-def hf_greedy(model, prompt: list[int], new_tokens: int, eos_ids) -> list[int]:
-    """Hugging Face's greedy continuation, cut after the first end-of-sequence token."""
-    ids = torch.tensor([prompt])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                             do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
-    for i, t in enumerate(out):
-        if t in eos_ids:
-            return out[:i + 1]
-    return out
-
-
-def prompts(lengths, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, VOCAB_SIZE, (n,), generator=g).tolist() for n in lengths]
-
-
-def eos_ids(llm):
-    return set(llm.tokenizer.eos_ids) if llm.tokenizer else set()
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)

@@ -1,0 +1,1 @@
+"""The ONNX Runtime backend (being built): IR -> ONNX ModelProto -> InferenceSession."""

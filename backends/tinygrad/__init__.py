@@ -1,0 +1,1 @@
+"""The tinygrad backend (being built): IR -> tinygrad tensors under TinyJit."""
