@@ -125,6 +125,10 @@ OP_CASES = {
     "layer_norm": (["x: f32[batch, seq, 4]", "w: f32[4]", "b: f32[4]"],
                    lambda g, x, w, b: g.call("layer_norm", x, w, b, eps=1e-5)),
     "rms_norm": (["x: f32[batch, seq, 4]", "w: f32[4]"], lambda g, x, w: g.call("rms_norm", x, w, eps=1e-6, offset=1.0)),
+    "add_rms_norm": (["x: f32[batch, seq, 4]", "r: f32[batch, seq, 4]", "w: f32[4]"],  # both outputs used
+                     lambda g, x, r, w: g.call("add", *g.call("add_rms_norm", x, r, w, eps=1e-6, offset=1.0))),
+    "rope": (["x: f32[batch, 4, seq, 8]", "p: i64<16[batch, seq]", "c: f32[16, 3]", "s: f32[16, 3]"],
+             lambda g, x, p, c, s: g.call("rope", x, p, c, s)),  # partial: 6 of 8 dims rotate
     "attention": (["q: f32[batch, 4, seq, 8]", "k: f32[batch, 2, seq, 8]", "v: f32[batch, 2, seq, 8]"],
                   lambda g, q, k, v: g.call("attention", q, k, v, None, None, causal=True)),
     "attention_window_positions": (

@@ -19,6 +19,24 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: f
     return y * (weight + offset) if offset else y * weight
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float,
+                 offset: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual): Inductor fuses the add into the norm's kernel."""
+    total = x + residual
+    return rms_norm(total, weight, eps, offset), total
+
+
+def rope(x: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor) -> torch.Tensor:
+    """The IR's `rope`: rotate-half rotary embedding of x[..., :2 * half] with table rows at positions."""
+    half = cos_table.size(-1)
+    c, s = F.embedding(positions, cos_table)[:, None], F.embedding(positions, sin_table)[:, None]
+    x1, x2 = x[..., :half], x[..., half:2 * half]
+    rotated = (x1 * c - x2 * s, x2 * c + x1 * s)
+    if 2 * half == x.size(-1):
+        return torch.cat(rotated, dim=-1).to(x.dtype)
+    return torch.cat((*rotated, x[..., 2 * half:]), dim=-1).to(x.dtype)
+
+
 def kv_write_inplace(cache: torch.Tensor, new: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """cache[b, h, positions[b, t]] = new[b, h, t] for the first `batch` rows, in place; returns cache.
 

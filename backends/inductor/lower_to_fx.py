@@ -215,6 +215,8 @@ FX_LOWERINGS: dict[str, Lowering] = {
     "embedding": lambda b, node, args, attrs: b.call(F.embedding, args[1], args[0]),
     "layer_norm": _layer_norm,
     "rms_norm": _torch_call(composite_ops.rms_norm),
+    "add_rms_norm": _torch_call(composite_ops.add_rms_norm),
+    "rope": _torch_call(composite_ops.rope),
     "attention": _torch_call(composite_ops.attention),
     "kv_write": _kv_write,
 }
