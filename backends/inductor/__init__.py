@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from . import fast_linear  # registers Kiln's GEMV kernel as the lowering of fp32 linears
 from .aoti_package import AOTIExecutable, PackageError, load
 from .executable import FeedError, InductorExecutable, lower
 from .lower_to_fx import (FX_LOWERINGS, LoweringError, UnsupportedOpError, check_lowering_table, graph_to_fx,
