@@ -19,6 +19,7 @@ _EXPORTS = {
     "ArtifactError": "kiln.runtime.errors", "ContextLengthError": "kiln.runtime.errors",
     "GenerationError": "kiln.runtime.errors", "TokenizerError": "kiln.runtime.errors",
     "BackendNotFoundError": "kiln.backends.registry",
+    "GraphBreakError": "kiln.frontend.compile_breaks",
 }
 __all__ = list(_EXPORTS)
 

@@ -1,6 +1,7 @@
 """The command lines: `compile-model` (compile a model into an artifact) and `kiln` (use one).
 
     compile-model [MODEL] -o model.kiln [--backend inductor|reference] [--max-seq-len N] ...
+    compile-model explain [TARGET] [--format md|html|json] [-o FILE]   (graph breaks and recompiles)
     kiln generate model.kiln --prompt "Once upon a time" [--max-new-tokens N] [--chat] ...
     kiln chat model.kiln
     kiln ir MODEL|ARTIFACT|FILE.kir [--stateful]   (print a graph's IR)
@@ -40,7 +41,11 @@ def compile_model_main(argv: list[str] | None = None) -> int:
 
 
 def _compile_model(argv) -> int:
-    parser = argparse.ArgumentParser(prog="compile-model", description="Compile a causal LM into a Kiln artifact.")
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["explain"]:  # a model directory named "explain" is passed as ./explain
+        return _explain(argv[1:])
+    parser = argparse.ArgumentParser(prog="compile-model", description="Compile a causal LM into a Kiln artifact. "
+                                     "`compile-model explain --help`: explain its graph breaks.")
     parser.add_argument("model", nargs="?", help="local Hugging Face directory or .gguf file "
                         "(default: the bundled SmolLM2-135M-Instruct)")
     parser.add_argument("-o", "--out", required=True, help="artifact directory to write")
@@ -66,8 +71,60 @@ def _compile_model(argv) -> int:
     print(f"backend    {manifest['backend']} {manifest.get('backend_version', '')}".rstrip())
     print(f"graph      {stats.get('nodes', '?')} nodes ({top_ops})")
     print(f"params     {stats.get('params', '?')} tensors, {stats.get('param_bytes', 0) / 1e6:.1f} MB")
+    if "graph_breaks" in manifest:
+        from kiln.frontend.report_model import summary_line
+
+        print(f"breaks     {summary_line(manifest['graph_breaks'])} (report.md in the artifact)")
     print(f"options    max_seq_len={args.max_seq_len} max_batch={args.max_batch} dtype={args.dtype}")
     print(f"time       {time.perf_counter() - started:.1f}s")
+    return 0
+
+
+def _explain(argv) -> int:
+    parser = argparse.ArgumentParser(
+        prog="compile-model explain",
+        description="Capture a model with Dynamo and explain every graph break and recompile it meets: where, "
+                    "why in plain words, what it costs, whether Kiln removes it, and how to fix it.")
+    parser.add_argument("target", nargs="?", help="local Hugging Face directory, .gguf file, or "
+                        "path/to/file.py:callable returning (module, inputs) (default: the bundled SmolLM2-135M-Instruct)")
+    parser.add_argument("--format", choices=["md", "html", "json"], default="md")
+    parser.add_argument("-o", "--out", metavar="FILE", help="write the report to FILE (default: standard output)")
+    parser.add_argument("--sections", default="forward,stateless,generate",
+                        help="for a model, what to capture, comma-separated: forward (with a DynamicCache, prefill "
+                             "and decode), stateless (what Kiln compiles), generate (model.generate)")
+    args = parser.parse_args(argv)
+
+    import json
+
+    from kiln.frontend.break_analysis import analyze
+    from kiln.frontend.explain_targets import load_target
+    from kiln.frontend.report_html import render_html
+    from kiln.frontend.report_markdown import render_markdown
+    from kiln.frontend.report_model import make_report
+
+    target = args.target
+    if target is None:
+        from kiln.frontend.default_model import default_model_dir
+
+        target = str(default_model_dir())
+    sections = []
+    for subject in load_target(target, tuple(s.strip() for s in args.sections.split(",") if s.strip())):
+        started = time.perf_counter()
+        print(f"[compile-model explain] capture {subject.name} ...", file=sys.stderr, flush=True)
+        sections.append(analyze(subject))
+        print(f"[compile-model explain] {subject.name}: {sections[-1].summary_line()}, "
+              f"{sections[-1].counts['recompiles']} recompile(s) ({time.perf_counter() - started:.1f}s)",
+              file=sys.stderr, flush=True)
+    report = make_report(target, sections)
+    render = {"md": render_markdown, "html": render_html,
+              "json": lambda r: json.dumps(r.to_json(), indent=2) + "\n"}[args.format]
+    text = render(report)
+    if args.out:
+        Path(args.out).write_text(text, encoding="utf-8")
+        print(f"[compile-model explain] wrote {args.out}", file=sys.stderr)
+    else:
+        print(text, end="")
+    print(report.summary_line(), file=sys.stderr)
     return 0
 
 

@@ -83,10 +83,12 @@ def file_sha256(path: Path) -> str:
 
 
 # -- writing ---------------------------------------------------------------------------------
-def save_artifact(directory, graph: Graph, executable, tokenizer_dir=None, manifest_fields: dict | None = None) -> Path:
+def save_artifact(directory, graph: Graph, executable, tokenizer_dir=None, manifest_fields: dict | None = None,
+                  extra_files: dict[str, str] | None = None) -> Path:
     """Write the artifact for `graph` (stateful, weights attached) and `executable` to `directory`.
 
     `manifest_fields` adds backend, backend_version, source_hash, options, ... to the manifest.
+    `extra_files` ({name: text}, e.g. the graph-break report) are written and listed like the rest.
     The artifact is assembled in a temporary sibling directory and moved into place, so a crash
     never leaves half an artifact; an existing artifact at `directory` is replaced, anything
     else there is refused.
@@ -101,6 +103,9 @@ def save_artifact(directory, graph: Graph, executable, tokenizer_dir=None, manif
         save_file(_weights_for_saving(graph), str(staging / WEIGHTS_FILE))
         names = [GRAPH_FILE, WEIGHTS_FILE, *_copy_tokenizer(tokenizer_dir, staging)]
         names += _expand_dirs(staging, executable.save(staging) or [])
+        for name, text in (extra_files or {}).items():
+            (staging / name).write_text(text, encoding="utf-8")
+            names.append(name)
         manifest = {
             "format": FORMAT, "format_version": FORMAT_VERSION, "kiln_version": kiln_version(),
             **(manifest_fields or {}),
