@@ -1,1 +1,62 @@
-"""The ONNX Runtime backend (being built): IR -> ONNX ModelProto -> InferenceSession."""
+"""The onnxruntime backend: Kiln IR -> ONNX ModelProto (written directly) -> InferenceSession.
+
+- to_onnx.py drives the lowering: op_lowerings.py holds the one table from IR op to plain ONNX
+  nodes (`ONNX_LOWERINGS`), contrib_patterns.py hands groups to ORT's com.microsoft kernels
+  (GroupQueryAttention, SkipSimplifiedLayerNormalization, ...), plain_attention.py is the
+  attention/kv_write fallback in standard ops;
+- model_files.py writes `model.onnx` with its weights as external data (`model.onnx.data`);
+- executable.py runs it with IOBinding over KV buffers updated in place; providers.py picks the
+  execution provider and checks at compile time that it can run every node.
+"""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import onnxruntime as ort
+import torch
+
+from kiln.backends.executable import BackendOptions
+from kiln.ir import Graph, verify
+
+from .errors import FeedError, OnnxLoweringError, ProviderError
+from .executable import OrtExecutable
+from .model_files import DATA_FILE, MODEL_FILE, check_model, write_model
+from .op_lowerings import ONNX_LOWERINGS, check_lowering_table
+from .providers import check_supported, choose_provider
+from .to_onnx import OnnxProgram, graph_to_onnx
+
+NAME = "onnxruntime"
+
+
+def backend_version() -> str:
+    """What actually runs the model: the onnxruntime package's version."""
+    return ort.__version__
+
+
+def lower(graph: Graph, options: BackendOptions, contrib_ops: bool = True) -> OrtExecutable:
+    """Lower a stateful graph (weights attached) to ONNX and open an InferenceSession on it.
+
+    `contrib_ops=False` keeps to standard ONNX ops (slower; for comparison and testing)."""
+    verify(graph)
+    choose_provider(options.device)  # fail before the slow steps if the provider is missing
+    program = graph_to_onnx(graph, contrib_ops=contrib_ops)
+    workdir = tempfile.TemporaryDirectory(prefix="kiln-onnx-")
+    write_model(program, Path(workdir.name))
+    return OrtExecutable(Path(workdir.name) / MODEL_FILE, options, workdir)
+
+
+def load(directory: Path, graph: Graph, weights: dict[str, torch.Tensor], options: BackendOptions) -> OrtExecutable:
+    """Open an artifact's model.onnx (no lowering: graph and weights are not needed to run it)."""
+    path = Path(directory) / MODEL_FILE
+    if not path.is_file():
+        raise OnnxLoweringError(f"{path} is missing: the artifact was not compiled with --backend onnxruntime. "
+                                "Fix: recompile it with --backend onnxruntime.")
+    return OrtExecutable(path, options)
+
+
+__all__ = [
+    "NAME", "backend_version", "lower", "load", "OrtExecutable", "OnnxProgram", "graph_to_onnx",
+    "write_model", "check_model", "check_supported", "ONNX_LOWERINGS", "check_lowering_table",
+    "FeedError", "OnnxLoweringError", "ProviderError", "MODEL_FILE", "DATA_FILE",
+]

@@ -1,0 +1,286 @@
+"""Groups of IR nodes that ONNX Runtime runs faster as one com.microsoft kernel.
+
+`plan_contrib_ops(graph)` finds the groups and returns a `Plan`: which nodes are not lowered on
+their own (`skipped`: their outputs are produced by the group's kernel) and which node lowers
+the whole group (`emitters`). Nodes of a group that other nodes still read are lowered as
+usual; what nothing reads is pruned when the model is built.
+
+- attention over kv_write(cache.k), kv_write(cache.v) -> GroupQueryAttention, reading q/k/v in
+  the [batch, seq, heads*head_dim] layout the projections produce (packed as one input when
+  they are slices of one fused projection), rope folded in (`do_rotary`) when both q and k go
+  through a `rope` with the same tables, and the KV buffer bound as both past and present so
+  the kernel writes the new keys/values in place. `seqlens_k` and `total_sequence_length`
+  come from positions, which must then be contiguous per row (the executable checks).
+- add followed by rms_norm (or the decomposed x * rsqrt(mean(x^2) + eps) * w the capture
+  produces before fusion passes run) -> SkipSimplifiedLayerNormalization / RMSNormalization;
+  add followed by layer_norm -> SkipLayerNormalization. Their sum output is the residual.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from kiln.ir import Graph, Node, Value
+from kiln.ir.dims import dims_equal
+
+from .onnx_builder import MS_DOMAIN, OnnxBuilder
+from .op_lowerings import norm_scale
+
+Emitter = Callable[[OnnxBuilder], "str | list[str]"]
+
+
+@dataclass
+class Plan:
+    """What the lowering driver does differently for contrib-op groups."""
+
+    skipped: set[int] = field(default_factory=set)  # id(node): outputs defined by a group's kernel
+    emitters: dict[int, Emitter] = field(default_factory=dict)  # id(node) -> lowers its group
+    in_place_caches: set[str] = field(default_factory=set)  # cache inputs GroupQueryAttention updates
+
+    def skip(self, node: Node) -> None:
+        self.skipped.add(id(node))
+
+
+def plan_contrib_ops(graph: Graph) -> Plan:
+    """Find every contrib-op group of `graph`."""
+    plan = Plan()
+    users = graph.users()
+    outputs = {id(v) for v in graph.outputs}
+    for node in graph.nodes:
+        if node.op == "attention":
+            _plan_attention(graph, node, users, outputs, plan)
+    absorbed: set[int] = set()
+    for node in graph.nodes:
+        _plan_norm(graph, node, users, absorbed, plan)
+    return plan
+
+
+# -- attention -----------------------------------------------------------------------------
+def _only_reader(value: Value, node: Node, users, outputs) -> bool:
+    return id(value) not in outputs and users.get(value, []) == [node]
+
+
+def _plan_attention(graph: Graph, node: Node, users, outputs, plan: Plan) -> None:
+    q, k, v, mask, positions = node.inputs
+    writes = [k.producer, v.producer]
+    if mask is not None or positions is not graph.inputs[1] or any(w is None or w.op != "kv_write" for w in writes):
+        return
+    caches = [w.inputs[0] for w in writes]
+    if any(c not in graph.inputs[2:] or users.get(c) != [w] for c, w in zip(caches, writes)):
+        return
+    if any(w.inputs[2] is not positions or users.get(w.output, []) != [node] for w in writes):
+        return
+    q_heads, kv_heads, head_dim = q.type.shape[1], k.type.shape[1], q.type.shape[3]
+    if not all(isinstance(d, int) for d in (q_heads, kv_heads, head_dim)) or head_dim % 8 or q_heads % kv_heads:
+        return
+    if q.type.dtype not in ("f32", "f16") or {k.type.dtype, v.type.dtype, writes[0].inputs[1].type.dtype} != {q.type.dtype}:
+        return
+    if v.type.shape[3] != head_dim:
+        return
+    max_seq_len = caches[0].type.shape[2]
+    rotary = _foldable_rope(q, writes[0].inputs[1], positions, head_dim, max_seq_len)
+    out_reshape = _bsh_reader(node.output, users, outputs)
+    for w in writes:
+        plan.skip(w)
+    if out_reshape is not None:
+        plan.skip(out_reshape)
+    plan.in_place_caches.update(c.name for c in caches)
+    plan.emitters[id(node)] = lambda b: _emit_gqa(b, node, writes, rotary, out_reshape)
+
+
+def _foldable_rope(q: Value, k_new: Value, positions: Value, head_dim: int, max_seq_len) -> tuple | None:
+    """(q before rope, k before rope, cos, sin) when both go through one `rope` GQA can do itself."""
+    ropes = [q.producer, k_new.producer]
+    if any(r is None or r.op != "rope" for r in ropes):
+        return None
+    if any(r.inputs[1] is not positions for r in ropes) or ropes[0].inputs[2:] != ropes[1].inputs[2:]:
+        return None
+    cos, sin = ropes[0].inputs[2:]
+    rows, half = cos.type.shape
+    if head_dim % 16 or not isinstance(half, int) or half % 8 or half > head_dim // 2:
+        return None
+    if not (isinstance(rows, int) and isinstance(max_seq_len, int) and rows >= max_seq_len):
+        return None
+    return ropes[0].inputs[0], ropes[1].inputs[0], cos, sin
+
+
+def _bsh_source(value: Value) -> Value | None:
+    """X for value = permute(reshape(X [b, s, h*d], [b, s, h, d]), [0, 2, 1, 3]), else None."""
+    permute = value.producer
+    if permute is None or permute.op != "permute" or tuple(p % 4 for p in permute.attrs["perm"]) != (0, 2, 1, 3):
+        return None
+    reshape = permute.inputs[0].producer
+    if reshape is None or reshape.op != "reshape":
+        return None
+    source = reshape.inputs[0]
+    b, s = value.type.shape[0], value.type.shape[2]
+    if source.type.rank != 3 or not (dims_equal(source.type.shape[0], b) and dims_equal(source.type.shape[1], s)):
+        return None
+    return source
+
+
+def _bsh_reader(out: Value, users, outputs) -> Node | None:
+    """The reshape reading attention's output as [b, s, h*d] through permute(0, 2, 1, 3), if any."""
+    readers = users.get(out, [])
+    if id(out) in outputs or len(readers) != 1 or readers[0].op != "permute":
+        return None
+    permute = readers[0]
+    if tuple(p % 4 for p in permute.attrs["perm"]) != (0, 2, 1, 3):
+        return None
+    after = users.get(permute.output, [])
+    if id(permute.output) in outputs or len(after) != 1 or after[0].op != "reshape":
+        return None
+    return after[0]
+
+
+def _bsh(b: OnnxBuilder, value: Value) -> str:
+    """value [b, h, s, d] as [b, s, h*d]: its source when it was made that way, else transposed."""
+    source = _bsh_source(value)
+    if source is not None:
+        return b.value(source)
+    return b.op("Reshape", b.op("Transpose", b.value(value), perm=[0, 2, 1, 3]), b.const([0, 0, -1]))
+
+
+def _packed_source(sources: list[Value], widths: list[int]) -> Value | None:
+    """T when q, k, v are the consecutive last-axis slices [0, wq), [wq, wq+wk), ... of T."""
+    slices = [s.producer for s in sources]
+    if any(n is None or n.op != "slice" for n in slices):
+        return None
+    whole = slices[0].inputs[0]
+    start = 0
+    for node, width in zip(slices, widths):
+        axis, first, end, step = (node.attrs[k] for k in ("axis", "start", "end", "step"))
+        if node.inputs[0] is not whole or axis % whole.type.rank != whole.type.rank - 1 or step != 1:
+            return None
+        if first != start or end != start + width:
+            return None
+        start += width
+    return whole if whole.type.shape[-1] == start else None
+
+
+def sequence_lengths(b: OnnxBuilder, positions: Value) -> tuple[str, str]:
+    """GQA's seqlens_k (i32 [batch]: each row's last position) and total_sequence_length
+    (i32 scalar: the largest position + 1), computed once from the positions input."""
+    if "seqlens_k" not in b.memo:
+        saved, b.scope, b.label = b.scope, "/model/attn_lengths", None
+        pos = b.typed(positions, "i64")
+        last = b.op("ReduceMax", pos, b.const([1]), keepdims=0)
+        total = b.op("Add", b.op("ReduceMax", pos, keepdims=0), b.const(1))
+        b.memo["seqlens_k"] = (b.cast(last, "i64", "i32"), b.cast(total, "i64", "i32"))
+        b.scope = saved
+    return b.memo["seqlens_k"]
+
+
+def _emit_gqa(b: OnnxBuilder, node: Node, writes: list[Node], rotary, out_reshape: Node | None) -> str:
+    q, _, v_written, _, positions = node.inputs
+    q_heads, head_dim = q.type.shape[1], q.type.shape[3]
+    kv_heads = v_written.type.shape[1]
+    q_in, k_in, v_in = q, writes[0].inputs[1], writes[1].inputs[1]
+    if rotary is not None:
+        q_in, k_in = rotary[0], rotary[1]
+    sources = [_bsh_source(x) for x in (q_in, k_in, v_in)]
+    packed = _packed_source(sources, [q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]) \
+        if all(sources) else None
+    query, key, value = (b.value(packed), "", "") if packed is not None else (_bsh(b, q_in), _bsh(b, k_in), _bsh(b, v_in))
+    seqlens_k, total = sequence_lengths(b, positions)
+    cos, sin = (b.value(rotary[2]), b.value(rotary[3])) if rotary is not None else ("", "")
+    past = [b.value(w.inputs[0]) for w in writes]
+    attrs = node.attrs
+    out, _, _ = b.node("GroupQueryAttention", [query, key, value, *past, seqlens_k, total, cos, sin],
+                       [None, b.value(writes[0].output), b.value(writes[1].output)],
+                       domain=MS_DOMAIN, label="attn", num_heads=q_heads, kv_num_heads=kv_heads,
+                       scale=float(attrs["scale"] if attrs["scale"] is not None else head_dim ** -0.5),
+                       softcap=float(attrs["softcap"]), local_window_size=attrs["window"] if attrs["window"] else -1,
+                       do_rotary=int(rotary is not None), rotary_interleaved=0)
+    batch, _, seq, _ = q.type.shape
+    b.declare(out, q.type.dtype, (batch, seq, q_heads * head_dim))
+    for w in writes:
+        b.declare(b.value(w.output), w.output.type.dtype, (batch, *w.output.type.shape[1:]))
+    if out_reshape is not None:
+        target = out_reshape.output.type.shape
+        if tuple(target) == (batch, seq, q_heads * head_dim):
+            b.rename(b.value(out_reshape.output), out)
+        else:
+            from .op_lowerings import reshape_target
+
+            b.node("Reshape", [out, reshape_target(b, (batch, seq, q_heads * head_dim), target)],
+                   [b.value(out_reshape.output)])
+    # attention's own output [b, h, s, d], for any other reader (pruned when there is none)
+    return b.op("Transpose", b.op("Reshape", out, b.const([0, 0, q_heads, head_dim])), perm=[0, 2, 1, 3])
+
+
+# -- normalizations ------------------------------------------------------------------------
+def _plan_norm(graph: Graph, node: Node, users, absorbed: set[int], plan: Plan) -> None:
+    match = _match_norm(graph, node)
+    if match is None:
+        return
+    kind, x, weight, bias, eps, offset = match
+    add = x.producer
+    skip_add = (add is not None and add.op == "add" and id(add) not in absorbed and x.type.rank == 3
+                and all(i.type.shape == x.type.shape and i.type.dtype == x.type.dtype for i in add.inputs))
+    if skip_add:
+        absorbed.add(id(add))
+        plan.skip(add)
+    if kind == "rms" and node.op == "rms_norm" and not skip_add:
+        return  # the plain lowering is RMSNormalization already
+    if kind == "layer" and not skip_add:
+        return
+    plan.emitters[id(node)] = lambda b: _emit_norm(b, kind, x, weight, bias, eps, offset, add if skip_add else None)
+
+
+def _match_norm(graph: Graph, node: Node):
+    """(kind, x, weight, bias, eps, offset) for rms_norm, layer_norm, or a decomposed RMS norm."""
+    if node.op == "rms_norm":
+        return "rms", node.inputs[0], node.inputs[1], None, node.attrs["eps"], node.attrs["offset"]
+    if node.op == "layer_norm":
+        return "layer", node.inputs[0], node.inputs[1], node.inputs[2], node.attrs["eps"], 0.0
+    if node.op == "mul":
+        for normed, weight in (node.inputs, node.inputs[::-1]):
+            found = _decomposed_rms(normed)
+            if found is not None and weight.type.rank == 1 and dims_equal(weight.type.shape[0], normed.type.shape[-1]):
+                x, eps = found
+                return "rms", x, weight, None, eps, 0.0
+    return None
+
+
+def _decomposed_rms(value: Value):
+    """(x, eps) when value = x * rsqrt(mean(x ** 2, -1, keepdim) + eps) with constant 2 and eps."""
+    mul = value.producer
+    if mul is None or mul.op != "mul" or value.type.dtype != "f32":
+        return None
+    for x, r in (mul.inputs, mul.inputs[::-1]):
+        rsqrt = r.producer
+        if rsqrt is None or rsqrt.op != "rsqrt" or rsqrt.inputs[0].producer is None:
+            continue
+        add = rsqrt.inputs[0].producer
+        if add.op != "add":
+            continue
+        for m, eps_value in (add.inputs, add.inputs[::-1]):
+            mean, eps = m.producer, _constant(eps_value)
+            if mean is None or mean.op != "mean" or eps is None or not mean.attrs["keepdim"]:
+                continue
+            if [a % x.type.rank for a in mean.attrs["axes"]] != [x.type.rank - 1]:
+                continue
+            pow_ = mean.inputs[0].producer
+            if pow_ is not None and pow_.op == "pow" and pow_.inputs[0] is x and _constant(pow_.inputs[1]) == 2.0:
+                return x, eps
+    return None
+
+
+def _constant(value: Value) -> float | None:
+    node = value.producer
+    if node is not None and node.op == "full" and value.type.rank == 0:
+        return float(node.attrs["value"])
+    return None
+
+
+def _emit_norm(b: OnnxBuilder, kind: str, x: Value, weight, bias, eps: float, offset: float, add: Node | None) -> str:
+    scale = norm_scale(b, weight, offset, x.type.shape[-1], x.type.dtype)
+    if add is None:
+        return b.op("RMSNormalization", b.value(x), scale, axis=-1, epsilon=float(eps))
+    op_type = "SkipSimplifiedLayerNormalization" if kind == "rms" else "SkipLayerNormalization"
+    inputs = [b.value(add.inputs[0]), b.value(add.inputs[1]), scale] + ([b.value(bias)] if bias is not None else [])
+    normed = b.node(op_type, inputs, [None, "", "", b.value(add.output)], domain=MS_DOMAIN, epsilon=float(eps))[0]
+    b.declare(normed, x.type.dtype, x.type.shape)
+    b.declare(b.value(add.output), x.type.dtype, x.type.shape)
+    return normed

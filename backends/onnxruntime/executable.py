@@ -1,0 +1,165 @@
+"""An ONNX model run by an `InferenceSession` through IOBinding over KV buffers it owns.
+
+Each cache is one preallocated buffer [max_batch, kv_heads, max_seq_len, head_dim]. A call with
+`batch` rows binds a view of rows [0, batch) (by pointer, no copy) as the model's `cache.*` input:
+- in place: GroupQueryAttention caches are bound as the matching `present.*` output too, so the
+  kernel writes the new keys and values into the buffer it reads (ORT's past-present buffer
+  sharing); nothing is copied per step, and the bindings stay as they are while the batch
+  size does not change;
+- copied back: a cache updated by plain ONNX (ScatterND) gets its `present.*` in a scratch
+  tensor, copied into the buffer's rows after the call (CPU only).
+
+GroupQueryAttention derives positions from each row's last one, so positions must be contiguous
+per row (checked), and it takes a multi-token step with past context only for batch 1: such a
+call with several rows runs one row at a time.
+"""
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import torch
+
+from kiln.backends.executable import BackendOptions
+from kiln.ir import to_torch
+
+from .errors import FeedError, ProviderError
+from .model_files import DATA_FILE, MODEL_FILE, read_info
+from .providers import check_supported, choose_provider, device_binding, provider_list, session_options
+
+
+class OrtExecutable:
+    """A compiled stateful forward on ONNX Runtime that owns its KV buffers."""
+
+    def __init__(self, model_path: Path, options: BackendOptions, workdir: tempfile.TemporaryDirectory | None = None):
+        self.options = options
+        self.model_path = Path(model_path)
+        self._workdir = workdir  # the lowered model's files live as long as the executable
+        self.info = read_info(self.model_path)
+        self.provider = choose_provider(options.device)
+        check_supported(onnx.load(str(self.model_path), load_external_data=False), self.provider)
+        self.session = ort.InferenceSession(str(self.model_path), session_options(options),
+                                            providers=provider_list(self.provider, options.device))
+        self.device_type, self.device_id = device_binding(options.device)
+        if self.device_type != "cpu" and not all(c["in_place"] for c in self.info["caches"]):
+            raise ProviderError(f"this model updates some KV caches with plain ONNX ops, which the executable "
+                                f"copies back on the CPU only, not on {options.device}. Fix: use device='cpu'.")
+        self.caches = [self._allocate(c) for c in self.info["caches"]]
+        shapes = [c["shape"] for c in self.info["caches"]]
+        self.max_batch = min([s[0] for s in shapes] + [options.max_batch])
+        self.max_seq_len = min([s[2] for s in shapes] + [options.max_seq_len])
+        self.binding = self.session.io_binding()
+        self._bound_rows: tuple[int, int] | None = None
+
+    def _allocate(self, cache: dict):
+        dtype = to_torch(cache["dtype"])
+        if self.device_type == "cpu":
+            return torch.zeros(cache["shape"], dtype=dtype)
+        return ort.OrtValue.ortvalue_from_shape_and_type(cache["shape"], _numpy_dtype(dtype), self.device_type,
+                                                         self.device_id)
+
+    def reset(self) -> None:
+        """Forget all cached keys and values (zero the buffers)."""
+        for i, cache in enumerate(self.caches):
+            if isinstance(cache, torch.Tensor):
+                cache.zero_()
+            else:
+                cache.update_inplace(np.zeros(self.info["caches"][i]["shape"], _numpy_dtype(to_torch(
+                    self.info["caches"][i]["dtype"]))))
+
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Logits [batch, seq, vocab] for int64 tokens/positions [batch, seq]; writes the caches."""
+        tokens, positions = self._check_feeds(tokens, positions)
+        batch, seq = tokens.shape
+        if seq > 1 and batch > 1 and self.info["contiguous_positions"] and bool(positions[:, 0].any()):
+            return torch.cat([self._run_rows(tokens[r:r + 1], positions[r:r + 1], r) for r in range(batch)])
+        return self._run_rows(tokens, positions, 0)
+
+    def _check_feeds(self, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if tokens.dim() != 2 or tokens.shape != positions.shape:
+            raise FeedError(f"tokens {list(tokens.shape)} and positions {list(positions.shape)} must both be [batch, seq]")
+        if tokens.size(0) > self.max_batch:
+            raise FeedError(f"batch {tokens.size(0)} exceeds max_batch {self.max_batch}; compile with a larger max_batch")
+        tokens = tokens.to(torch.int64).contiguous()
+        positions = positions.to(torch.int64).contiguous()
+        low, high = int(positions.min()), int(positions.max())
+        if low < 0 or high >= self.max_seq_len:
+            raise FeedError(f"positions must lie in [0, {self.max_seq_len}), got [{low}, {high}]")
+        if self.info["contiguous_positions"] and positions.size(1) > 1:
+            expected = positions[:, :1] + torch.arange(positions.size(1))
+            if not torch.equal(positions, expected):
+                raise FeedError("positions must be contiguous in each row (row b at positions[b, 0], +1, +2, ...) "
+                                "for the onnxruntime backend: GroupQueryAttention derives them from each row's "
+                                "last position. Fix: feed contiguous positions, or use another backend.")
+        return tokens, positions
+
+    def _run_rows(self, tokens: torch.Tensor, positions: torch.Tensor, first_row: int) -> torch.Tensor:
+        """One session run over cache rows [first_row, first_row + batch)."""
+        batch, seq = tokens.shape
+        feeds = {"tokens": tokens.numpy(), "positions": positions.numpy()}
+        for name in self.info["inputs"]:
+            self.binding.bind_cpu_input(name, feeds[name])
+        if self._bound_rows != (first_row, batch):
+            self._bind_caches(first_row, batch)
+        scratch = self._bind_scratch(batch)
+        logits = self._bind_logits(batch, seq)
+        self.session.run_with_iobinding(self.binding)
+        for (cache, spec), out in zip(zip(self.caches, self.info["caches"]), scratch):
+            if out is not None:
+                cache[first_row:first_row + batch].copy_(out)
+        if isinstance(logits, torch.Tensor):
+            return logits
+        return torch.from_numpy(self.binding.get_outputs()[0].numpy())
+
+    def _view(self, cache, first_row: int, rows: int) -> tuple[int, list[int]]:
+        """(pointer, shape) of rows [first_row, first_row + rows) of a buffer."""
+        shape = list(cache.shape) if isinstance(cache, torch.Tensor) else list(cache.shape())
+        row_bytes = int(np.prod(shape[1:])) * (cache.element_size() if isinstance(cache, torch.Tensor) else 4)
+        pointer = cache.data_ptr() + first_row * row_bytes
+        return pointer, [rows, *shape[1:]]
+
+    def _bind_caches(self, first_row: int, batch: int) -> None:
+        for cache, spec in zip(self.caches, self.info["caches"]):
+            pointer, shape = self._view(cache, first_row, batch)
+            dtype = _numpy_dtype(to_torch(spec["dtype"]))
+            self.binding.bind_input(spec["input"], self.device_type, self.device_id, dtype, shape, pointer)
+            if spec["in_place"]:
+                self.binding.bind_output(spec["output"], self.device_type, self.device_id, dtype, shape, pointer)
+        self._bound_rows = (first_row, batch)
+
+    def _bind_scratch(self, batch: int) -> list[torch.Tensor | None]:
+        """Fresh tensors for the caches updated by plain ONNX (their present.* is a new tensor)."""
+        out = []
+        for cache, spec in zip(self.caches, self.info["caches"]):
+            if spec["in_place"]:
+                out.append(None)
+                continue
+            scratch = torch.empty([batch, *cache.shape[1:]], dtype=cache.dtype)
+            self.binding.bind_output(spec["output"], "cpu", 0, _numpy_dtype(cache.dtype), list(scratch.shape),
+                                     scratch.data_ptr())
+            out.append(scratch)
+        return out
+
+    def _bind_logits(self, batch: int, seq: int):
+        if self.device_type != "cpu":
+            self.binding.bind_output(self.info["logits"], self.device_type, self.device_id)
+            return None
+        logits = torch.empty(batch, seq, self.info["vocab"], dtype=to_torch(self.info["logits_dtype"]))
+        self.binding.bind_output(self.info["logits"], "cpu", 0, _numpy_dtype(logits.dtype), list(logits.shape),
+                                 logits.data_ptr())
+        return logits
+
+    def save(self, directory: Path) -> list[str]:
+        """Copy model.onnx and model.onnx.data into `directory`; returns their names."""
+        import shutil
+
+        for name in (MODEL_FILE, DATA_FILE):
+            shutil.copyfile(self.model_path.parent / name, Path(directory) / name)
+        return [MODEL_FILE, DATA_FILE]
+
+
+def _numpy_dtype(dtype: torch.dtype):
+    return torch.empty(0, dtype=dtype).numpy().dtype.type

@@ -1,0 +1,142 @@
+"""Which execution provider runs the model, with which session options, and whether it can.
+
+`device` "cpu" (the default) is ORT's CPUExecutionProvider; "cuda" is CUDAExecutionProvider,
+present when the `gpu` extra (onnxruntime-gpu) is installed. `check_supported` looks every node
+up in ORT's kernel registry for that provider (op, domain, opset version and the element types
+the node is fed), so a model the provider cannot run fails at compile time, naming the op and
+the provider, instead of at the first generate.
+"""
+from __future__ import annotations
+
+import functools
+
+import onnx
+import onnxruntime as ort
+from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
+
+from kiln.backends.executable import BackendOptions
+
+from .errors import ProviderError
+
+PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "gpu": "CUDAExecutionProvider"}
+
+
+def choose_provider(device: str) -> str:
+    """The execution provider for a device name ("cpu", "cuda", "cuda:1"); it must be installed."""
+    kind = device.split(":")[0]
+    if kind not in PROVIDERS:
+        raise ProviderError(f"device {device!r} has no ONNX Runtime execution provider here. "
+                            f"Fix: use one of {', '.join(sorted(PROVIDERS))}.")
+    provider = PROVIDERS[kind]
+    if provider not in ort.get_available_providers():
+        raise ProviderError(f"{provider} is not available in this onnxruntime {ort.__version__} (it has "
+                            f"{', '.join(ort.get_available_providers())}). Fix: install the gpu extra "
+                            "(pip install 'kiln[gpu]', i.e. onnxruntime-gpu), or use device='cpu'.")
+    return provider
+
+
+def device_binding(device: str) -> tuple[str, int]:
+    """(device type, device id) for IOBinding: ("cpu", 0) or ("cuda", N)."""
+    kind, _, index = device.partition(":")
+    return ("cpu", 0) if kind == "cpu" else ("cuda", int(index or 0))
+
+
+def session_options(options: BackendOptions) -> ort.SessionOptions:
+    """All graph optimizations, sequential execution, `threads` intra-op threads."""
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.inter_op_num_threads = 1
+    if options.threads:
+        so.intra_op_num_threads = options.threads
+    so.log_severity_level = 3  # errors only: ORT warns about routine things (e.g. nodes kept on CPU)
+    return so
+
+
+def provider_list(provider: str, device: str) -> list:
+    if provider == "CUDAExecutionProvider":
+        return [(provider, {"device_id": device_binding(device)[1]}), "CPUExecutionProvider"]
+    return [provider]
+
+
+@functools.cache
+def _kernels(provider: str) -> dict[tuple[str, str], list]:
+    index: dict[tuple[str, str], list] = {}
+    for kernel in ort_state.get_all_opkernel_def():
+        if kernel.provider == provider:
+            index.setdefault((kernel.domain, kernel.op_name), []).append(kernel)
+    return index
+
+
+@functools.cache
+def _schemas() -> dict[tuple[str, str], list]:
+    index: dict[tuple[str, str], list] = {}
+    for schema in ort_state.get_all_operator_schema():
+        index.setdefault((schema.domain, schema.name), []).append(schema)
+    return index
+
+
+def _schema(domain: str, op_type: str, opset: int):
+    """The schema version a node of this opset uses (the newest since_version <= opset)."""
+    versions = [s for s in _schemas().get((domain, op_type), []) if s.since_version <= opset]
+    return max(versions, key=lambda s: s.since_version) if versions else None
+
+
+def _param_types(schema, node: onnx.NodeProto, types: dict[str, str]) -> dict[str, set[str]]:
+    """Type-constraint name -> the element types the node binds to it."""
+    bound: dict[str, set[str]] = {}
+    for formals, actuals in ((schema.inputs, node.input), (schema.outputs, node.output)):
+        for i, name in enumerate(actuals):
+            if not name or not formals:
+                continue
+            formal = formals[min(i, len(formals) - 1)]  # the last formal may be variadic
+            if name in types:
+                bound.setdefault(formal.typeStr, set()).add(types[name])
+    return bound
+
+
+def _type_string(elem_type: int) -> str:
+    """ORT's spelling of an element type: FLOAT -> 'tensor(float)'."""
+    return f"tensor({onnx.helper.tensor_dtype_to_string(elem_type).split('.')[-1].lower()})"
+
+
+def _value_types(model: onnx.ModelProto) -> dict[str, str]:
+    """The type of every value shape inference can type, and of every initializer."""
+    inferred = onnx.shape_inference.infer_shapes(model)
+    types = {}
+    for info in [*inferred.graph.input, *inferred.graph.output, *inferred.graph.value_info]:
+        if info.type.HasField("tensor_type"):
+            types[info.name] = _type_string(info.type.tensor_type.elem_type)
+    for init in model.graph.initializer:
+        types[init.name] = _type_string(init.data_type)
+    return types
+
+
+def unsupported_nodes(model: onnx.ModelProto, provider: str) -> list[str]:
+    """A description of each node `provider` has no kernel for (empty when it runs them all)."""
+    opsets = {o.domain: o.version for o in model.opset_import}
+    types = _value_types(model)
+    problems = []
+    for node in model.graph.node:
+        schema = _schema(node.domain, node.op_type, opsets.get(node.domain, 1))
+        kernels = _kernels(provider).get((node.domain, node.op_type), [])
+        if schema is None or not kernels:
+            problems.append(f"{node.op_type} ({node.domain or 'ai.onnx'}) in node {node.name}")
+            continue
+        bound = _param_types(schema, node, types)
+        version = schema.since_version
+        if not any(k.version_range[0] <= version <= k.version_range[1] and
+                   all(bound.get(param, set()) <= set(allowed) for param, allowed in k.type_constraints.items())
+                   for k in kernels):
+            fed = ", ".join(f"{p}={'/'.join(sorted(t))}" for p, t in sorted(bound.items()))
+            problems.append(f"{node.op_type} ({node.domain or 'ai.onnx'} opset {version}, {fed}) in node {node.name}")
+    return problems
+
+
+def check_supported(model: onnx.ModelProto, provider: str) -> None:
+    """Raise ProviderError naming every op of `model` that `provider` cannot run."""
+    problems = unsupported_nodes(model, provider)
+    if problems:
+        listed = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
+        raise ProviderError(f"ONNX Runtime {ort.__version__}'s {provider} cannot run: {listed}. Fix: use another "
+                            "device (e.g. device='cpu'), another dtype, or the inductor backend.")

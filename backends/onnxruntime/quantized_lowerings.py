@@ -1,0 +1,119 @@
+"""`linear_q` -> MatMulNBits and `embedding_q` -> GatherBlockQuantized (com.microsoft).
+
+The IR's quantized weight (see ir/ops/quantized.py): q [N, K] in groups of `group_size` along K,
+W = (q - z) * scale per group; 4-bit q packed two per byte, element 2j in the low nibble; 8-bit q
+signed and symmetric. ORT's kernels want blocks of a power of two >= 16 along K, unsigned codes
+and packed zero points, so the weight is re-laid once at lowering:
+- block = the largest power of two >= 16 dividing group_size (an IR group is group_size / block
+  ORT blocks sharing its scale and zero point); no such block: the weight is dequantized at
+  lowering and runs as a float MatMul / Gather;
+- 8-bit codes shift to unsigned (q + 128 against ORT's default zero point 128); 4-bit codes
+  keep ORT's default zero point 8, the IR's symmetric one.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from kiln.ir import Node
+
+from .onnx_builder import MS_DOMAIN, OnnxBuilder
+
+DEFAULT_ZERO = {4: 8, 8: 128}  # ORT's zero point when none is given, in ORT's unsigned codes
+
+
+def ort_block_size(group_size: int) -> int | None:
+    """The largest power of two >= 16 dividing group_size, else None."""
+    block = 16
+    if group_size % block:
+        return None
+    while group_size % (block * 2) == 0:
+        block *= 2
+    return block
+
+
+def unsigned_codes(qweight: np.ndarray, bits: int) -> np.ndarray:
+    """u8 [N, K] codes 0..2^bits-1 in ORT's convention (zero point 8 or 128)."""
+    if bits == 4:
+        return np.stack((qweight & 0x0F, qweight >> 4), axis=-1).reshape(qweight.shape[0], -1).astype(np.uint8)
+    return (qweight.astype(np.int16) + 128).astype(np.uint8)
+
+
+def pack_nibbles(values: np.ndarray) -> np.ndarray:
+    """u8 [..., 2m] of 0..15 -> u8 [..., m], element 2j in the low nibble."""
+    return (values[..., 0::2] | (values[..., 1::2] << 4)).astype(np.uint8)
+
+
+def dequantized(qweight: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None, bits: int, group_size: int):
+    """The f32 [N, K] weight (for group sizes ORT's kernels do not take)."""
+    codes = unsigned_codes(qweight, bits).astype(np.float32)
+    k = codes.shape[1]
+    zero = np.float32(DEFAULT_ZERO[bits]) if zeros is None else np.repeat(zeros.astype(np.float32), group_size, axis=1)[:, :k]
+    return ((codes - zero) * np.repeat(scales, group_size, axis=1)[:, :k]).astype(np.float32)
+
+
+def _blocked(b: OnnxBuilder, qweight, scales, zeros, bits: int, group_size: int, block: int):
+    """(codes [N, blocks, block], scales [N, blocks], zeros [N, blocks] or None) in ORT blocks."""
+    codes = unsigned_codes(b.weight(qweight), bits)
+    n, k = codes.shape
+    blocks = -(-k // block)
+    padded = np.full((n, blocks * block), DEFAULT_ZERO[bits], np.uint8)
+    padded[:, :k] = codes
+    repeat = group_size // block
+    block_scales = np.repeat(b.weight(scales), repeat, axis=1)[:, :blocks]
+    block_zeros = None if zeros is None else np.repeat(b.weight(zeros), repeat, axis=1)[:, :blocks]
+    return padded.reshape(n, blocks, block), np.ascontiguousarray(block_scales), block_zeros
+
+
+def lower_linear_q(b: OnnxBuilder, node: Node) -> str:
+    x, qweight, scales, zeros, bias = node.inputs
+    bits, group_size = node.attrs["bits"], node.attrs["group_size"]
+    block = ort_block_size(group_size)
+    q = b.weight(qweight)
+    if block is None or q is None:
+        w = dequantized(q, b.weight(scales), None if zeros is None else b.weight(zeros), bits, group_size)
+        name = b.initializer(f"{qweight.name}.dequantized.T", np.ascontiguousarray(w.T))
+        y = b.op("MatMul", b.value(x), name)
+        return b.op("Add", y, b.value(bias)) if bias is not None else y
+    codes, block_scales, block_zeros = _blocked(b, qweight, scales, zeros, bits, group_size, block)
+    n, blocks, _ = codes.shape
+    packed = pack_nibbles(codes) if bits == 4 else codes
+    inputs = [b.value(x), b.initializer(f"{qweight.name}.nbits", packed),
+              b.initializer(f"{scales.name}.nbits", block_scales)]
+    if block_zeros is not None:
+        even = np.full((n, blocks + blocks % 2), DEFAULT_ZERO[4], np.uint8)
+        even[:, :blocks] = block_zeros
+        inputs.append(b.initializer(f"{zeros.name}.nbits", pack_nibbles(even)))
+    else:
+        inputs.append("")
+    inputs += ["", b.value(bias) if bias is not None else ""]
+    out = b.op("MatMulNBits", *inputs, domain=MS_DOMAIN, K=qweight_in(q, bits),
+               N=int(n), bits=bits, block_size=block, accuracy_level=0)
+    b.declare(out, node.output.type.dtype, node.output.type.shape)
+    return out
+
+
+def qweight_in(q: np.ndarray, bits: int) -> int:
+    """K from a qweight (two 4-bit codes per byte)."""
+    return q.shape[1] * 2 if bits == 4 else q.shape[1]
+
+
+def lower_embedding_q(b: OnnxBuilder, node: Node) -> str:
+    qweight, scales, ids, zeros = node.inputs
+    bits, group_size = node.attrs["bits"], node.attrs["group_size"]
+    block = ort_block_size(group_size)
+    q = b.weight(qweight)
+    if block is None or q is None or qweight_in(q, bits) % block:
+        w = dequantized(q, b.weight(scales), None if zeros is None else b.weight(zeros), bits, group_size)
+        return b.op("Gather", b.initializer(f"{qweight.name}.dequantized", w), b.value(ids), axis=0)
+    codes, block_scales, block_zeros = _blocked(b, qweight, scales, zeros, bits, group_size, block)
+    n = codes.shape[0]
+    data = pack_nibbles(codes.reshape(n, -1)) if bits == 4 else codes.reshape(n, -1)
+    inputs = [b.initializer(f"{qweight.name}.gather", data), b.value(ids), b.initializer(f"{scales.name}.gather", block_scales)]
+    if block_zeros is not None:
+        even = np.full((n, block_zeros.shape[1] + block_zeros.shape[1] % 2), DEFAULT_ZERO[4], np.uint8)
+        even[:, :block_zeros.shape[1]] = block_zeros
+        inputs.append(b.initializer(f"{zeros.name}.gather", pack_nibbles(even)))
+    out = b.op("GatherBlockQuantized", *inputs, domain=MS_DOMAIN, bits=bits, block_size=block, gather_axis=0,
+               quantize_axis=1)
+    b.declare(out, node.output.type.dtype, node.output.type.shape)
+    return out

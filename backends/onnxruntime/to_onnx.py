@@ -1,0 +1,184 @@
+"""The lowering driver: a stateful Kiln IR graph -> an ONNX model (`OnnxProgram`).
+
+The model's signature follows the IR's:
+
+    inputs:  tokens i64[batch, seq], positions i64[batch, seq], cache.k.0, cache.v.0, ...
+             each cache [batch, kv_heads, max_seq_len, head_dim] (the first `batch` rows of a buffer)
+    outputs: logits [batch, seq, vocab], present.k.0, present.v.0, ... (the updated caches)
+
+Nodes are lowered in IR order, each by its entry in `ONNX_LOWERINGS`, except the groups
+`contrib_patterns.plan_contrib_ops` hands to ORT's fused kernels. Then names are resolved, nodes
+that nothing reads are pruned, the rest sorted topologically, and `program.info` says how the
+executable binds the caches: in place (GroupQueryAttention updates the buffer it reads) or
+copied back (a plain ScatterND returns a new tensor).
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from kiln.backends.executable import cache_inputs
+from kiln.ir import Graph
+
+from .contrib_patterns import Plan, plan_contrib_ops
+from .errors import OnnxLoweringError
+from .onnx_builder import MS_DOMAIN, OnnxBuilder, elem_type, layer_scopes, node_label, onnx_dims
+from .op_lowerings import ONNX_LOWERINGS, check_lowering_table
+
+OPSET = 23  # RMSNormalization is standard ONNX from opset 23
+IR_VERSION = 10
+INFO_KEY = "kiln.program"
+
+
+@dataclass
+class OnnxProgram:
+    """An ONNX model without its weights (kept apart as arrays) and how to run it."""
+
+    model: onnx.ModelProto
+    initializers: dict[str, np.ndarray]
+    info: dict  # {"caches": [{"input", "output", "in_place"}], "contiguous_positions": bool, ...}
+
+    def op_types(self) -> list[str]:
+        return [n.op_type for n in self.model.graph.node]
+
+
+def present_name(cache_name: str) -> str:
+    """`cache.k.3` -> `present.k.3`, the output that carries the updated buffer."""
+    return "present." + cache_name.removeprefix("cache.")
+
+
+def graph_to_onnx(graph: Graph, weights=None, contrib_ops: bool = True) -> OnnxProgram:
+    """Lower a stateful graph (weights from `weights` or `graph.weights`) to ONNX."""
+    check_lowering_table()
+    b = OnnxBuilder(graph, graph.weights if weights is None else weights)
+    inputs = _declare_inputs(graph, b)
+    plan = plan_contrib_ops(graph) if contrib_ops else Plan()
+    _lower_nodes(graph, b, plan)
+    outputs = _name_outputs(graph, b)
+    nodes = _resolve_and_prune(b.nodes, b.renames, [o.name for o in outputs])
+    used = {name for n in nodes for name in n.input}
+    initializers = {k: v for k, v in b.initializers.items() if k in used}
+    value_infos = [vi for vi in b.value_infos if vi.name in {o for n in nodes for o in n.output}]
+    graph_proto = helper.make_graph(nodes, "kiln", [i for i in inputs if i.name in used], outputs,
+                                    value_info=value_infos)
+    opsets = [helper.make_opsetid("", OPSET)] + [helper.make_opsetid(MS_DOMAIN, 1)] * (MS_DOMAIN in b.opsets)
+    model = helper.make_model(graph_proto, opset_imports=opsets, producer_name="kiln", ir_version=IR_VERSION)
+    info = _program_info(graph, plan, used)
+    return OnnxProgram(model, initializers, info)
+
+
+def _declare_inputs(graph: Graph, b: OnnxBuilder) -> list[onnx.ValueInfoProto]:
+    tokens = graph.inputs[0]
+    batch = tokens.type.shape[0]
+    inputs = []
+    for v in graph.inputs[:2]:
+        b.define(v, v.name)
+        b.bind_symbols(v.name, v.type.shape)
+        inputs.append(helper.make_tensor_value_info(v.name, elem_type(v.type.dtype), onnx_dims(v.type.shape)))
+    for v in cache_inputs(graph):
+        b.define(v, v.name)  # a cache is fed as its first `batch` rows: the symbol of tokens' batch
+        inputs.append(helper.make_tensor_value_info(v.name, elem_type(v.type.dtype),
+                                                    onnx_dims((batch, *v.type.shape[1:]))))
+    return inputs
+
+
+def _lower_nodes(graph: Graph, b: OnnxBuilder, plan: Plan) -> None:
+    scopes = layer_scopes(graph)
+    for node in graph.nodes:
+        if id(node) in plan.skipped:  # produced by a group's kernel, under its IR name
+            for v in node.outputs:
+                b.define(v, v.name)
+    for node in graph.nodes:
+        if id(node) in plan.skipped:
+            continue
+        b.scope, b.label = scopes[id(node)], node_label(graph, node)
+        lower = plan.emitters.get(id(node)) or (lambda b, node=node: _lower_one(b, node))
+        names = lower(b)
+        names = [names] if isinstance(names, str) else names
+        for v, name in zip(node.outputs, names):
+            b.define(v, name)
+
+
+def _lower_one(b: OnnxBuilder, node) -> str | list[str]:
+    if node.op not in ONNX_LOWERINGS:
+        raise OnnxLoweringError(f"IR op {node.op!r} has no ONNX lowering; add it to ONNX_LOWERINGS "
+                                "in backends/onnxruntime/op_lowerings.py")
+    return ONNX_LOWERINGS[node.op](b, node)
+
+
+def _name_outputs(graph: Graph, b: OnnxBuilder) -> list[onnx.ValueInfoProto]:
+    """Graph outputs under fixed names: `logits`, then `present.<cache>` per cache input."""
+    batch = graph.inputs[0].type.shape[0]
+    named = [("logits", graph.outputs[0], graph.outputs[0].type.shape)]
+    for cache, out in zip(cache_inputs(graph), graph.outputs[1:]):
+        named.append((present_name(cache.name), out, (batch, *out.type.shape[1:])))
+    outputs = []
+    taken = {v.name for v in graph.inputs} | set(b.initializers)
+    for name, value, shape in named:
+        current = _resolve(b.value(value), b.renames)
+        if current in taken or current in {o.name for o in outputs}:
+            b.node("Identity", [current], [name])
+        else:
+            b.rename(current, name)
+            for n in b.nodes:  # the producer writes the fixed name itself
+                n.output[:] = [name if o == current else o for o in n.output]
+        outputs.append(helper.make_tensor_value_info(name, elem_type(value.type.dtype), onnx_dims(shape)))
+    return outputs
+
+
+def _resolve(name: str, renames: dict[str, str]) -> str:
+    seen = set()
+    while name in renames and name not in seen:
+        seen.add(name)
+        name = renames[name]
+    return name
+
+
+def _resolve_and_prune(nodes: list[onnx.NodeProto], renames: dict[str, str], outputs: list[str]) -> list[onnx.NodeProto]:
+    """Apply renames, keep the nodes the outputs need, and order them topologically (stable)."""
+    for n in nodes:
+        n.input[:] = [_resolve(i, renames) for i in n.input]
+    producer = {o: i for i, n in enumerate(nodes) for o in n.output if o}
+    needed, stack = set(), [producer[o] for o in outputs if o in producer]
+    while stack:
+        i = stack.pop()
+        if i not in needed:
+            needed.add(i)
+            stack.extend(producer[x] for x in nodes[i].input if x in producer)
+    waiting = {i: {producer[x] for x in nodes[i].input if x in producer} for i in needed}
+    readers: dict[int, list[int]] = {}
+    for i, deps in waiting.items():
+        for d in deps:
+            readers.setdefault(d, []).append(i)
+    ready = [i for i, deps in waiting.items() if not deps]
+    heapq.heapify(ready)
+    order = []
+    while ready:
+        i = heapq.heappop(ready)
+        order.append(i)
+        for r in readers.get(i, []):
+            waiting[r].discard(i)
+            if not waiting[r]:
+                heapq.heappush(ready, r)
+    if len(order) != len(needed):
+        raise OnnxLoweringError("the lowered ONNX graph has a cycle; this is a bug in the onnxruntime backend")
+    return [nodes[i] for i in order]
+
+
+def _program_info(graph: Graph, plan: Plan, used: set[str]) -> dict:
+    caches = [{"input": c.name, "output": present_name(c.name), "in_place": c.name in plan.in_place_caches,
+               "shape": [int(d) for d in c.type.shape], "dtype": c.type.dtype} for c in cache_inputs(graph)]
+    return {
+        "format": 1,
+        "inputs": [v.name for v in graph.inputs[:2] if v.name in used],
+        "caches": caches,
+        "logits": "logits",
+        "vocab": graph.outputs[0].type.shape[-1],
+        "logits_dtype": graph.outputs[0].type.dtype,
+        # GroupQueryAttention derives each token's position from the row's last one
+        "contiguous_positions": bool(plan.in_place_caches),
+    }
