@@ -14,7 +14,17 @@ from .canonicalize import canonicalize
 from .constant_fold import fold_constants
 from .cse import eliminate_common_subexpressions
 from .dce import eliminate_dead_code
+from .fold_linear_reshapes import fold_linear_reshapes
+from .fold_transposes import fold_transposes
+from .fuse_add_rms_norm import fuse_add_rms_norm
+from .fuse_attention_pattern import fuse_attention_pattern
+from .fuse_bias_activation import fuse_bias_activation
+from .fuse_layer_norm import fuse_layer_norm
+from .fuse_projections import fuse_projections
+from .fuse_rms_norm import fuse_rms_norm
+from .fuse_rope import fuse_rope
 from .manager import Pass, PassManager, PassRecord
+from .quantize_phase import quantization_passes
 
 
 def kv_cache_insertion(options) -> Pass:
@@ -28,10 +38,34 @@ def kv_cache_insertion(options) -> Pass:
     return Pass("insert_kv_cache", insert, preserves_signature=False)
 
 
+def fusion_passes() -> list[Pass]:
+    """The `fuse` phase, in order. Each pass leaves no dead nodes, so the next one's matcher sees
+    true use counts."""
+    return [
+        # Eager matmul/softmax/matmul -> attention; canonicalize cancels the k transposes it adds.
+        Pass("fuse_attention_pattern", fuse_attention_pattern),
+        Pass("canonicalize", canonicalize),
+        Pass("dce", eliminate_dead_code),
+        # Linears in one form: weight in [out, in], bias inside, no flatten around (GPT-2's Conv1D).
+        Pass("fold_transposes", fold_transposes),
+        Pass("fuse_bias_activation", fuse_bias_activation),
+        Pass("fold_linear_reshapes", fold_linear_reshapes),
+        Pass("fuse_rope", fuse_rope),
+        # layer_norm before rms_norm: LayerNorm's variance is an RMS of the centered input.
+        Pass("fuse_layer_norm", fuse_layer_norm),
+        Pass("fuse_rms_norm", fuse_rms_norm),
+        Pass("fuse_add_rms_norm", fuse_add_rms_norm),
+        Pass("fuse_projections", fuse_projections),
+    ]
+
+
 def default_pipeline(options, dump_dir: str | Path | None = None,
-                     progress: Callable[[PassRecord], None] | None = None) -> PassManager:
+                     progress: Callable[[PassRecord], None] | None = None, fuse: bool = True,
+                     calibration=None) -> PassManager:
     """The pipeline for `options` (any object with `max_batch` and `max_seq_len`, such as
-    `kiln.backends.executable.BackendOptions`)."""
+    `kiln.backends.executable.BackendOptions`; its `quantize` names a weight scheme). `fuse=False`
+    leaves the fuse phase empty (for measuring what fusion does). `calibration`: token ids
+    [sequences, length] for data-aware quantization schemes."""
     phases = [
         # Phase 1: one normal form for the pattern matchers: no no-ops, constants folded.
         ("canonicalize", [
@@ -39,11 +73,10 @@ def default_pipeline(options, dump_dir: str | Path | None = None,
             Pass("constant_fold", fold_constants),
             Pass("dce", eliminate_dead_code),
         ]),
-        # Phase 2: fusion passes go here (attention, q/k/v and gate/up projections, norms,
-        # residual-add + norm, bias + activation).
-        ("fuse", []),
-        # Phase 3: weight quantization passes go here (schemes such as int8, int4-g128).
-        ("quantize", []),
+        # Phase 2: attention, linears, rope, norms, residual-add + norm, merged projections.
+        ("fuse", fusion_passes() if fuse else []),
+        # Phase 3: weight quantization when options.quantize names a scheme (passes/quant_schemes.py).
+        ("quantize", quantization_passes(options, calibration)),
         # Phase 4: (tokens, positions) -> logits becomes (tokens, positions, caches) -> (logits, caches).
         ("kv_cache", [kv_cache_insertion(options)]),
         # Phase 5: sweep up what the rewrites left behind and merge what they duplicated.
@@ -57,6 +90,8 @@ def default_pipeline(options, dump_dir: str | Path | None = None,
 
 
 def run_pipeline(graph: Graph, options, dump_dir: str | Path | None = None,
-                 progress: Callable[[PassRecord], None] | None = None) -> Graph:
+                 progress: Callable[[PassRecord], None] | None = None, fuse: bool = True,
+                 calibration=None) -> Graph:
     """Compile a captured graph with the default pipeline; returns the stateful, optimized graph."""
-    return default_pipeline(options, dump_dir=dump_dir, progress=progress).run(graph)
+    return default_pipeline(options, dump_dir=dump_dir, progress=progress, fuse=fuse,
+                            calibration=calibration).run(graph)

@@ -1,4 +1,4 @@
-"""Graph edits the passes share: replace a value by another, drop nodes.
+"""Graph edits the passes share: replace a value by another, drop nodes, insert nodes.
 
 `replace_value` keeps graph output names stable: when the replaced value is a graph output,
 its name moves to the replacement, so `output %logits` still says `logits` after a rewrite.
@@ -25,3 +25,9 @@ def drop_nodes(graph: Graph, dead: list[Node]) -> None:
     graph.nodes = [n for n in graph.nodes if id(n) not in dead_ids]
     for node in dead:
         graph.forget_names(node)
+
+
+def insert_before(graph: Graph, anchor: Node, nodes: list[Node]) -> None:
+    """Put `nodes` (made with `graph.create`, in order) into the graph just before `anchor`."""
+    index = next(i for i, n in enumerate(graph.nodes) if n is anchor)
+    graph.nodes[index:index] = nodes
