@@ -157,7 +157,7 @@ def build_section(subject: Subject, capture: DynamoCapture, found: list[FoundBre
 
 def _break_entry(break_id: str, found: FoundBreak, diagnosis: Diagnosis, capture: DynamoCapture,
                  seconds: float | None, total: float, remedy: str | None) -> BreakEntry:
-    parsed = parse_message(found.message)
+    parsed = parse_message(found.message, found.gb_type)
     where = found.where
     how = None
     if remedy == FOLLOW_ON:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import linecache
 import re
 from dataclasses import dataclass, field
 from typing import Callable
@@ -57,11 +58,18 @@ class Diagnosis:
     remedy: str | None = None
 
 
-def parse_message(message: str) -> DynamoMessage:
-    """Split Dynamo's message into explanation, hints, context and documentation link."""
+def parse_message(message: str, gb_type: str = "") -> DynamoMessage:
+    """Split Dynamo's message into explanation, hints, context and documentation link.
+
+    A message can chain breaks ("While handling this graph break, another graph break
+    occurred"); the part read is the one headed by `gb_type`, else the first."""
+    lines = message.splitlines()
+    heads = [i for i, line in enumerate(lines) if gb_type and line.strip() == gb_type]
+    if heads:
+        lines = lines[heads[-1]:]
     parsed = DynamoMessage()
     current = None
-    for raw in message.splitlines():
+    for raw in lines:
         line = raw.strip()
         if line.startswith("*** While handling this graph break"):
             break
@@ -89,7 +97,7 @@ def parse_message(message: str) -> DynamoMessage:
 
 def diagnose(gb_type: str, message: str, stack: list[SourceFrame]) -> Diagnosis:
     """Category, plain words, fix and remedy for one break."""
-    parsed = parse_message(message)
+    parsed = parse_message(message, gb_type)
     where = stack[-1] if stack else None
     for rule in RULES:
         found = rule(gb_type, parsed, stack, where)
@@ -156,9 +164,9 @@ def _scalar_escape(gb_type, parsed, stack, where) -> Diagnosis | None:
         return None
     return Diagnosis(
         "scalar_escape",
-        f"A tensor value becomes a Python number here (`.item()`, `int(t)`, `float(t)`){_at(where)}. "
-        "By default Dynamo does not follow numbers computed from tensor data, so the graph "
-        "ends and the rest runs in Python.",
+        f"A tensor's value becomes a Python number or bool here (`.item()`, `bool(t)`, `int(t)`, "
+        f"`if t.any()`){_at(where)}. By default Dynamo does not follow values computed from tensor "
+        "data, so the graph ends and the rest runs in Python.",
         "Keep the value as a 0-d tensor (`x.sum()` instead of `x.sum().item()`) and continue with "
         "tensor ops (`torch.where`, broadcasting, `torch.clamp`); or let Dynamo capture it as a "
         "symbol: `torch._dynamo.config.capture_scalar_outputs = True`.",
@@ -186,7 +194,7 @@ def _dynamic_shape(gb_type, parsed, stack, where) -> Diagnosis | None:
 def _control_flow(gb_type, parsed, stack, where) -> Diagnosis | None:
     if not (gb_type.startswith("Data-dependent") or gb_type.startswith("generic_jump")):
         return None
-    line = _code_only(where.line) if where else ""
+    line = statement_at(where) if where else ""
     loop = line.startswith("while ")
     statement = f"`{line}`" if line else "a branch"
     return Diagnosis(
@@ -214,8 +222,9 @@ def _context_manager(gb_type, parsed, stack, where) -> Diagnosis | None:
     what = f"a `{manager.group(1)}` context manager" if manager else "a context manager (or `try` block)"
     return Diagnosis(
         "context_manager",
-        f"The break happens while {what} Dynamo cannot split is open, so Dynamo cannot resume "
-        "after it: it compiles up to the last safe point and runs the rest of the function in Python.",
+        f"A break{_at(where)} happens while {what} Dynamo cannot split is open, so Dynamo cannot "
+        "resume right after it: it compiles the graph up to the last safe point before the block "
+        "and runs the rest of the function in Python.",
         "Move the `with` block (or the call that breaks inside it) out of the compiled code, "
         "or fix the break inside it; the earlier break is usually the real cause.",
     )
@@ -319,6 +328,19 @@ def _called_function(parsed: DynamoMessage) -> str | None:
 
 def _at(where: SourceFrame | None) -> str:
     return f" (`{_code_only(where.line)}`)" if where and where.line else ""
+
+
+def statement_at(where: SourceFrame, limit: int = 160) -> str:
+    """The statement starting at `where`, joined over its lines while brackets are open."""
+    text, depth = "", 0
+    for lineno in range(where.lineno, where.lineno + 8):
+        line = _code_only(linecache.getline(where.filename, lineno).strip())
+        text += (" " if text and not text.endswith(("(", "[")) else "") + line
+        depth += sum(line.count(c) for c in "([{") - sum(line.count(c) for c in ")]}")
+        if depth <= 0:
+            break
+    text = text.replace("( ", "(").replace(" )", ")")
+    return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
 def _code_only(line: str) -> str:

@@ -26,6 +26,7 @@ import torch
 Workload = Callable[[Callable], Any]  # runs the (optimized) function once or more, returns its outputs
 
 _RESUME_NAME = re.compile(r"^torch_dynamo_resume_in_(.+)_at_\d+$")
+_CANNOT_RESUME = "Encountered graph break that we cannot resume from"  # symbolic_convert's words
 
 
 @dataclass(frozen=True)
@@ -279,6 +280,7 @@ class FoundBreak:
     graphs_in: list[int] = field(default_factory=list)  # graphs that ran into this break
     graphs_out: list[int] = field(default_factory=list)  # graphs that ran after it
     ended_graphs: list[int] = field(default_factory=list)  # graphs Dynamo ended here
+    unresumable: bool = False  # Dynamo could not resume here and fell back to its last safe point
     gap_owner: int = -1  # the graph after which this break's Python first ran (-1: before any graph)
 
     @property
@@ -314,6 +316,7 @@ def distinct_breaks(capture: DynamoCapture) -> list[FoundBreak]:
             else:
                 found[key] = FoundBreak(event.gb_type, event.message, event.stack, skipped_frame=event.skipped_frame,
                                         gap_owner=last)
+            found[key].unresumable |= event.message.startswith(_CANNOT_RESUME)
             pending.append(found[key])
         elif isinstance(event, Fragment):
             ended = _break_that_ended(event, pending, found, last) if event.ended_by_break else None
@@ -343,6 +346,8 @@ def _break_that_ended(fragment: Fragment, pending: list[FoundBreak], found: dict
     """The break met at the place where `fragment` ended, or a new one from the graph's reason."""
     place = _place(fragment.stack)
     match = next((b for b in reversed(pending) if place in {(f.filename, f.lineno) for f in b.stack}), None)
+    if match is None and fragment.reason == "step_unsupported":  # compiled up to the last safe point
+        match = next((b for b in reversed(pending) if b.unresumable), None)
     if match is None:
         gb_type = fragment.reason.splitlines()[0] if fragment.reason else "graph break"
         match = found.setdefault((place, gb_type), FoundBreak(gb_type, fragment.reason, fragment.stack, gap_owner=last))

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from html import escape
 
-from .report_markdown import short_path
+from .report_markdown import kinds_note, short_path
 from .report_model import BreakEntry, RecompileEntry, Report, Section
 
 NODES_PER_ROW = 8
@@ -16,8 +16,10 @@ BOX_W, BOX_H, RADIUS = 84, 40, 20
 STYLE = """
 body{font:14px/1.45 system-ui,sans-serif;margin:2em auto;max-width:1100px;color:#1d1d1f;padding:0 1em}
 h1{font-size:1.5em}h2{border-bottom:1px solid #ccc;padding-bottom:.2em;margin-top:2em}
-table{border-collapse:collapse;width:100%;margin:.5em 0}th,td{border:1px solid #ddd;padding:4px 6px;text-align:left;vertical-align:top}
-th{background:#f4f4f6}td.num{text-align:right;white-space:nowrap}code,pre{font-family:ui-monospace,monospace;font-size:12.5px}
+table{border-collapse:collapse;width:100%;margin:.5em 0}
+th,td{border:1px solid #ddd;padding:4px 6px;text-align:left;vertical-align:top}
+th{background:#f4f4f6}td.num{text-align:right;white-space:nowrap}
+code,pre{font-family:ui-monospace,monospace;font-size:12.5px}
 pre{background:#f6f8fa;padding:8px;overflow-x:auto}.hit{background:#fff3c4;display:block}
 .left{color:#b3261e;font-weight:600}.gone{color:#1b7f3b;font-weight:600}.summary{font-size:1.1em}
 details{border:1px solid #e2e2e6;border-radius:6px;padding:.4em .8em;margin:.5em 0}summary{cursor:pointer;font-weight:600}
@@ -43,7 +45,8 @@ def _section(number: int, section: Section) -> str:
     items = [f"Graphs Dynamo compiled: {section.graphs}"
              + (f"; after Kiln's remedies: {section.graphs_after_remedies}"
                 if section.graphs_after_remedies is not None else ""),
-             f"Breaks: {section.summary_line()}; single graph: {'yes' if section.single_graph else 'no'}",
+             f"Breaks: {section.summary_line()}{kinds_note(section)}; "
+             f"single graph: {'yes' if section.single_graph else 'no'}",
              f"Recompiles: {section.counts['recompiles']}"]
     if section.timing:
         t = section.timing
@@ -183,13 +186,15 @@ def _fragment_node(x: float, y: float, fragment) -> str:
     tip = f"graph F{fragment.index}: {fragment.op_count} ops, ended by {fragment.ended_by}"
     return (f"<g><title>{escape(tip)}</title><rect x='{x - BOX_W / 2:.0f}' y='{y - BOX_H / 2:.0f}' width='{BOX_W}' "
             f"height='{BOX_H}' rx='6' fill='#e8eefc' stroke='#3d5a99'/>"
-            f"<text x='{x:.0f}' y='{y - 3:.0f}' text-anchor='middle' font-size='13' font-weight='600'>F{fragment.index}</text>"
+            f"<text x='{x:.0f}' y='{y - 3:.0f}' text-anchor='middle' font-size='13' font-weight='600'>"
+            f"F{fragment.index}</text>"
             f"<text x='{x:.0f}' y='{y + 13:.0f}' text-anchor='middle' font-size='11'>{fragment.op_count} ops</text></g>")
 
 
 def _break_node(x: float, y: float, entry: BreakEntry, anchor_prefix: str) -> str:
     color, stroke = ("#d9f2e0", "#1b7f3b") if entry.eliminated else ("#fbe0de", "#b3261e")
     tip = f"{entry.id}: {entry.category_title} at {short_path(entry.location.file)}:{entry.location.line}"
-    return (f"<a href='#{escape(anchor_prefix + entry.id)}'><g><title>{escape(tip)}</title><circle cx='{x:.0f}' cy='{y:.0f}' "
+    return (f"<a href='#{escape(anchor_prefix + entry.id)}'><g><title>{escape(tip)}</title>"
+            f"<circle cx='{x:.0f}' cy='{y:.0f}' "
             f"r='{RADIUS}' fill='{color}' stroke='{stroke}' stroke-width='2'/><text x='{x:.0f}' y='{y + 4:.0f}' "
             f"text-anchor='middle' font-size='12' font-weight='600'>{escape(entry.id)}</text></g></a>")

@@ -36,7 +36,7 @@ def _section(section: Section) -> list[str]:
     graphs = f"- Graphs Dynamo compiled: {section.graphs}"
     if section.graphs_after_remedies is not None:
         graphs += f"; after Kiln's remedies: {section.graphs_after_remedies}"
-    lines += [graphs, f"- Breaks: {section.summary_line()}; single graph"
+    lines += [graphs, f"- Breaks: {section.summary_line()}{kinds_note(section)}; single graph"
                       f"{' after remedies' if section.graphs_after_remedies is not None else ''}: "
                       f"{'yes' if section.single_graph else 'no'}",
               f"- Recompiles: {c['recompiles']}"]
@@ -56,11 +56,20 @@ def _section(section: Section) -> list[str]:
             lines += _break_detail(entry)
     if section.recompiles:
         lines += ["### Recompiles", "", "| # | function | failed guard | value | times |", "|---|---|---|---|---:|"]
-        lines += [f"| {r.id} | `{r.function}` | `{_cell(r.guard, 90)}` | {r.value} | {r.count} |" for r in section.recompiles]
+        lines += [f"| {r.id} | `{r.function}` | `{_cell(r.guard, 90)}` | {r.value} | {r.count} |"
+                  for r in section.recompiles]
         lines.append("")
         for entry in section.recompiles:
             lines += _recompile_detail(entry)
     return lines
+
+
+def kinds_note(section: Section) -> str:
+    """" (5 kinds, met 12 times)": Dynamo's break types among the breaks, and how often it met them."""
+    if not section.breaks:
+        return ""
+    kinds = len({b.gb_type for b in section.breaks})
+    return f" ({kinds} kind{'s' if kinds > 1 else ''}, met {sum(b.occurrences for b in section.breaks)} times)"
 
 
 def _break_row(b: BreakEntry) -> str:
@@ -84,7 +93,8 @@ def _break_detail(b: BreakEntry) -> list[str]:
               f"- **Ops around it:** before: {_ops(b.ops_before)}; after: {_ops(b.ops_after)}"]
     if b.cost_ms is not None:
         lines.append(f"- **Cost:** {b.cost_ms:.3f} ms per run outside graphs ({b.cost_share or 0:.1%} of the run); "
-                     f"met {b.occurrences} time(s)" + ("; Dynamo ran the whole function in Python" if b.skipped_frame else ""))
+                     f"met {b.occurrences} time(s)"
+                     + ("; Dynamo ran the whole function in Python" if b.skipped_frame else ""))
     if b.eliminated:
         lines.append(f"- **Kiln:** eliminated ({b.remedy}): {b.remedy_how}")
     else:

@@ -3,7 +3,8 @@
 Every line where Dynamo breaks ends with a marker `# BREAK: <category>`; the tests read the
 markers to know where each break must be reported and in which category. Each `CASES` entry
 names a factory returning `(module, inputs)` (the form `compile-model explain file.py:factory`
-takes; inputs that calls mutate come as a function making fresh ones) and whether Kiln's remedies must bring it to a single graph.
+takes; inputs that calls mutate come as a function making fresh ones) and whether Kiln's
+remedies must bring it to a single graph.
 """
 from __future__ import annotations
 
