@@ -1,11 +1,15 @@
-"""Decode and prefill speed of SmolLM2-135M: Kiln beside Hugging Face, measured in one run.
+"""Decode and prefill speed of SmolLM2-135M: Kiln beside Hugging Face and onnxruntime-genai, in one run.
 
     .venv/bin/python bench/bench.py [--model DIR] [--threads 2] [--reps 5] [--skip-hf-compile]
+        [--backends inductor,onnxruntime] [--genai fp32,int4 | --genai none]
 
 Prints a llama-bench style table (pp64: prompt processing of 64 tokens; tg128: generating 128
 tokens, batch 1) with tokens/s as mean ± sd, the weight bandwidth decode reached, and the
 ratios of Kiln to the baselines. Runs during which other processes took more than a quarter
-core are repeated (up to 3 times) and flagged with `*` if they stay contended.
+core are repeated (up to 3 times) and flagged with `*` if they stay contended. The repetitions
+of a test alternate between runners (kiln, genai, kiln, genai, ...) so that contention that
+comes and goes hits them alike. onnxruntime-genai (the `bench` extra) runs the model its own
+builder makes from the same checkpoint.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cpu_contention import CpuMeter  # noqa: E402
+from genai_baseline import GenaiRunner, build_genai_model  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -36,11 +41,18 @@ def timed(fn, retries: int = 3):
 
 
 class KilnRunner:
-    def __init__(self, artifact: Path):
+    def __init__(self, artifact: Path, threads: int):
         import kiln
 
         self.llm = kiln.load(artifact)
         self.name = f"kiln-{self.llm.manifest['backend']}"
+        if self.llm.manifest["backend"] == "onnxruntime":  # its session sizes its own thread pool
+            import dataclasses
+
+            from kiln.backends import onnxruntime as ort_backend
+
+            options = dataclasses.replace(self.llm.executable.options, threads=threads)
+            self.llm.executable = ort_backend.load(artifact, self.llm.graph, {}, options)
 
     def prefill(self, n: int):
         tokens = torch.randint(100, 1000, (1, n))
@@ -79,29 +91,31 @@ class HFRunner:
         return run
 
 
-def measure(runner, test: str, n: int, reps: int) -> dict:
-    """tokens/s of `reps` timed runs after one warm-up. tg subtracts a 1-token generate's time."""
-    if test == "pp":
-        fn, base = runner.prefill(n), None
-    else:
-        fn, base = runner.generate(n), runner.generate(1)
-    fn()
-    if base:
-        base()
-    rates, flagged, others = [], False, []
-    for _ in range(reps):
-        seconds, contended, other = timed(fn)
+def measure(runners: list, test: str, n: int, reps: int) -> list[dict]:
+    """tokens/s of `reps` timed runs per runner after one warm-up each, the runners taking turns
+    rep by rep. tg subtracts a 1-token generate's time."""
+    fns = [(runner.prefill(n), None) if test == "pp" else (runner.generate(n), runner.generate(1))
+           for runner in runners]
+    for fn, base in fns:
+        fn()
         if base:
-            base_s, base_contended, _ = timed(base)
-            seconds, contended = seconds - base_s, contended or base_contended
-            rates.append((n - 1) / seconds)
-        else:
-            rates.append(n / seconds)
-        flagged |= contended
-        others.append(other)
-    return {"backend": runner.name, "test": f"{test}{n}", "mean": statistics.mean(rates),
-            "sd": statistics.stdev(rates) if len(rates) > 1 else 0.0, "contended": flagged,
-            "other_cores": max(others)}
+            base()
+    rates = [[] for _ in runners]
+    flagged, others = [False] * len(runners), [[] for _ in runners]
+    for _ in range(reps):
+        for i, (fn, base) in enumerate(fns):
+            seconds, contended, other = timed(fn)
+            if base:
+                base_s, base_contended, _ = timed(base)
+                seconds, contended = seconds - base_s, contended or base_contended
+                rates[i].append((n - 1) / seconds)
+            else:
+                rates[i].append(n / seconds)
+            flagged[i] |= contended
+            others[i].append(other)
+    return [{"backend": runner.name, "test": f"{test}{n}", "mean": statistics.mean(r),
+             "sd": statistics.stdev(r) if len(r) > 1 else 0.0, "contended": f, "other_cores": max(o)}
+            for runner, r, f, o in zip(runners, rates, flagged, others)]
 
 
 def table(rows: list[dict], weight_bytes: int, params: int, threads: int) -> str:
@@ -120,7 +134,7 @@ def ratios(rows: list[dict]) -> list[str]:
     out = []
     for (backend, test), rate in by.items():
         if backend.startswith("kiln"):
-            for base in ("hf-eager", "hf-static+compile"):
+            for base in ("hf-eager", "hf-static+compile", "ort-genai-fp32", "ort-genai-int4"):
                 if (base, test) in by:
                     out.append(f"{backend} {test}: {rate / by[(base, test)]:.2f}x {base}")
     return out
@@ -129,13 +143,15 @@ def ratios(rows: list[dict]) -> list[str]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="HF directory (default: the bundled SmolLM2-135M-Instruct)")
-    parser.add_argument("--artifact", default="out/bench-smollm2.kiln")
-    parser.add_argument("--backend", default="inductor")
+    parser.add_argument("--artifact", default="out/bench-smollm2", help="artifact path prefix (+ -BACKEND.kiln)")
+    parser.add_argument("--backends", default="inductor,onnxruntime", help="Kiln backends, comma-separated")
+    parser.add_argument("--genai", default="fp32", help="onnxruntime-genai builder precisions (fp32,int4) or none")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--pp", type=int, default=64)
     parser.add_argument("--tg", type=int, default=128)
     parser.add_argument("--skip-hf-compile", action="store_true", help="skip the slow-to-compile baseline")
+    parser.add_argument("--skip-hf", action="store_true", help="skip both Hugging Face baselines")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -143,21 +159,28 @@ def main(argv=None) -> int:
     from kiln.frontend.default_model import default_model_dir
 
     model_dir = Path(args.model) if args.model else default_model_dir()
-    artifact = Path(args.artifact)
-    if not (artifact / "manifest.json").exists():
-        started = time.perf_counter()
-        kiln.compile(str(model_dir), out=artifact, backend=args.backend, max_seq_len=512, max_batch=1)
-        print(f"compiled {artifact} in {time.perf_counter() - started:.0f}s", file=sys.stderr)
-    runners = [lambda: KilnRunner(artifact), lambda: HFRunner(model_dir, compiled=False)]
-    if not args.skip_hf_compile:
-        runners.append(lambda: HFRunner(model_dir, compiled=True))
+    artifacts = []
+    for backend in args.backends.split(","):
+        artifact = Path(f"{args.artifact}-{backend}.kiln")
+        if not (artifact / "manifest.json").exists():
+            started = time.perf_counter()
+            kiln.compile(str(model_dir), out=artifact, backend=backend, max_seq_len=512, max_batch=1)
+            print(f"compiled {artifact} in {time.perf_counter() - started:.0f}s", file=sys.stderr)
+        artifacts.append(artifact)
+    runners = [KilnRunner(artifact, args.threads) for artifact in artifacts]
+    for precision in [p for p in args.genai.split(",") if p != "none"]:
+        genai_dir = build_genai_model(model_dir, Path(f"{args.artifact}-genai-{precision}"), precision)
+        runners.append(GenaiRunner(genai_dir, args.threads, precision))
+    if not args.skip_hf:
+        runners.append(HFRunner(model_dir, compiled=False))
+    if not (args.skip_hf or args.skip_hf_compile):
+        runners.append(HFRunner(model_dir, compiled=True))
     rows = []
-    for make in runners:
-        runner = make()
-        for test, n in (("pp", args.pp), ("tg", args.tg)):
-            rows.append(measure(runner, test, n, args.reps))
-            print(f"{rows[-1]}", file=sys.stderr)
-        del runner
+    for test, n in (("pp", args.pp), ("tg", args.tg)):
+        rows += measure(runners, test, n, args.reps)
+        for row in rows[-len(runners):]:
+            print(f"{row}", file=sys.stderr)
+    artifact = artifacts[0]
     weights = kiln.load(artifact).graph.weights
     weight_bytes = sum(t.numel() * t.element_size() for t in weights.values())
     params = sum(t.numel() for t in weights.values())

@@ -20,11 +20,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
+
 from kiln.ir import Graph, Node, Value
 from kiln.ir.dims import dims_equal
 
 from .onnx_builder import MS_DOMAIN, OnnxBuilder
-from .op_lowerings import norm_scale
+from .op_lowerings import norm_scale, reshape_target, transposed_weight
 
 Emitter = Callable[[OnnxBuilder], "str | list[str]"]
 
@@ -36,6 +38,7 @@ class Plan:
     skipped: set[int] = field(default_factory=set)  # id(node): outputs defined by a group's kernel
     emitters: dict[int, Emitter] = field(default_factory=dict)  # id(node) -> lowers its group
     in_place_caches: set[str] = field(default_factory=set)  # cache inputs GroupQueryAttention updates
+    packed_inputs: set[int] = field(default_factory=set)  # id(value) GroupQueryAttention reads whole
 
     def skip(self, node: Node) -> None:
         self.skipped.add(id(node))
@@ -52,14 +55,13 @@ def plan_contrib_ops(graph: Graph) -> Plan:
     absorbed: set[int] = set()
     for node in graph.nodes:
         _plan_norm(graph, node, users, absorbed, plan)
+    for node in graph.nodes:
+        if node.op == "linear":
+            _plan_split_projection(graph, node, users, outputs, plan)
     return plan
 
 
 # -- attention -----------------------------------------------------------------------------
-def _only_reader(value: Value, node: Node, users, outputs) -> bool:
-    return id(value) not in outputs and users.get(value, []) == [node]
-
-
 def _plan_attention(graph: Graph, node: Node, users, outputs, plan: Plan) -> None:
     q, k, v, mask, positions = node.inputs
     writes = [k.producer, v.producer]
@@ -80,12 +82,20 @@ def _plan_attention(graph: Graph, node: Node, users, outputs, plan: Plan) -> Non
     max_seq_len = caches[0].type.shape[2]
     rotary = _foldable_rope(q, writes[0].inputs[1], positions, head_dim, max_seq_len)
     out_reshape = _bsh_reader(node.output, users, outputs)
+    q_in, k_in = (rotary[0], rotary[1]) if rotary is not None else (q, writes[0].inputs[1])
+    v_in = writes[1].inputs[1]
+    sources = [_bsh_source(x) for x in (q_in, k_in, v_in)]
+    packed = _packed_source(sources, [q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]) \
+        if all(sources) else None
+    if packed is not None:
+        plan.packed_inputs.add(id(packed))
     for w in writes:
         plan.skip(w)
     if out_reshape is not None:
         plan.skip(out_reshape)
     plan.in_place_caches.update(c.name for c in caches)
-    plan.emitters[id(node)] = lambda b: _emit_gqa(b, node, writes, rotary, out_reshape)
+    inputs = (packed,) if packed is not None else (q_in, k_in, v_in)
+    plan.emitters[id(node)] = lambda b: _emit_gqa(b, node, writes, inputs, rotary, out_reshape)
 
 
 def _foldable_rope(q: Value, k_new: Value, positions: Value, head_dim: int, max_seq_len) -> tuple | None:
@@ -171,17 +181,12 @@ def sequence_lengths(b: OnnxBuilder, positions: Value) -> tuple[str, str]:
     return b.memo["seqlens_k"]
 
 
-def _emit_gqa(b: OnnxBuilder, node: Node, writes: list[Node], rotary, out_reshape: Node | None) -> str:
+def _emit_gqa(b: OnnxBuilder, node: Node, writes: list[Node], inputs: tuple, rotary, out_reshape: Node | None) -> str:
+    """`inputs`: (packed qkv [b, s, (h + 2 kv) d],) or (q, k, v) each [b, h, s, d]."""
     q, _, v_written, _, positions = node.inputs
     q_heads, head_dim = q.type.shape[1], q.type.shape[3]
     kv_heads = v_written.type.shape[1]
-    q_in, k_in, v_in = q, writes[0].inputs[1], writes[1].inputs[1]
-    if rotary is not None:
-        q_in, k_in = rotary[0], rotary[1]
-    sources = [_bsh_source(x) for x in (q_in, k_in, v_in)]
-    packed = _packed_source(sources, [q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]) \
-        if all(sources) else None
-    query, key, value = (b.value(packed), "", "") if packed is not None else (_bsh(b, q_in), _bsh(b, k_in), _bsh(b, v_in))
+    query, key, value = (b.value(inputs[0]), "", "") if len(inputs) == 1 else tuple(_bsh(b, x) for x in inputs)
     seqlens_k, total = sequence_lengths(b, positions)
     cos, sin = (b.value(rotary[2]), b.value(rotary[3])) if rotary is not None else ("", "")
     past = [b.value(w.inputs[0]) for w in writes]
@@ -201,8 +206,6 @@ def _emit_gqa(b: OnnxBuilder, node: Node, writes: list[Node], rotary, out_reshap
         if tuple(target) == (batch, seq, q_heads * head_dim):
             b.rename(b.value(out_reshape.output), out)
         else:
-            from .op_lowerings import reshape_target
-
             b.node("Reshape", [out, reshape_target(b, (batch, seq, q_heads * head_dim), target)],
                    [b.value(out_reshape.output)])
     # attention's own output [b, h, s, d], for any other reader (pruned when there is none)
@@ -284,3 +287,47 @@ def _emit_norm(b: OnnxBuilder, kind: str, x: Value, weight, bias, eps: float, of
     b.declare(normed, x.type.dtype, x.type.shape)
     b.declare(b.value(add.output), x.type.dtype, x.type.shape)
     return normed
+
+
+# -- projections -----------------------------------------------------------------------------
+def _plan_split_projection(graph: Graph, node: Node, users, outputs, plan: Plan) -> None:
+    """A fused projection (one linear, read only through last-axis slices) becomes one MatMul per
+    slice over the matching rows of the weight: no slice copies, as separate projections run."""
+    x, weight, bias = node.inputs
+    readers = users.get(node.output, [])
+    if id(node.output) in outputs or id(node.output) in plan.packed_inputs or weight.name not in graph.params:
+        return
+    if bias is not None and bias.name not in graph.params:
+        return
+    rank = node.output.type.rank
+    if not readers or any(r.op != "slice" or r.attrs["axis"] % rank != rank - 1 or r.attrs["step"] != 1
+                          or not isinstance(r.attrs["start"], int) or not isinstance(r.attrs["end"], int)
+                          or id(r) in plan.skipped for r in readers):
+        return
+    for r in readers:
+        plan.skip(r)
+    plan.emitters[id(node)] = lambda b: _emit_split_projection(b, node, readers)
+
+
+def _emit_split_projection(b: OnnxBuilder, node: Node, slices: list[Node]) -> str:
+    x, weight, bias = node.inputs
+    array, bias_array = b.weight(weight), None if bias is None else b.weight(bias)
+    if array is None or (bias is not None and bias_array is None):  # weights not attached: keep it whole
+        return _whole_projection(b, x, weight, bias)
+    rows = array.shape[0]
+    for part in slices:
+        start, end = part.attrs["start"], min(part.attrs["end"], rows)
+        name = f"{weight.name}[{start}:{end}].T"
+        if name not in b.initializers:
+            b.initializer(name, np.ascontiguousarray(array[start:end].T))
+        label = f"{b.label}[{start}:{end}]" if b.label else None
+        out = b.op("MatMul", b.value(x), name, label=label)
+        if bias is not None:
+            out = b.op("Add", out, b.const(bias_array[start:end], bias_array.dtype), label=label)
+        b.rename(b.value(part.output), out)
+    return _whole_projection(b, x, weight, bias)  # for any other reader (pruned when there is none)
+
+
+def _whole_projection(b: OnnxBuilder, x: Value, weight: Value, bias: Value | None) -> str:
+    y = b.op("MatMul", b.value(x), transposed_weight(b, weight))
+    return b.op("Add", y, b.value(bias)) if bias is not None else y
