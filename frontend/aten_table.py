@@ -1,4 +1,8 @@
-"""The one table from ATen ops (core ATen, after decomposition) to Kiln IR ops.
+"""The one table from ATen ops to Kiln IR ops.
+
+It covers core ATen (what `run_decompositions` leaves) and the handful of non-core ops that
+torch.export's training IR holds for common models (`to.dtype`, `type_as`, `layer_norm`, `diff`,
+`__and__`, the grad/autocast wrappers), so most models convert without a decomposition retrace.
 
 Each handler receives the conversion state and the FX node's args/kwargs and returns the IR
 value (or a tuple for multi-output ops, or None for ops that vanish, like metadata asserts).
@@ -10,6 +14,7 @@ from __future__ import annotations
 import operator
 
 import torch
+from torch._higher_order_ops.wrap import wrap_with_autocast, wrap_with_set_grad_enabled
 
 from kiln.ir import from_torch
 
@@ -51,6 +56,18 @@ def _identity(cx, x, *args, **kwargs):
     return cx.value(x)
 
 
+@handles(wrap_with_set_grad_enabled)
+def _grad_mode_region(cx, enabled, body, *args):
+    return cx.inline(body, args)  # inference has no grad: the region is just its ops
+
+
+@handles(wrap_with_autocast)
+def _autocast_region(cx, device_type, dtype, enabled, cache_enabled, body, *args):
+    if enabled:
+        raise NotImplementedError("an enabled autocast region (it changes dtypes op by op)")
+    return cx.inline(body, args)
+
+
 @handles(operator.getitem)
 def _getitem(cx, tup, index):
     item = cx.env[tup][index]
@@ -75,7 +92,8 @@ def _binary(op):
 for _name, _ir in {"add": "add", "sub": "sub", "mul": "mul", "div": "div", "eq": "eq", "ne": "ne",
                    "lt": "lt", "le": "le", "gt": "gt", "ge": "ge", "maximum": "maximum",
                    "minimum": "minimum", "logical_and": "logical_and", "logical_or": "logical_or",
-                   "bitwise_and": "logical_and", "bitwise_or": "logical_or"}.items():
+                   "bitwise_and": "logical_and", "bitwise_or": "logical_or",
+                   "__and__": "logical_and", "__or__": "logical_or"}.items():
     _packet = getattr(aten, _name)
     handles(*[getattr(_packet, o) for o in ("Tensor", "Scalar", "default") if hasattr(_packet, o)])(_binary(_ir))
 
@@ -93,8 +111,8 @@ def _gelu(cx, x, approximate="none"):
     return cx.call("gelu", cx.value(x), approximate=approximate)
 
 
-@handles(aten._to_copy.default)
-def _to_copy(cx, x, dtype=None, **kwargs):
+@handles(aten._to_copy.default, aten.to.dtype, aten.to.dtype_layout, aten.to.device, aten.type_as.default)
+def _to_copy(cx, x, *args, **kwargs):
     v = cx.value(x)
     target = from_torch(_meta(cx).dtype)
     return v if target == v.type.dtype else cx.call("cast", v, dtype=target)
@@ -207,6 +225,18 @@ def _split(cx, x, sizes, dim=0):
     return tuple(parts)
 
 
+@handles(aten.diff.default)
+def _diff(cx, x, n=1, dim=-1, prepend=None, append=None):
+    if n != 1:
+        raise NotImplementedError("diff with n != 1")
+    v = cx.value(x)
+    parts = [cx.value(p) for p in (prepend,) if p is not None] + [v] + [cx.value(a) for a in (append,) if a is not None]
+    v = cx.call("concat", *parts, axis=dim) if len(parts) > 1 else v
+    later = cx.call("slice", v, axis=dim, start=1, end=2**62)
+    earlier = cx.call("slice", v, axis=dim, start=0, end=-1)
+    return cx.call("sub", later, earlier)
+
+
 @handles(aten.cat.default)
 def _cat(cx, tensors, dim=0):
     return cx.call("concat", *[cx.value(t) for t in tensors], axis=dim)
@@ -260,6 +290,11 @@ def _addmm(cx, bias, a, b, beta=1, alpha=1):
     if beta != 1 or alpha != 1:
         raise NotImplementedError("addmm with beta/alpha")
     return cx.call("add", cx.call("matmul", cx.value(a), cx.value(b)), cx.value(bias))
+
+
+@handles(aten.layer_norm.default)
+def _layer_norm_one_output(cx, x, shape, weight=None, bias=None, eps=1e-5, *args):
+    return _layer_norm(cx, x, shape, weight, bias, eps)[0]
 
 
 @handles(aten.native_layer_norm.default)

@@ -15,6 +15,7 @@ import torch
 
 from kiln.ir import Graph
 
+from .errors import UnsupportedOpError
 from .fx_to_ir import FxToIr
 
 KEEP_WHOLE = (torch.ops.aten.scaled_dot_product_attention.default, torch.ops.aten.linear.default)
@@ -41,24 +42,35 @@ def decompositions() -> dict:
 
 def export_module(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
                   dynamic_dims: dict[tuple[int, int], tuple[str, int, int]]) -> torch.export.ExportedProgram:
-    """torch.export (non-strict) with named dynamic dims: {(input, axis): (name, min, max)}."""
+    """torch.export (non-strict) with named dynamic dims: {(input, axis): (name, min, max)}.
+    The program is in training IR: not yet decomposed to core ATen."""
     dims = {}
     for (i, axis), (name, lo, hi) in dynamic_dims.items():
         dims.setdefault(i, {})[axis] = torch.export.Dim(name, min=lo, max=hi)
     spec = tuple(dims.get(i) for i in range(len(example_inputs)))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        program = torch.export.export(module, tuple(example_inputs), dynamic_shapes=spec, strict=False)
-        return program.run_decompositions(decompositions())
+        return torch.export.export(module, tuple(example_inputs), dynamic_shapes=spec, strict=False)
 
 
 def capture_module(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor], input_names: list[str],
                    output_names: list[str], dynamic_dims: dict | None = None) -> Graph:
-    """Capture any module into IR. Raises UnsupportedOpError for an ATen op Kiln cannot map."""
+    """Capture any module into IR. Raises UnsupportedOpError for an ATen op Kiln cannot map.
+
+    The training IR is converted directly when the ATen table covers all of its ops (the common
+    case: it saves a second trace, about half of capture time); otherwise the program is
+    decomposed to core ATen first, where every op is one the table knows or an error names it.
+    """
     dynamic_dims = dynamic_dims or {}
     program = export_module(module.eval(), example_inputs, dynamic_dims)
-    converter = FxToIr(program, input_names, {k: v[0] for k, v in dynamic_dims.items()})
-    graph = converter.convert(output_names)
+    dim_names = {k: v[0] for k, v in dynamic_dims.items()}
+    try:
+        graph = FxToIr(program, input_names, dim_names).convert(output_names)
+    except UnsupportedOpError:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            program = program.run_decompositions(decompositions())
+        graph = FxToIr(program, input_names, dim_names).convert(output_names)
     for name, lo, hi in dict.fromkeys(dynamic_dims.values()):
         graph.add_symbol(name, lo, hi)
     return graph

@@ -1,4 +1,4 @@
-"""Convert a decomposed `torch.export` program into a Kiln IR graph.
+"""Convert a `torch.export` program (training IR, or core ATen after decomposition) into Kiln IR.
 
 Each FX node is handled by the ATen table in `aten_table.py`. Nodes whose value is a SymInt
 (`sym_size`, arithmetic on sizes) become symbolic dims, not IR values: Kiln keeps sizes in
@@ -78,6 +78,24 @@ class FxToIr:
 
     def call(self, op: str, *inputs, **attrs):
         return self.graph.call(op, *inputs, **attrs)
+
+    def inline(self, body: torch.fx.Node, args) -> tuple:
+        """Convert the submodule `body` (a get_attr of a higher-order op's region) in place, its
+        placeholders bound to `args`; returns its outputs as a tuple."""
+        module = getattr(self.program.graph_module, body.target)
+        placeholders = [n for n in module.graph.nodes if n.op == "placeholder"]
+        for node, arg in zip(placeholders, args):
+            self.env[node] = self.env[arg] if isinstance(arg, torch.fx.Node) else arg
+        outer = self.current
+        try:
+            for node in module.graph.nodes:
+                if node.op == "call_function":
+                    self.convert_node(node)
+                elif node.op == "output":
+                    return tuple(self.env[a] if isinstance(a, torch.fx.Node) else a for a in node.args[0])
+        finally:
+            self.current = outer
+        raise ConversionError(f"region {body.target} has no output")
 
     # -- the walk -----------------------------------------------------------------------
     def add_placeholders(self) -> None:
