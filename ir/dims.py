@@ -74,4 +74,6 @@ def evaluate(d: Dim, bindings: dict[str, int]) -> int:
 
 
 def dims_equal(a: Dim, b: Dim) -> bool:
+    if a == b:  # the common case, without sympy's simplify (the verifier compares every dim)
+        return True
     return sympy.simplify(sympy.sympify(a) - sympy.sympify(b)) == 0

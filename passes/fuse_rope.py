@@ -26,7 +26,7 @@ from kiln.ir import Graph, Node, Value, get_op, to_torch
 from kiln.ir.dims import dims_equal, evaluate
 
 from .dce import eliminate_dead_code
-from .match import Users, is_last_axis, made_by, sole_user, split_operands
+from .match import Users, has_shape, is_last_axis, made_by, sole_user, split_operands
 from .rewrite import insert_before, replace_value
 
 ELEMENTWISE = {"add", "sub", "mul", "div", "pow", "neg", "exp", "cos", "sin", "reciprocal", "sqrt", "rsqrt",
@@ -89,9 +89,10 @@ def _allowed(node: Node) -> bool:
     return False
 
 
-def position_function(graph: Graph, value: Value) -> tuple[Value, list[Node]] | None:
-    """(positions input, the nodes computing `value`) if `value` depends on one integer graph
-    input of rank 2 and on constants only, through ops that keep each (b, t) to itself."""
+def position_function(graph: Graph, value: Value, order: dict[int, int]) -> tuple[Value, list[Node]] | None:
+    """(positions input, the nodes computing `value` in graph order) if `value` depends on one
+    integer graph input of rank 2 and on constants only, through ops that keep each (b, t) to
+    itself. `order` maps id(node) to its index in graph.nodes."""
     inputs, nodes, seen, stack = set(), [], set(), [value]
     while stack:
         v = stack.pop()
@@ -112,67 +113,66 @@ def position_function(graph: Graph, value: Value) -> tuple[Value, list[Node]] | 
         stack += [i for i in node.inputs if i is not None]
     if len(inputs) != 1:
         return None
-    order = {id(n): i for i, n in enumerate(graph.nodes)}
     return inputs.pop(), sorted(nodes, key=lambda n: order[id(n)])
 
 
-def evaluate_at_positions(graph: Graph, value: Value, positions: Value, nodes: list[Node],
-                          max_positions: int) -> torch.Tensor:
-    """`value` computed by the reference kernels with positions = [[0, 1, ..., max_positions-1]]."""
-    batch, seq = positions.type.shape
-    bindings = {d.name: size for d, size in ((batch, 1), (seq, max_positions)) if isinstance(d, sympy.Symbol)}
-    concrete = lambda a: tuple(concrete(x) for x in a) if isinstance(a, tuple) else (
-        evaluate(a, bindings) if isinstance(a, sympy.Expr) else a)
-    env = {id(positions): torch.arange(max_positions, dtype=to_torch(positions.type.dtype)).reshape(1, max_positions)}
-    env.update({id(v): graph.weights[name] for name, v in graph.params.items() if name in graph.weights})
-    with torch.no_grad():
-        for node in nodes:
-            args = [None if v is None else env[id(v)] for v in node.inputs]
-            result = get_op(node.op).reference(*args, **{k: concrete(a) for k, a in node.attrs.items()})
-            env[id(node.output)] = result
-    return env[id(value)]
-
-
-class TableCache:
-    """The cos/sin tables made so far, shared between the layers that use equal ones."""
+class RopeTables:
+    """Computes the cos/sin tables and makes them params: each node of the cos/sin subgraphs is
+    run once (layers share them), and equal tables share one param pair."""
 
     def __init__(self, graph: Graph):
         self.graph = graph
-        self.tables: list[tuple[torch.Tensor, torch.Tensor, Value, Value]] = []
+        self.order = {id(n): i for i, n in enumerate(graph.nodes)}
+        self.env = {id(v): graph.weights[name] for name, v in graph.params.items() if name in graph.weights}
+        self.made: list[tuple[torch.Tensor, torch.Tensor, Value, Value]] = []
+
+    def evaluate(self, value: Value, positions: Value, nodes: list[Node], max_positions: int) -> torch.Tensor:
+        """`value` computed by the reference kernels with positions = [[0, 1, ..., max_positions-1]]."""
+        batch, seq = positions.type.shape
+        bindings = {d.name: size for d, size in ((batch, 1), (seq, max_positions)) if isinstance(d, sympy.Symbol)}
+        concrete = lambda a: tuple(concrete(x) for x in a) if isinstance(a, tuple) else (
+            evaluate(a, bindings) if isinstance(a, sympy.Expr) else a)
+        env = self.env
+        env.setdefault(id(positions), torch.arange(max_positions, dtype=to_torch(positions.type.dtype))[None])
+        with torch.no_grad():
+            for node in nodes:
+                if id(node.output) not in env:
+                    args = [None if v is None else env[id(v)] for v in node.inputs]
+                    env[id(node.output)] = get_op(node.op).reference(*args, **{k: concrete(a) for k, a in node.attrs.items()})
+        return env[id(value)]
+
+    def table(self, value: Value, x: Value) -> tuple[Value, torch.Tensor] | None:
+        """(positions, table [max_positions, half]) if `value` is a cos/sin of positions laid out
+        [batch, 1, seq, 2 * half] against x [batch, heads, seq, 2 * half], its two halves equal."""
+        found = position_function(self.graph, value, self.order)
+        if found is None:
+            return None
+        positions, nodes = found
+        batch, seq = positions.type.shape
+        rot = x.type.shape[-1]
+        if not has_shape(value, (batch, 1, seq, rot)) or x.type.rank != 4:
+            return None
+        if not (dims_equal(x.type.shape[0], batch) and dims_equal(x.type.shape[2], seq)):
+            return None
+        if not isinstance(seq, sympy.Symbol) or seq.name not in self.graph.symbols:
+            return None  # no bound on the positions, so no table size
+        max_positions = self.graph.symbols[seq.name].max
+        full = self.evaluate(value, positions, nodes, max_positions).reshape(max_positions, rot)
+        half = rot // 2
+        if not torch.equal(full[:, :half], full[:, half:]):
+            return None  # not the rotate-half layout (cat(freqs, freqs))
+        return positions, full[:, :half]
 
     def params_for(self, cos: torch.Tensor, sin: torch.Tensor) -> tuple[Value, Value]:
-        for known_cos, known_sin, cos_param, sin_param in self.tables:
+        """The param pair holding these tables (an existing one if equal tables were made)."""
+        for known_cos, known_sin, cos_param, sin_param in self.made:
             if torch.equal(known_cos, cos) and torch.equal(known_sin, sin):
                 return cos_param, sin_param
-        index = len(self.tables)
-        cos_param = self.graph.add_param(self.graph.fresh_name(f"rope.{index}.cos_table"), cos.contiguous())
-        sin_param = self.graph.add_param(self.graph.fresh_name(f"rope.{index}.sin_table"), sin.contiguous())
-        self.tables.append((cos, sin, cos_param, sin_param))
+        index, graph = len(self.made), self.graph
+        cos_param = graph.add_param(graph.fresh_name(f"rope.{index}.cos_table"), cos.contiguous())
+        sin_param = graph.add_param(graph.fresh_name(f"rope.{index}.sin_table"), sin.contiguous())
+        self.made.append((cos, sin, cos_param, sin_param))
         return cos_param, sin_param
-
-
-def _table(graph: Graph, value: Value, x: Value) -> tuple[Value, torch.Tensor] | None:
-    """(positions, table [max_positions, half]) if `value` is a cos/sin of positions laid out
-    [batch, 1, seq, 2 * half] against x [batch, heads, seq, 2 * half], its two halves equal."""
-    found = position_function(graph, value)
-    if found is None:
-        return None
-    positions, nodes = found
-    batch, seq = positions.type.shape
-    rot = x.type.shape[-1]
-    expected = (batch, 1, seq, rot)
-    if value.type.rank != 4 or not all(dims_equal(a, b) for a, b in zip(value.type.shape, expected)):
-        return None
-    if x.type.rank != 4 or not (dims_equal(x.type.shape[0], batch) and dims_equal(x.type.shape[2], seq)):
-        return None
-    if not isinstance(seq, sympy.Symbol) or seq.name not in graph.symbols:
-        return None  # no bound on the positions, so no table size
-    max_positions = graph.symbols[seq.name].max
-    full = evaluate_at_positions(graph, value, positions, nodes, max_positions).reshape(max_positions, rot)
-    half = rot // 2
-    if not torch.equal(full[:, :half], full[:, half:]):
-        return None  # not the rotate-half layout (cat(freqs, freqs))
-    return positions, full[:, :half]
 
 
 def _partial_rotary_whole(out: Value, x_rot: Value, users: Users, graph: Graph) -> tuple[Value, Node] | None:
@@ -195,13 +195,13 @@ def _partial_rotary_whole(out: Value, x_rot: Value, users: Users, graph: Graph) 
 def fuse_rope(graph: Graph) -> Graph:
     """Rewrite every rotary embedding above into `rope`, in place; dead nodes are removed."""
     users = graph.users()
-    tables = TableCache(graph)
+    tables = RopeTables(graph)
     for add in [n for n in graph.nodes if n.op == "add"]:
         terms = _rotary_terms(add)
         if terms is None:
             continue
         x, cos, sin = terms
-        cos_table, sin_table = _table(graph, cos, x), _table(graph, sin, x)
+        cos_table, sin_table = tables.table(cos, x), tables.table(sin, x)
         if cos_table is None or sin_table is None or cos_table[0] is not sin_table[0]:
             continue
         positions = cos_table[0]
