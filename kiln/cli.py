@@ -139,6 +139,12 @@ def _sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--typical-p", type=float, default=1.0)
+    parser.add_argument("--eta", type=float, default=0.0, help="eta sampling's epsilon (0 = off)")
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--presence-penalty", type=float, default=0.0)
+    parser.add_argument("--frequency-penalty", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=0)
 
 
@@ -171,7 +177,9 @@ def _kiln(argv) -> int:
 
     llm = kiln.load(args.artifact)
     sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                    top_p=args.top_p, seed=args.seed)
+                    top_p=args.top_p, min_p=args.min_p, typical_p=args.typical_p, eta=args.eta,
+                    repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                    frequency_penalty=args.frequency_penalty, seed=args.seed)
     if args.command == "generate":
         prompt = llm.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
         result = _print_stream(llm.stream(prompt, **sampling))

@@ -32,6 +32,7 @@ class GenerationRequest:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
     eos_ids: frozenset[int] = frozenset()
+    stop_token_ids: frozenset[int] = frozenset()  # end like EOS, with finish_reason "stop"
 
 
 def max_new_tokens_that_fit(prompt_len: int, requested: int, max_seq_len: int) -> int:
@@ -48,6 +49,8 @@ class _Row:
         self.max_new = max_new_tokens_that_fit(len(prompt), request.max_new_tokens, max_seq_len)
         self.clamped = self.max_new < request.max_new_tokens
         self.eos_ids = request.eos_ids
+        self.stop_token_ids = request.stop_token_ids
+        self.logprobs = [] if request.sampling.logprobs is not None else None
         self.sampler = Sampler(request.sampling, seed)
         self.decoder: IncrementalDecoder | None = decoder
         self.stop = StopStringMatcher(request.stop)
@@ -63,11 +66,16 @@ class _Row:
 
     def accept(self, logits: torch.Tensor) -> str:
         """Sample the next token from logits [vocab]; return the text it completes."""
-        token = self.sampler(logits)
+        choice = self.sampler.choose(logits, self.prompt, self.tokens)
+        token = choice.token
         self.tokens.append(token)
+        if self.logprobs is not None:
+            self.logprobs.append(choice)
         piece = ""
         if token in self.eos_ids:
             self.finish_reason = "eos"
+        elif token in self.stop_token_ids:
+            self.finish_reason = "stop"
         else:
             if self.decoder is not None:
                 piece = self.stop.push(self.decoder.push(token))
@@ -145,7 +153,7 @@ class BatchGeneration:
         """One result per prompt, after the iteration has finished."""
         return [GenerationResult(
             text=row.text, token_ids=list(row.tokens), finish_reason=row.finish_reason or "length",
-            prompt_token_ids=list(row.prompt),
+            prompt_token_ids=list(row.prompt), logprobs=row.logprobs,
             stats=GenerationStats(tokens_in=len(row.prompt), tokens_out=len(row.tokens), ttft_s=self.prefill_s,
                                   prefill_s=self.prefill_s, decode_s=row.decode_s,
                                   max_new_tokens=row.max_new, clamped=row.clamped),

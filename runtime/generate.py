@@ -44,22 +44,27 @@ class LLM:
     # -- public API ----------------------------------------------------------------------
     def generate(self, prompts, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                  top_p: float = 1.0, seed: int | Sequence[int] = 0, stop: str | Sequence[str] | None = None,
-                 ignore_eos: bool = False):
+                 ignore_eos: bool = False, stop_token_ids: Sequence[int] = (), **sampling):
         """Generate for one prompt (-> GenerationResult) or a list of prompts (-> list of them).
 
         `seed` seeds each prompt's own generator (a list gives one seed per prompt), so a prompt's
-        tokens do not depend on what it is batched with. `stop` strings end the text before them.
-        `ignore_eos` generates exactly `max_new_tokens` (for benchmarks).
+        tokens do not depend on what it is batched with. `stop` strings end the text before them;
+        `stop_token_ids` end it after such a token. `ignore_eos` generates exactly
+        `max_new_tokens` (for benchmarks). `sampling` takes the other fields of `SamplingParams`:
+        min_p, typical_p, eta, repetition_penalty, presence_penalty, frequency_penalty,
+        logit_bias ({token id: bias}) and logprobs (None, or how many alternatives to return).
         """
-        return self.stream(prompts, max_new_tokens, temperature, top_k, top_p, seed, stop, ignore_eos).results
+        return self.stream(prompts, max_new_tokens, temperature, top_k, top_p, seed, stop, ignore_eos,
+                           stop_token_ids, **sampling).results
 
     def stream(self, prompts, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
                top_p: float = 1.0, seed: int | Sequence[int] = 0, stop: str | Sequence[str] | None = None,
-               ignore_eos: bool = False) -> TextStream:
+               ignore_eos: bool = False, stop_token_ids: Sequence[int] = (), **sampling) -> TextStream:
         """Like `generate`, but yield text as it completes: str pieces for one prompt, or
         (prompt index, piece) pairs for a list; the returned stream's `.results` holds the
         GenerationResults afterwards. Bad arguments raise here, before any model call."""
-        single, batches = self._plan(prompts, max_new_tokens, temperature, top_k, top_p, seed, stop, ignore_eos)
+        params = sampling_params(temperature, top_k, top_p, sampling)
+        single, batches = self._plan(prompts, max_new_tokens, params, seed, stop, ignore_eos, stop_token_ids)
         return TextStream(batches, single)
 
     def chat(self, messages: list[dict], **kwargs) -> GenerationResult:
@@ -81,7 +86,7 @@ class LLM:
                                  "or recompile from a model directory with tokenizer.json.")
         return self.tokenizer
 
-    def _plan(self, prompts, max_new_tokens, temperature, top_k, top_p, seed, stop, ignore_eos=False):
+    def _plan(self, prompts, max_new_tokens, params: SamplingParams, seed, stop, ignore_eos=False, stop_token_ids=()):
         """Validate everything up front and build the batches (not yet run)."""
         single, token_lists = self._encode_prompts(prompts)
         if max_new_tokens < 0:
@@ -99,8 +104,9 @@ class LLM:
         if stops:
             self._require_tokenizer()
         request = GenerationRequest(
-            max_new_tokens=int(max_new_tokens), sampling=SamplingParams(float(temperature), int(top_k), float(top_p)),
-            stop=stops, eos_ids=self.tokenizer.eos_ids if self.tokenizer and not ignore_eos else frozenset())
+            max_new_tokens=int(max_new_tokens), sampling=params, stop=stops,
+            eos_ids=self.tokenizer.eos_ids if self.tokenizer and not ignore_eos else frozenset(),
+            stop_token_ids=frozenset(int(t) for t in stop_token_ids))
         decoder = self.tokenizer.incremental_decoder if self.tokenizer else None
         n = self.max_batch
         batches = [BatchGeneration(self.executable, token_lists[i:i + n], request, seeds[i:i + n], decoder)
@@ -126,6 +132,15 @@ class LLM:
         if not _is_token_list(prompt):
             raise GenerationError(f"A prompt is a string or a list of token ids, got {prompt!r:.60}.")
         return [int(t) for t in prompt]
+
+
+def sampling_params(temperature: float, top_k: int, top_p: float, extra: dict) -> SamplingParams:
+    """SamplingParams from generate's arguments; an unknown keyword is an error naming the known ones."""
+    known = set(SamplingParams.__dataclass_fields__) - {"temperature", "top_k", "top_p"}
+    unknown = sorted(set(extra) - known)
+    if unknown:
+        raise GenerationError(f"Unknown sampling option(s) {unknown}. Fix: use the known ones: {sorted(known)}.")
+    return SamplingParams(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), **extra)
 
 
 def _is_token_list(x) -> bool:

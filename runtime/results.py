@@ -3,6 +3,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kiln.runtime.sampler import TokenLogprob
+
 
 @dataclass
 class GenerationStats:
@@ -42,8 +44,9 @@ class GenerationStats:
 class GenerationResult:
     """One prompt's generation.
 
-    `token_ids` are the new tokens only, including the EOS token when one ended it (the text
-    never shows EOS). `finish_reason` is "eos", "stop" (a stop string; the text ends before it),
+    `token_ids` are the new tokens only, including the EOS (or stop) token when one ended it (the
+    text never shows it). `finish_reason` is "eos", "stop" (a stop string, the text ending before
+    it, or a stop token id),
     "length" (max_new_tokens) or "context" (the compiled max_seq_len clamped the length).
     """
 
@@ -52,3 +55,4 @@ class GenerationResult:
     finish_reason: str
     prompt_token_ids: list[int] = field(default_factory=list)
     stats: GenerationStats = field(default_factory=GenerationStats)
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them

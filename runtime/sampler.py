@@ -1,69 +1,119 @@
-"""Turning a row of logits into the next token: greedy, or seeded temperature / top-k / top-p.
+"""Turning a row of logits into the next token: greedy, or seeded sampling with the full suite
+of processors (logits_processors.py): logit bias, repetition / presence / frequency penalties,
+temperature, top-k, top-p, min-p, typical and eta sampling; optionally with log-probabilities.
 
 Each request row owns a `Sampler` with its own `torch.Generator`, so the tokens a prompt gets
-depend only on its logits and its seed, never on what else shares the batch.
+depend only on its logits, its context and its seed, never on what else shares the batch.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Sequence
 
 import torch
 
+from kiln.runtime import logits_processors as lp
 from kiln.runtime.errors import GenerationError
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens. temperature 0 is greedy; top_k 0 and top_p 1.0 disable those filters."""
+    """How to pick tokens. temperature 0 is greedy (after bias and penalties); every other
+    setting at its default disables its step. `logprobs` None returns none; n >= 0 returns the
+    chosen token's log-probability and the n most likely alternatives, from the model's own
+    distribution (before any processing)."""
 
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
+    typical_p: float = 1.0
+    eta: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = field(default=())
+    logprobs: int | None = None
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            raise GenerationError(f"temperature must be >= 0, got {self.temperature}. Fix: use 0 for greedy.")
-        if self.top_k < 0:
-            raise GenerationError(f"top_k must be >= 0, got {self.top_k}. Fix: use 0 to disable it.")
-        if not 0.0 < self.top_p <= 1.0:
-            raise GenerationError(f"top_p must be in (0, 1], got {self.top_p}. Fix: use 1.0 to disable it.")
+        if isinstance(self.logit_bias, dict):
+            object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias.items()))
+        checks = [
+            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}. Fix: use 0 for greedy."),
+            (self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}. Fix: use 0 to disable it."),
+            (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}. Fix: use 1.0 to disable it."),
+            (0.0 <= self.min_p < 1.0, f"min_p must be in [0, 1), got {self.min_p}. Fix: use 0 to disable it."),
+            (0.0 < self.typical_p <= 1.0,
+             f"typical_p must be in (0, 1], got {self.typical_p}. Fix: use 1.0 to disable it."),
+            (0.0 <= self.eta < 1.0, f"eta must be in [0, 1), got {self.eta}. Fix: use 0 to disable it."),
+            (self.repetition_penalty > 0,
+             f"repetition_penalty must be > 0, got {self.repetition_penalty}. Fix: use 1.0 to disable it."),
+            (self.logprobs is None or self.logprobs >= 0, f"logprobs must be None or >= 0, got {self.logprobs}."),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise GenerationError(message)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
 
-def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Logits [vocab] with every token outside the top-k / top-p (nucleus) set set to -inf.
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A chosen token, its log-probability under the model, and the most likely alternatives."""
 
-    top-p keeps the smallest set of most likely tokens whose probability mass reaches top_p
-    (always at least the most likely token).
-    """
-    logits = logits.clone()
-    if 0 < top_k < logits.numel():
-        kth = torch.topk(logits, top_k).values[-1]
-        logits[logits < kth] = float("-inf")
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        mass_before = torch.cumsum(probs, dim=-1) - probs  # mass of the strictly more likely tokens
-        drop = mass_before >= top_p
-        logits[order[drop]] = float("-inf")
-    return logits
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
+    """Logits [vocab] with every token outside the top-k / top-p (nucleus) set at -inf."""
+    return lp.top_p(lp.top_k(logits, top_k), top_p)
 
 
 class Sampler:
-    """Picks tokens for one request row; seeded, so the same logits and seed give the same tokens."""
+    """Picks tokens for one request row; seeded, so the same logits, context and seed give the
+    same tokens."""
 
     def __init__(self, params: SamplingParams, seed: int = 0):
         self.params = params
         self.generator = torch.Generator().manual_seed(int(seed))
 
-    def __call__(self, logits: torch.Tensor) -> int:
-        """The next token id for logits [vocab]."""
-        logits = logits.detach().float().reshape(-1)
+    def __call__(self, logits: torch.Tensor, prompt: Sequence[int] = (), generated: Sequence[int] = ()) -> int:
+        """The next token id for logits [vocab] after `prompt` and the tokens `generated` so far."""
+        return self.choose(logits, prompt, generated).token
+
+    def choose(self, logits: torch.Tensor, prompt: Sequence[int] = (),
+               generated: Sequence[int] = ()) -> TokenLogprob:
+        raw = logits.detach().float().reshape(-1)
+        processed = self.process(raw, prompt, generated)
         if self.params.greedy:
-            return int(torch.argmax(logits))
-        logits = filter_logits(logits / self.params.temperature, self.params.top_k, self.params.top_p)
-        probs = torch.softmax(logits, dim=-1)
-        return int(torch.multinomial(probs, 1, generator=self.generator))
+            token = int(torch.argmax(processed))
+        else:
+            probs = torch.softmax(processed, dim=-1)
+            token = int(torch.multinomial(probs, 1, generator=self.generator))
+        return self._with_logprobs(raw, token)
+
+    def process(self, logits: torch.Tensor, prompt: Sequence[int], generated: Sequence[int]) -> torch.Tensor:
+        """The logits a token is drawn from (greedy takes their argmax)."""
+        p = self.params
+        logits = lp.add_logit_bias(logits, dict(p.logit_bias))
+        logits = lp.repetition_penalty(logits, [*prompt, *generated], p.repetition_penalty)
+        logits = lp.presence_frequency_penalty(logits, generated, p.presence_penalty, p.frequency_penalty)
+        if p.greedy:
+            return logits
+        logits = logits / p.temperature
+        for step, setting in ((lp.top_k, p.top_k), (lp.top_p, p.top_p), (lp.min_p, p.min_p),
+                              (lp.typical, p.typical_p), (lp.eta, p.eta)):
+            logits = step(logits, setting)
+        return logits
+
+    def _with_logprobs(self, raw: torch.Tensor, token: int) -> TokenLogprob:
+        if self.params.logprobs is None:
+            return TokenLogprob(token, 0.0)
+        log_probs = torch.log_softmax(raw, dim=-1)
+        top = torch.topk(log_probs, min(self.params.logprobs, log_probs.numel())) if self.params.logprobs else None
+        alternatives = tuple(zip(top.indices.tolist(), top.values.tolist())) if top is not None else ()
+        return TokenLogprob(token, float(log_probs[token]), alternatives)

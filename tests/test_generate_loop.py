@@ -180,3 +180,25 @@ def test_chat_renders_the_template_without_adding_special_tokens_twice(tokenizer
     result = LLM(executable(), tokenizer).chat(messages, max_new_tokens=2)
     expected = tokenizer.encode("<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n", add_special_tokens=False)
     assert result.prompt_token_ids == expected
+
+
+def test_stop_token_ids_end_generation_with_reason_stop():
+    free = LLM(executable()).generate(LONG, max_new_tokens=8).token_ids
+    stopped = LLM(executable()).generate(LONG, max_new_tokens=8, stop_token_ids=[free[2]])
+    cut = free.index(free[2]) + 1
+    assert stopped.token_ids == free[:cut] and stopped.finish_reason == "stop"
+
+
+def test_logprobs_are_returned_per_token_when_asked():
+    llm = LLM(executable())
+    result = llm.generate(LONG, max_new_tokens=4, logprobs=3)
+    assert [c.token for c in result.logprobs] == result.token_ids
+    assert all(len(c.top) == 3 and c.top[0][0] == c.token for c in result.logprobs)  # greedy: the top one
+    assert llm.generate(LONG, max_new_tokens=4).logprobs is None
+
+
+def test_unknown_sampling_options_name_the_known_ones():
+    from kiln.runtime.errors import GenerationError
+
+    with pytest.raises(GenerationError, match="min_p"):
+        LLM(executable()).generate(LONG, max_new_tokens=2, nucleus=0.9)
