@@ -10,6 +10,7 @@ as written, run without Dynamo.
 from __future__ import annotations
 
 import linecache
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
@@ -25,6 +26,7 @@ from .guard_failures import diagnose_guard
 from .report_model import (FOLLOW_ON, BreakEntry, FragmentEntry, Location, OpsSummary, RecompileEntry, Section,
                            SourceLine, Timing)
 
+TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 OUTPUT_TOLERANCE = 1e-4  # fp32: remedies reorder nothing numerically, stateless attention may round differently
 CONTEXT_LINES = 2
 
@@ -167,7 +169,8 @@ def _break_entry(break_id: str, found: FoundBreak, diagnosis: Diagnosis, capture
     return BreakEntry(
         id=break_id, category=diagnosis.category, category_title=CATEGORIES[diagnosis.category].title,
         gb_type=found.gb_type, dynamo_reason=found.graph_reason or parsed.explanation or found.gb_type,
-        reason=diagnosis.plain, location=_location(where), stack=[str(f) for f in found.stack],
+        reason=diagnosis.plain, location=_location(where),
+        stack=[str(f) for f in found.stack if not f.filename.startswith(TORCH_DIR)],  # not Dynamo's wrappers
         occurrences=found.occurrences, skipped_frame=found.skipped_frame,
         ops_before=_ops(capture, found.fragment_before), ops_after=_ops(capture, found.fragment_after),
         cost_ms=None if seconds is None else seconds * 1e3,
