@@ -148,6 +148,15 @@ def _bsh(b: OnnxBuilder, value: Value) -> str:
     source = _bsh_source(value)
     if source is not None:
         return b.value(source)
+    norm = value.producer
+    if norm is not None and norm.op == "rms_norm" and _bsh_source(norm.inputs[0]) is not None:
+        # a per-head norm (Gemma's q/k norm) normalizes the last axis: it commutes with the head
+        # transpose, so it runs on [b, s, h, d] and no Transpose is needed
+        heads, head_dim = value.type.shape[1], value.type.shape[3]
+        split = b.op("Reshape", b.value(_bsh_source(norm.inputs[0])), b.const([0, 0, heads, head_dim]))
+        scale = norm_scale(b, norm.inputs[1], norm.attrs["offset"], head_dim, value.type.dtype)
+        normed = b.op("RMSNormalization", split, scale, axis=-1, epsilon=float(norm.attrs["eps"]))
+        return b.op("Reshape", normed, b.const([0, 0, heads * head_dim]))
     return b.op("Reshape", b.op("Transpose", b.value(value), perm=[0, 2, 1, 3]), b.const([0, 0, -1]))
 
 

@@ -63,12 +63,11 @@ class OrtExecutable:
 
     def reset(self) -> None:
         """Forget all cached keys and values (zero the buffers)."""
-        for i, cache in enumerate(self.caches):
+        for cache, spec in zip(self.caches, self.info["caches"]):
             if isinstance(cache, torch.Tensor):
                 cache.zero_()
             else:
-                cache.update_inplace(np.zeros(self.info["caches"][i]["shape"], _numpy_dtype(to_torch(
-                    self.info["caches"][i]["dtype"]))))
+                cache.update_inplace(np.zeros(spec["shape"], _numpy_dtype(to_torch(spec["dtype"]))))
 
     def run(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Logits [batch, seq, vocab] for int64 tokens/positions [batch, seq]; writes the caches."""
@@ -114,17 +113,12 @@ class OrtExecutable:
             return logits
         return torch.from_numpy(self.binding.get_outputs()[0].numpy())
 
-    def _view(self, cache, first_row: int, rows: int) -> tuple[int, list[int]]:
-        """(pointer, shape) of rows [first_row, first_row + rows) of a buffer."""
-        shape = list(cache.shape) if isinstance(cache, torch.Tensor) else list(cache.shape())
-        row_bytes = int(np.prod(shape[1:])) * (cache.element_size() if isinstance(cache, torch.Tensor) else 4)
-        pointer = cache.data_ptr() + first_row * row_bytes
-        return pointer, [rows, *shape[1:]]
-
     def _bind_caches(self, first_row: int, batch: int) -> None:
+        """Bind rows [first_row, first_row + batch) of each buffer by pointer (no copy)."""
         for cache, spec in zip(self.caches, self.info["caches"]):
-            pointer, shape = self._view(cache, first_row, batch)
             dtype = _numpy_dtype(to_torch(spec["dtype"]))
+            row_bytes = int(np.prod(spec["shape"][1:])) * np.dtype(dtype).itemsize
+            pointer, shape = cache.data_ptr() + first_row * row_bytes, [batch, *spec["shape"][1:]]
             self.binding.bind_input(spec["input"], self.device_type, self.device_id, dtype, shape, pointer)
             if spec["in_place"]:
                 self.binding.bind_output(spec["output"], self.device_type, self.device_id, dtype, shape, pointer)
@@ -153,11 +147,17 @@ class OrtExecutable:
         return logits
 
     def save(self, directory: Path) -> list[str]:
-        """Copy model.onnx and model.onnx.data into `directory`; returns their names."""
+        """Put model.onnx and model.onnx.data into `directory` (hard links where the file system
+        allows, else copies); returns their names."""
+        import os
         import shutil
 
         for name in (MODEL_FILE, DATA_FILE):
-            shutil.copyfile(self.model_path.parent / name, Path(directory) / name)
+            source, target = self.model_path.parent / name, Path(directory) / name
+            try:
+                os.link(source, target)
+            except OSError:
+                shutil.copyfile(source, target)
         return [MODEL_FILE, DATA_FILE]
 
 
