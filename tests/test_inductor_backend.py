@@ -12,7 +12,7 @@ import torch
 from kiln.backends.executable import BackendOptions
 from kiln.backends.inductor import (FX_LOWERINGS, AOTIExecutable, FeedError, LoweringError, UnsupportedOpError,
                                     check_lowering_table, graph_to_fx, load, lower)
-from kiln.ir import Graph, TensorType, all_ops, run_graph, symbol
+from kiln.ir import Graph, TensorType, all_ops, run_graph, symbol, to_torch
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN = 48, 32, 4, 2, 8, 40
 MAX_BATCH, MAX_SEQ = 2, 32
@@ -122,6 +122,11 @@ OP_CASES = {
     "linear": (["x: f32[batch, seq, 4]", "w: f32[3, 4]", "b: f32[3]"], lambda g, x, w, b: g.call("linear", x, w, b)),
     "matmul": (["a: f32[batch, seq, 4]", "b: f32[4, 3]"], lambda g, a, b: g.call("matmul", a, b)),
     "embedding": (["w: f32[6, 4]", "i: i64<6[batch, seq]"], lambda g, w, i: g.call("embedding", w, i)),
+    # K = 32 is below Kiln's int4 kernel's minimum (64): the dequantizing form, exact like the reference.
+    "linear_q": (["x: f32[batch, seq, 32]", "q: u8<256[3, 16]", "s: f32[3, 2]", "z: u8<16[3, 2]", "b: f32[3]"],
+                 lambda g, x, q, s, z, b: g.call("linear_q", x, q, s, z, b, bits=4, group_size=16)),
+    "embedding_q": (["q: i8<100[6, 4]", "s: f32[6, 1]", "i: i64<6[batch, seq]"],
+                    lambda g, q, s, i: g.call("embedding_q", q, s, i, bits=8, group_size=4)),
     "layer_norm": (["x: f32[batch, seq, 4]", "w: f32[4]", "b: f32[4]"],
                    lambda g, x, w, b: g.call("layer_norm", x, w, b, eps=1e-5)),
     "rms_norm": (["x: f32[batch, seq, 4]", "w: f32[4]"], lambda g, x, w: g.call("rms_norm", x, w, eps=1e-6, offset=1.0)),
@@ -155,8 +160,9 @@ def _parse_input(spec: str):
 
 
 def _random_feed(dtype: str, shape) -> torch.Tensor:
-    if dtype.startswith("i64<"):
-        return torch.randint(0, int(dtype[4:]), shape)
+    if "<" in dtype:  # integers below a bound: "i64<6", "u8<16"
+        name, high = dtype.split("<")
+        return torch.randint(0, int(high), shape, dtype=to_torch(name))
     if dtype == "bool":
         return torch.rand(shape) > 0.5
     x = torch.randn(shape)

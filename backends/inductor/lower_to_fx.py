@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from kiln.ir import Graph, Node, all_ops, to_torch
 
 from . import composite_ops
+from .quantized_linear import QUANTIZED_LOWERINGS
 
 
 class UnsupportedOpError(NotImplementedError):
@@ -219,6 +220,7 @@ FX_LOWERINGS: dict[str, Lowering] = {
     "rope": _torch_call(composite_ops.rope),
     "attention": _torch_call(composite_ops.attention),
     "kv_write": _kv_write,
+    **QUANTIZED_LOWERINGS,  # linear_q, embedding_q (quantized_linear.py)
 }
 
 

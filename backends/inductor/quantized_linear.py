@@ -1,0 +1,78 @@
+"""Inductor lowerings of the quantized-weight ops `linear_q` and `embedding_q` (ir/ops/quantized.py).
+
+- 8-bit per output channel -> `torch.ops.kiln.linear_i8` (gemv_kernel.py): the int8 weight repacked
+  once at lowering to [K, N], with its [N] scales.
+- 4-bit, K % 64 == 0 and group_size % 32 == 0 -> `torch.ops.kiln.linear_q4` (int4_kernel.py),
+  reading the IR's packed u8 [N, K/2] weight, scales and zero points as they are.
+- anything else (other group sizes, no AVX2/compiler, or KILN_LINEAR_KERNEL=torch) -> dequantize
+  + F.linear in torch ops, which Inductor compiles like the rest of the graph.
+- `embedding_q` gathers the rows first, then dequantizes only those.
+PyTorch's own CPU kernels (`aten._weight_int4pack_mm_for_cpu`, `aten._weight_int8pack_mm`) were
+measured 7-12 times slower than the fp32 GEMV here, so they are not used (see int4_kernel.py).
+All these run under AOTInductor too: the custom ops through its proxy executor, the repacked
+weight as a module constant that `load` rebuilds from the artifact's weights.
+"""
+from __future__ import annotations
+
+import functools
+import warnings
+
+import torch
+
+from kiln.ir.ops.quantized import embedding_q_reference, linear_q_reference
+
+
+@functools.cache
+def int4_kernel_available() -> bool:
+    """Whether Kiln's int4 kernel is built and loaded here (built once, then cached)."""
+    from . import int4_kernel
+    from .gemv_kernel import KernelBuildError
+
+    try:
+        int4_kernel.ensure_loaded()
+        return True
+    except KernelBuildError as error:
+        warnings.warn(f"Kiln's int4 kernel is unavailable; 4-bit linears dequantize in torch ops (slower): {error}",
+                      stacklevel=2)
+        return False
+
+
+def _kernels_wanted() -> bool:
+    from .fast_linear import wanted
+
+    return wanted()
+
+
+def _int8_kernel(b, node, args, attrs):
+    from .fast_linear import kernel_available
+
+    qweight, scales = b.constant(args[1]), b.constant(args[2])
+    if qweight is None or scales is None or attrs["group_size"] != qweight.shape[1] or not kernel_available():
+        return None
+    packed = b.add_constant(node.inputs[1].name + ".kn", qweight.t().contiguous())
+    flat_scales = b.add_constant(node.inputs[2].name + ".flat", scales.reshape(-1).contiguous())
+    return b.call(torch.ops.kiln.linear_i8, args[0], packed, flat_scales, args[4])
+
+
+def _int4_kernel(b, node, args, attrs):
+    k = node.inputs[0].type.shape[-1]
+    if not isinstance(k, int) or k % 64 or attrs["group_size"] % 32 or not int4_kernel_available():
+        return None
+    return b.call(torch.ops.kiln.linear_q4, args[0], args[1], args[2], args[3], args[4], attrs["group_size"])
+
+
+def lower_linear_q(b, node, args, attrs):
+    """`linear_q` -> Kiln's int8/int4 kernel where it applies, else dequantize + F.linear."""
+    if _kernels_wanted():
+        result = (_int8_kernel if attrs["bits"] == 8 else _int4_kernel)(b, node, args, attrs)
+        if result is not None:
+            return result
+    return b.call(linear_q_reference, *args, bits=attrs["bits"], group_size=attrs["group_size"])
+
+
+def lower_embedding_q(b, node, args, attrs):
+    """`embedding_q` -> gather the rows, dequantize them."""
+    return b.call(embedding_q_reference, *args, bits=attrs["bits"], group_size=attrs["group_size"])
+
+
+QUANTIZED_LOWERINGS = {"linear_q": lower_linear_q, "embedding_q": lower_embedding_q}

@@ -1,0 +1,63 @@
+"""Named weight-quantization schemes: `compile-model --quantize NAME` picks one.
+
+A scheme says how many bits, how many input columns share a scale (None: the whole row, i.e.
+per output channel), whether the grid is symmetric around zero or carries a zero point, and the
+method: "rtn" rounds each weight to the nearest grid point; "awq" first rescales input channels
+by the activations seen on calibration text (passes/awq_scaling.py), then rounds.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kiln.ir.errors import KilnError
+
+
+class UnknownSchemeError(KilnError, ValueError):
+    """A quantization scheme name that is not in the registry."""
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    name: str
+    bits: int
+    group_size: int | None  # None: one group per output row (per-channel)
+    symmetric: bool
+    method: str = "rtn"  # "rtn" | "awq"
+    summary: str = ""
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.method == "awq"
+
+    def group_size_for(self, in_features: int) -> int:
+        """The `group_size` attribute of a linear_q with `in_features` columns."""
+        return in_features if self.group_size is None else self.group_size
+
+
+def _int4(group: int, symmetric: bool, method: str = "rtn") -> QuantScheme:
+    suffix = ("" if symmetric else "-asym") + ("-awq" if method == "awq" else "")
+    how = "activation-aware scaling, then round-to-nearest" if method == "awq" else "round-to-nearest"
+    grid = "symmetric (zero point 8)" if symmetric else "asymmetric (a zero point per group)"
+    return QuantScheme(f"int4-g{group}{suffix}", 4, group, symmetric, method,
+                       f"4-bit, groups of {group} inputs, {grid}, {how}")
+
+
+SCHEMES: dict[str, QuantScheme] = {s.name: s for s in [
+    QuantScheme("int8", 8, None, True, "rtn", "8-bit, per output channel, symmetric, round-to-nearest"),
+    *(_int4(g, symmetric) for symmetric in (True, False) for g in (32, 64, 128)),
+    *(_int4(g, symmetric, "awq") for symmetric in (True, False) for g in (32, 64, 128)),
+]}
+
+
+def get_scheme(name: str) -> QuantScheme:
+    """The scheme called `name`; an unknown name is an error listing the known ones."""
+    try:
+        return SCHEMES[name]
+    except KeyError:
+        raise UnknownSchemeError(f"unknown quantization scheme {name!r}; known schemes: {', '.join(SCHEMES)} "
+                                 "(or none)") from None
+
+
+def scheme_names() -> list[str]:
+    """Every scheme name, in registry order (for --quantize's choices)."""
+    return list(SCHEMES)

@@ -1,0 +1,41 @@
+"""The pipeline's `quantize` phase: the passes a scheme name (`options.quantize`) asks for.
+
+    none / None        -> no pass
+    int8, int4-g64 ... -> quantize_weights (round-to-nearest)
+    int4-g64-awq ...   -> awq_scaling (needs calibration tokens), then quantize_weights
+"""
+from __future__ import annotations
+
+import torch
+
+from kiln.ir.errors import KilnError
+
+from .awq_scaling import awq_scale
+from .manager import Pass
+from .quant_schemes import get_scheme
+from .quantize_weights import quantize_weights
+
+
+class CalibrationError(KilnError, ValueError):
+    """A data-aware scheme was asked for without calibration tokens."""
+
+
+def quantization_passes(options, calibration: torch.Tensor | None = None) -> list[Pass]:
+    """The passes for `options.quantize` (a scheme name, "none" or None) and
+    `options.quantize_embeddings`; `calibration` is token ids [sequences, length] for awq schemes."""
+    name = getattr(options, "quantize", None)
+    if name in (None, "none"):
+        return []
+    scheme = get_scheme(name)
+    include_embeddings = bool(getattr(options, "quantize_embeddings", False))
+    passes = []
+    if scheme.needs_calibration:
+        if calibration is None or calibration.dim() != 2 or calibration.numel() == 0:
+            raise CalibrationError(f"scheme {name!r} scales weights by the activations it sees on calibration text: "
+                                   "give calibration token ids [sequences, length] (kiln.compile does this from "
+                                   "--calibration FILE, or the bundled Moby-Dick chapters by default)")
+        tokens = calibration.to(torch.int64)
+        passes.append(Pass("awq_scaling", lambda graph: awq_scale(graph, scheme, tokens), approximate=True))
+    passes.append(Pass("quantize_weights", lambda graph: quantize_weights(graph, scheme, include_embeddings),
+                       approximate=True))
+    return passes

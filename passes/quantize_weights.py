@@ -1,0 +1,103 @@
+"""quantize_weights: replace each eligible `linear` by `linear_q` with its weight quantized
+round-to-nearest under a named scheme (passes/quant_schemes.py).
+
+Eligible: a `linear` whose weight is a 2-D f32 parameter that the grid fits (4-bit needs an even
+K). The output projection (lm_head, the linear that makes the logits) and the token embedding
+share one table in tied models; both stay f32 unless `include_embeddings`, which quantizes the
+lm_head and turns `embedding` into `embedding_q` (tied: both read one quantized table).
+A parameter read by several linears is quantized once. The f32 weights nothing reads any more
+are dropped. `graph.meta["quantization"]` records the scheme and what was quantized.
+"""
+from __future__ import annotations
+
+from kiln.ir import Graph, Value
+
+from .dce import eliminate_dead_code
+from .quant_schemes import QuantScheme
+from .rewrite import replace_value
+from .round_to_nearest import QuantizedWeight, fits, quantize_weight
+
+
+def output_projections(graph: Graph) -> set[str]:
+    """Names of the weights of linears whose result flows, through shape ops only, into a graph output."""
+    shape_ops = {"reshape", "slice", "cast", "permute"}
+    outputs = {id(v) for v in graph.outputs}
+    users, names = graph.users(), set()
+    for node in graph.nodes:
+        if node.op != "linear":
+            continue
+        value = node.output
+        while id(value) not in outputs and len(users.get(value, [])) == 1 and users[value][0].op in shape_ops:
+            value = users[value][0].output
+        if id(value) in outputs:
+            names.add(node.inputs[1].name)
+    return names
+
+
+def embedding_tables(graph: Graph) -> set[str]:
+    return {n.inputs[0].name for n in graph.nodes if n.op == "embedding" and n.inputs[0].name in graph.params}
+
+
+def eligible_weight(graph: Graph, value: Value, scheme: QuantScheme) -> bool:
+    t = value.type
+    return (value.name in graph.params and t.dtype == "f32" and t.rank == 2 and isinstance(t.shape[1], int)
+            and fits(t.shape[1], scheme.bits, scheme.group_size_for(t.shape[1])))
+
+
+class WeightQuantizer:
+    """Quantizes each parameter once and adds its parts to the graph as parameters."""
+
+    def __init__(self, graph: Graph, scheme: QuantScheme):
+        self.graph, self.scheme = graph, scheme
+        self.done: dict[str, tuple[Value, Value, Value | None]] = {}
+        self.bytes_before = self.bytes_after = 0
+
+    def params_for(self, weight: Value) -> tuple[Value, Value, Value | None]:
+        if weight.name not in self.done:
+            tensor = self.graph.weights[weight.name]
+            group_size = self.scheme.group_size_for(tensor.shape[1])
+            q = quantize_weight(tensor, self.scheme.bits, group_size, self.scheme.symmetric)
+            self.done[weight.name] = self._add(weight.name, q)
+            self.bytes_before += tensor.numel() * tensor.element_size()
+            self.bytes_after += q.nbytes
+        return self.done[weight.name]
+
+    def _add(self, name: str, q: QuantizedWeight) -> tuple[Value, Value, Value | None]:
+        g = self.graph
+        zeros = None if q.zeros is None else g.add_param(g.fresh_name(f"{name}.zeros"), q.zeros)
+        return (g.add_param(g.fresh_name(f"{name}.q{q.bits}"), q.qweight),
+                g.add_param(g.fresh_name(f"{name}.scales"), q.scales), zeros)
+
+    def attrs(self, weight: Value) -> dict:
+        k = weight.type.shape[1]
+        return {"bits": self.scheme.bits, "group_size": self.scheme.group_size_for(k)}
+
+
+def quantize_weights(graph: Graph, scheme: QuantScheme, include_embeddings: bool = False) -> Graph:
+    """Rewrite `graph` in place (see the module docstring); returns it."""
+    skipped = set() if include_embeddings else output_projections(graph) | embedding_tables(graph)
+    quantizer = WeightQuantizer(graph, scheme)
+    new_nodes, replaced = [], 0
+    for node in graph.nodes:
+        replacement = None
+        if node.op == "linear" and node.inputs[1].name not in skipped and eligible_weight(graph, node.inputs[1], scheme):
+            qweight, scales, zeros = quantizer.params_for(node.inputs[1])
+            replacement = graph.create("linear_q", [node.inputs[0], qweight, scales, zeros, node.inputs[2]],
+                                       quantizer.attrs(node.inputs[1]))
+        elif node.op == "embedding" and include_embeddings and eligible_weight(graph, node.inputs[0], scheme):
+            qweight, scales, zeros = quantizer.params_for(node.inputs[0])
+            replacement = graph.create("embedding_q", [qweight, scales, node.inputs[1], zeros],
+                                       quantizer.attrs(node.inputs[0]))
+        if replacement is None:
+            new_nodes.append(node)
+            continue
+        new_nodes.append(replacement)
+        replace_value(graph, node.output, replacement.output)
+        graph.forget_names(node)
+        replaced += 1
+    graph.nodes = new_nodes
+    eliminate_dead_code(graph)  # drops the f32 weights nothing reads any more
+    graph.meta["quantization"] = {
+        "scheme": scheme.name, "quantized_nodes": replaced, "quantize_embeddings": include_embeddings,
+        "weight_bytes_before": quantizer.bytes_before, "weight_bytes_after": quantizer.bytes_after}
+    return graph
