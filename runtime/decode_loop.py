@@ -41,7 +41,7 @@ def max_new_tokens_that_fit(prompt_len: int, requested: int, max_seq_len: int) -
     return max(0, min(requested, max_seq_len - prompt_len + 1))
 
 
-class _Row:
+class Row:
     """The state of one prompt while its batch runs."""
 
     def __init__(self, prompt: list[int], request: GenerationRequest, seed: int, max_seq_len: int, decoder):
@@ -51,6 +51,7 @@ class _Row:
         self.eos_ids = request.eos_ids
         self.stop_token_ids = request.stop_token_ids
         self.logprobs = [] if request.sampling.logprobs is not None else None
+        self.seed = seed
         self.sampler = Sampler(request.sampling, seed)
         self.decoder: IncrementalDecoder | None = decoder
         self.stop = StopStringMatcher(request.stop)
@@ -66,7 +67,10 @@ class _Row:
 
     def accept(self, logits: torch.Tensor) -> str:
         """Sample the next token from logits [vocab]; return the text it completes."""
-        choice = self.sampler.choose(logits, self.prompt, self.tokens)
+        return self.push(self.sampler.choose(logits, self.prompt, self.tokens))
+
+    def push(self, choice) -> str:
+        """Append a chosen token (a TokenLogprob); return the text it completes."""
         token = choice.token
         self.tokens.append(token)
         if self.logprobs is not None:
@@ -106,7 +110,8 @@ class BatchGeneration:
                  seeds: Sequence[int], decoder_factory=None):
         self.executable = executable
         self.max_seq_len = executable.options.max_seq_len
-        self.rows = [_Row(list(p), request, s, self.max_seq_len, decoder_factory() if decoder_factory else None)
+        self.request, self.decoder_factory = request, decoder_factory
+        self.rows = [Row(list(p), request, s, self.max_seq_len, decoder_factory() if decoder_factory else None)
                      for p, s in zip(prompts, seeds)]
         self.prefill_s = 0.0
 

@@ -53,6 +53,11 @@ class LLM:
         `max_new_tokens` (for benchmarks). `sampling` takes the other fields of `SamplingParams`:
         min_p, typical_p, eta, repetition_penalty, presence_penalty, frequency_penalty,
         logit_bias ({token id: bias}) and logprobs (None, or how many alternatives to return).
+
+        `speculative` turns on speculative decoding, one prompt at a time: "prompt_lookup"
+        (n-gram drafts from the context), another `LLM` compiled from a model with the same
+        tokenizer (it drafts), or any `kiln.runtime.speculative.Drafter`. Greedy output is
+        identical to plain decoding; the stats report acceptance and tokens per target step.
         """
         return self.stream(prompts, max_new_tokens, temperature, top_k, top_p, seed, stop, ignore_eos,
                            stop_token_ids, **sampling).results
@@ -63,8 +68,12 @@ class LLM:
         """Like `generate`, but yield text as it completes: str pieces for one prompt, or
         (prompt index, piece) pairs for a list; the returned stream's `.results` holds the
         GenerationResults afterwards. Bad arguments raise here, before any model call."""
+        speculative = sampling.pop("speculative", None)
         params = sampling_params(temperature, top_k, top_p, sampling)
         single, batches = self._plan(prompts, max_new_tokens, params, seed, stop, ignore_eos, stop_token_ids)
+        if speculative is not None:
+            batches = [self._speculative(batch, speculative) for batch in batches]
+            batches = [one for group in batches for one in group]
         return TextStream(batches, single)
 
     def chat(self, messages: list[dict], **kwargs) -> GenerationResult:
@@ -112,6 +121,23 @@ class LLM:
         batches = [BatchGeneration(self.executable, token_lists[i:i + n], request, seeds[i:i + n], decoder)
                    for i in range(0, len(token_lists), n)]
         return single, batches
+
+    def _speculative(self, batch: BatchGeneration, speculative) -> list:
+        """The rows of a planned batch as speculative generations of one prompt each."""
+        from kiln.runtime.speculative import ModelDrafter, PromptLookupDrafter, SpeculativeGeneration
+
+        def drafter():
+            if speculative == "prompt_lookup":
+                return PromptLookupDrafter()
+            if isinstance(speculative, LLM):
+                return ModelDrafter(speculative.executable)
+            if hasattr(speculative, "propose") and hasattr(speculative, "feedback"):
+                return speculative
+            raise GenerationError(f"speculative={speculative!r:.60} is not a drafter. Fix: pass 'prompt_lookup', "
+                                  "a draft LLM from kiln.load, or an object with propose() and feedback().")
+
+        return [SpeculativeGeneration(self.executable, row.prompt, batch.request, row.seed, drafter(), batch.decoder_factory)
+                for row in batch.rows]
 
     def _encode_prompts(self, prompts) -> tuple[bool, list[list[int]]]:
         """(whether one prompt was given, the prompts as token id lists)."""

@@ -23,6 +23,15 @@ class GenerationStats:
     decode_s: float = 0.0
     max_new_tokens: int = 0
     clamped: bool = False
+    # speculative decoding only: target-model steps after prefill, drafts proposed and accepted
+    target_steps: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    tokens_per_target_step: float = 0.0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -37,6 +46,9 @@ class GenerationStats:
         """One line for humans: counts, TTFT and tokens/s."""
         line = (f"{self.tokens_in} prompt tokens, {self.tokens_out} new tokens | TTFT {self.ttft_s * 1000:.1f} ms | "
                 f"prefill {self.prefill_tokens_per_s:.1f} tok/s | decode {self.decode_tokens_per_s:.1f} tok/s")
+        if self.target_steps:
+            line += (f" | speculative: {self.acceptance_rate:.0%} of drafts accepted, "
+                     f"{self.tokens_per_target_step:.2f} tokens per target step")
         return line + (f" | clamped to {self.max_new_tokens} new tokens by max_seq_len" if self.clamped else "")
 
 

@@ -202,3 +202,60 @@ def test_unknown_sampling_options_name_the_known_ones():
 
     with pytest.raises(GenerationError, match="min_p"):
         LLM(executable()).generate(LONG, max_new_tokens=2, nucleus=0.9)
+
+
+# -- speculative decoding ---------------------------------------------------------------------
+REPETITIVE = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9, 5, 6, 7]  # prompt lookup finds drafts here
+
+
+def test_prompt_lookup_greedy_output_is_identical_to_plain_decoding():
+    plain = LLM(executable()).generate([LONG, REPETITIVE], max_new_tokens=10)
+    spec = LLM(executable()).generate([LONG, REPETITIVE], max_new_tokens=10, speculative="prompt_lookup")
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    assert spec[1].stats.drafted_tokens > 0 and spec[1].stats.target_steps < 10
+
+
+def test_a_draft_model_gives_identical_greedy_output_and_reports_acceptance():
+    from kiln.runtime.speculative import ModelDrafter
+
+    target = LLM(executable())
+    same = ModelDrafter(executable(), threshold=0.0)
+    other = ModelDrafter(executable(seed=3), threshold=0.0)
+    plain = target.generate(LONG, max_new_tokens=12).token_ids
+    perfect = target.generate(LONG, max_new_tokens=12, speculative=same)
+    assert perfect.token_ids == plain and perfect.stats.acceptance_rate == 1.0
+    assert perfect.stats.tokens_per_target_step > 2
+    poor = target.generate(LONG, max_new_tokens=12, speculative=other)
+    assert poor.token_ids == plain and poor.stats.acceptance_rate < 1.0
+
+
+def test_speculative_sampling_keeps_the_target_distribution():
+    """The accept/reject rule: emitted tokens follow the target's distribution whatever the draft."""
+    import collections
+
+    from kiln.runtime.decode_loop import GenerationRequest
+    from kiln.runtime.sampler import SamplingParams
+    from kiln.runtime.speculative import SpeculativeGeneration
+
+    class Fixed:  # a drafter that always guesses token 1
+        def propose(self, context, max_tokens):
+            return [1] * min(2, max_tokens)
+
+        def feedback(self, drafted, accepted):
+            pass
+
+    class Static:  # a "model" whose next-token distribution is always [0.6, 0.3, 0.1]
+        options = BackendOptions(max_batch=1, max_seq_len=MAX_SEQ_LEN)
+
+        def run(self, tokens, positions):
+            return torch.tensor([0.6, 0.3, 0.1]).log().expand(*tokens.shape, 3)
+
+    request = GenerationRequest(max_new_tokens=3, sampling=SamplingParams(temperature=1.0))
+    counts = collections.Counter()
+    for seed in range(1500):
+        generation = SpeculativeGeneration(Static(), [0], request, seed, Fixed())
+        list(generation)
+        counts.update(generation.results()[0].token_ids[1:])  # tokens that went through the rule
+    total = sum(counts.values())
+    for token, p in enumerate([0.6, 0.3, 0.1]):
+        assert abs(counts[token] / total - p) < 0.03, counts

@@ -1,0 +1,190 @@
+"""Speculative decoding for one prompt: k drafted tokens checked in one target-model step.
+
+A drafter proposes tokens; the target runs `[last, d1 .. dk]` at positions `p .. p+k` in one
+call (the same compiled graph as prefill) and its logits at each position judge the next draft:
+- greedy: a draft is accepted while it equals the target's own choice, so the output is the
+  target's greedy output exactly;
+- sampled: drafts are deterministic (q is one-hot), so the standard accept/reject rule reduces
+  to: accept d with probability p(d); on rejection draw from p with d removed. Every emitted
+  token is then distributed as the target's (processed) distribution.
+Either way the target adds one token of its own after the last accepted draft, so each step
+emits between 1 and k+1 tokens. Slots written for rejected drafts hold junk that the next
+step overwrites before any query can see it (a query at position q reads only slots <= q).
+
+Drafters:
+- `PromptLookupDrafter`: the longest recent n-gram's earlier occurrence in the context, and
+  what followed it (no model needed; strong on edits, code and quoting); its draft length adapts
+  to the acceptance history (grow after a fully accepted draft, shrink to what was accepted);
+- `ModelDrafter`: a smaller or quantized model compiled by the same pipeline (same tokenizer),
+  drafting greedily and stopping when the draft's cumulative probability falls below a
+  threshold (threshold-adaptive draft length).
+"""
+from __future__ import annotations
+
+import time
+from typing import Protocol, Sequence
+
+import torch
+
+from kiln.runtime.decode_loop import GenerationRequest, Row
+from kiln.runtime.results import GenerationResult, GenerationStats
+from kiln.runtime.sampler import TokenLogprob
+
+
+class Drafter(Protocol):
+    def propose(self, context: Sequence[int], max_tokens: int) -> list[int]:
+        """Up to max_tokens guesses for what follows `context`."""
+
+    def feedback(self, drafted: int, accepted: int) -> None:
+        """How many of the last proposal's tokens the target accepted."""
+
+
+class PromptLookupDrafter:
+    """Drafts by n-gram lookup in the context itself."""
+
+    def __init__(self, max_ngram: int = 3, max_draft: int = 8, min_draft: int = 1):
+        self.max_ngram, self.max_draft, self.min_draft = max_ngram, max_draft, min_draft
+        self.length = max_draft
+
+    def propose(self, context: Sequence[int], max_tokens: int) -> list[int]:
+        limit = min(self.length, max_tokens)
+        for n in range(min(self.max_ngram, len(context) - 1), 0, -1):
+            tail = list(context[-n:])
+            for start in range(len(context) - n - 1, -1, -1):  # the most recent earlier match
+                if list(context[start:start + n]) == tail:
+                    return list(context[start + n:start + n + limit])
+        return []
+
+    def feedback(self, drafted: int, accepted: int) -> None:
+        if drafted and accepted == drafted:
+            self.length = min(self.max_draft, self.length + 2)
+        elif drafted:
+            self.length = max(self.min_draft, accepted + 1)
+
+
+class ModelDrafter:
+    """Greedy drafts from another compiled model sharing the tokenizer; stops drafting when the
+    product of the draft model's probabilities for its own tokens drops below `threshold`."""
+
+    def __init__(self, executable, max_draft: int = 8, threshold: float = 0.3):
+        self.executable, self.max_draft, self.threshold = executable, max_draft, threshold
+        self.cached: list[int] = []  # the context tokens whose keys/values the draft model holds
+        self.max_seq_len = executable.options.max_seq_len
+
+    def propose(self, context: Sequence[int], max_tokens: int) -> list[int]:
+        keep = _common_prefix(self.cached, context, limit=len(context) - 1)  # rejected drafts drop out
+        self.cached = list(context[:keep])
+        feed = list(context[keep:])
+        draft, confidence = [], 1.0
+        while len(draft) < min(self.max_draft, max_tokens) and len(self.cached) + len(feed) <= self.max_seq_len:
+            positions = torch.arange(len(self.cached), len(self.cached) + len(feed))[None]
+            probs = torch.softmax(self.executable.run(torch.tensor([feed]), positions)[0, -1].float(), dim=-1)
+            self.cached += feed
+            token = int(torch.argmax(probs))
+            confidence *= float(probs[token])
+            if confidence < self.threshold:
+                break
+            draft.append(token)
+            feed = [token]
+        return draft
+
+    def feedback(self, drafted: int, accepted: int) -> None:
+        pass  # the cache check in propose() handles what was rejected
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
+    n = 0
+    while n < min(len(a), len(b), limit) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+class SpeculativeGeneration:
+    """One prompt generated with a drafter. Iterate for (0, text piece) pairs, then read
+    `results()`; the same interface as BatchGeneration, for a batch of one."""
+
+    def __init__(self, executable, prompt: list[int], request: GenerationRequest, seed: int, drafter: Drafter,
+                 decoder_factory=None):
+        self.executable = executable
+        self.max_seq_len = executable.options.max_seq_len
+        self.row = Row(list(prompt), request, seed, self.max_seq_len, decoder_factory() if decoder_factory else None)
+        self.drafter = drafter
+        self.greedy = request.sampling.greedy
+        self.prefill_s = 0.0
+        self.target_steps = self.drafted = self.accepted = 0
+
+    def __iter__(self):
+        row = self.row
+        if not row.active:
+            return
+        start = time.perf_counter()
+        tokens = torch.tensor([row.prompt])
+        logits = self.executable.run(tokens, torch.arange(len(row.prompt))[None])[0, -1]
+        self.prefill_s = time.perf_counter() - start
+        piece = row.accept(logits)
+        if piece:
+            yield 0, piece
+        while row.active:
+            start = time.perf_counter()
+            pieces = self._step()
+            row.decode_s += time.perf_counter() - start
+            yield from ((0, p) for p in pieces if p)
+
+    @property
+    def rows(self) -> list[Row]:
+        return [self.row]
+
+    def _step(self) -> list[str]:
+        """Draft, verify in one target call, emit the accepted tokens and the target's own."""
+        row = self.row
+        context = row.prompt + row.tokens
+        position = len(context) - 1  # the newest token's slot
+        room = min(self.max_seq_len - 1 - position, row.max_new - len(row.tokens) - 1)
+        draft = self.drafter.propose(context, max(0, room)) if room > 0 else []
+        feed = [context[-1], *draft]
+        positions = torch.arange(position, position + len(feed))[None]
+        logits = self.executable.run(torch.tensor([feed]), positions)[0]
+        self.target_steps += 1
+        pieces, accepted = [], 0
+        for i, guess in enumerate(draft):
+            choice = self._judge(logits[i], guess)
+            pieces.append(row.push(choice))
+            if choice.token != guess or not row.active:
+                break
+            accepted += 1
+        else:
+            if row.active:  # every draft accepted: the target's token after the last one is free
+                pieces.append(row.accept(logits[len(draft)]))
+        self.drafted += len(draft)
+        self.accepted += accepted
+        self.drafter.feedback(len(draft), accepted)
+        return pieces
+
+    def _judge(self, logits: torch.Tensor, guess: int) -> TokenLogprob:
+        """The token to emit where the drafter guessed `guess` (the guess itself when accepted)."""
+        row = self.row
+        sampler = row.sampler
+        raw = logits.detach().float()
+        processed = sampler.process(raw, row.prompt, row.tokens)
+        if self.greedy:
+            token = int(torch.argmax(processed))
+        else:
+            probs = torch.softmax(processed, dim=-1)
+            if float(torch.rand((), generator=sampler.generator)) < float(probs[guess]):
+                token = guess
+            else:
+                rest = probs.clone()
+                rest[guess] = 0.0
+                token = int(torch.multinomial(rest / rest.sum(), 1, generator=sampler.generator))
+        return sampler._with_logprobs(raw, token)
+
+    def results(self) -> list[GenerationResult]:
+        row = self.row
+        steps = max(self.target_steps, 1)
+        stats = GenerationStats(tokens_in=len(row.prompt), tokens_out=len(row.tokens), ttft_s=self.prefill_s,
+                                prefill_s=self.prefill_s, decode_s=row.decode_s, max_new_tokens=row.max_new,
+                                clamped=row.clamped, target_steps=self.target_steps, drafted_tokens=self.drafted,
+                                accepted_tokens=self.accepted,
+                                tokens_per_target_step=(len(row.tokens) - 1) / steps if self.target_steps else 0.0)
+        return [GenerationResult(text=row.text, token_ids=list(row.tokens), finish_reason=row.finish_reason or "length",
+                                 prompt_token_ids=list(row.prompt), stats=stats, logprobs=row.logprobs)]
