@@ -109,9 +109,7 @@ class OrtExecutable:
         for (cache, spec), out in zip(zip(self.caches, self.info["caches"]), scratch):
             if out is not None:
                 cache[first_row:first_row + batch].copy_(out)
-        if isinstance(logits, torch.Tensor):
-            return logits
-        return torch.from_numpy(self.binding.get_outputs()[0].numpy())
+        return logits if isinstance(logits, torch.Tensor) else torch.from_numpy(logits.numpy())  # device -> host
 
     def _bind_caches(self, first_row: int, batch: int) -> None:
         """Bind rows [first_row, first_row + batch) of each buffer by pointer (no copy)."""
@@ -138,10 +136,14 @@ class OrtExecutable:
         return out
 
     def _bind_logits(self, batch: int, seq: int):
+        """A fresh logits tensor bound as the output (on the CPU a torch tensor: no copy after)."""
+        dtype = to_torch(self.info["logits_dtype"])
         if self.device_type != "cpu":
-            self.binding.bind_output(self.info["logits"], self.device_type, self.device_id)
-            return None
-        logits = torch.empty(batch, seq, self.info["vocab"], dtype=to_torch(self.info["logits_dtype"]))
+            logits = ort.OrtValue.ortvalue_from_shape_and_type([batch, seq, self.info["vocab"]], _numpy_dtype(dtype),
+                                                               self.device_type, self.device_id)
+            self.binding.bind_ortvalue_output(self.info["logits"], logits)
+            return logits
+        logits = torch.empty(batch, seq, self.info["vocab"], dtype=dtype)
         self.binding.bind_output(self.info["logits"], "cpu", 0, _numpy_dtype(logits.dtype), list(logits.shape),
                                  logits.data_ptr())
         return logits
