@@ -219,12 +219,16 @@ def _context_manager(gb_type, parsed, stack, where) -> Diagnosis | None:
             or gb_type == "step_unsupported"):
         return None
     manager = re.search(r"enter a `([^`]+)` context manager", parsed.explanation)
-    what = f"a `{manager.group(1)}` context manager" if manager else "a context manager (or `try` block)"
+    if manager:
+        plain = (f"Dynamo cannot enter the `{manager.group(1)}` context manager{_at(where)}, so it compiles "
+                 "the graph up to the `with` and runs the block, and the rest of the function, in Python.")
+    else:
+        plain = (f"A break{_at(where)} happens while a context manager (or `try` block) Dynamo cannot split "
+                 "is open, so Dynamo cannot resume right after it: it compiles the graph up to the last safe "
+                 "point before the block and runs the rest of the function in Python.")
     return Diagnosis(
         "context_manager",
-        f"A break{_at(where)} happens while {what} Dynamo cannot split is open, so Dynamo cannot "
-        "resume right after it: it compiles the graph up to the last safe point before the block "
-        "and runs the rest of the function in Python.",
+        plain,
         "Move the `with` block (or the call that breaks inside it) out of the compiled code, "
         "or fix the break inside it; the earlier break is usually the real cause.",
     )
@@ -349,7 +353,8 @@ def _code_only(line: str) -> str:
 
 
 def _lower_first(text: str) -> str:
-    return text[:1].lower() + text[1:]
+    """A sentence continued after a colon: lowercase its first letter unless it starts a name."""
+    return text if text.startswith(("Dynamo", "Kiln", "`")) else text[:1].lower() + text[1:]
 
 
 def _unparse(parsed: DynamoMessage) -> str:
