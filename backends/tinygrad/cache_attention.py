@@ -1,0 +1,131 @@
+"""`kv_write` and `attention` as tinygrad Tensor operations, over KV buffers updated in place.
+
+In the stateful graph every row b of a call holds consecutive positions start_b .. start_b+T-1
+(the runtime's prefill and decode both feed them so; the executable checks it). The lowering
+context then binds one symbolic `Variable` per row, `start{b}`, and:
+- `kv_write` of a cache the executable owns is `cache[b, :, start_b:start_b+T].assign(new[b])`:
+  tinygrad writes that slice of the realized buffer in place, and the jitted function replays
+  the write at whatever position the variable is bound to;
+- `attention` over such a write reads only the keys written so far, `cache[b, :, :start_b+T]`,
+  under a causal mask aligned to the last key (plus the sliding window, if any), so a decode
+  step costs O(position), not O(max_seq_len), and one compiled step serves every position.
+Without start variables (a graph whose caches are plain inputs) both ops use the generic form:
+`kv_write` as a one-hot scatter into a copy, `attention` over all keys under the position mask,
+which is what the IR defines.
+"""
+from __future__ import annotations
+
+from tinygrad import Tensor, dtypes
+
+
+def lower_kv_write(ctx, node, args, attrs):
+    """kv_write(cache, new, positions) -> the cache with new written at the tokens' positions."""
+    cache, new, positions = args
+    new = new.cast(cache.dtype)
+    if ctx.starts is not None and ctx.owns_cache(node.inputs[0]):
+        seq = new.shape[2]
+        for b, start in enumerate(ctx.starts):
+            cache[b:b + 1, :, start:start + seq, :].assign(new[b:b + 1])
+        ctx.mark_written_in_place(node.outputs[0])
+        return cache
+    return _scatter(cache, new, positions)
+
+
+def _scatter(cache: Tensor, new: Tensor, positions: Tensor) -> Tensor:
+    """A copy of cache with cache[b, :, positions[b, t]] = new[b, :, t] for the first `batch` rows
+    (of tokens sharing a slot, the last one wins, as with index_put_)."""
+    batch, seq, slots = new.shape[0], new.shape[2], cache.shape[2]
+    one_hot = positions.unsqueeze(-1) == Tensor.arange(slots).cast(positions.dtype)  # [batch, seq, slots]
+    order = Tensor.arange(1, seq + 1).reshape(1, seq, 1)
+    last = one_hot.where(order, 0).max(axis=1, keepdim=True)  # [batch, 1, slots]: 1 + the last t per slot
+    chosen = (order == last) & one_hot
+    written = (last > 0).reshape(batch, 1, slots, 1)
+    scattered = chosen.cast(new.dtype).transpose(1, 2).unsqueeze(1) @ new  # [batch, heads, slots, head_dim]
+    rows = written.where(scattered, cache[:batch])
+    return rows if batch == cache.shape[0] else rows.cat(cache[batch:], dim=0)
+
+
+def lower_attention(ctx, node, args, attrs):
+    """attention(q, k, v, mask?, positions?) {scale, causal, window, softcap}."""
+    q, k, v, mask, positions = args
+    scale = attrs["scale"] if attrs["scale"] is not None else q.shape[-1] ** -0.5
+    if ctx.starts is not None and ctx.written_in_place(node.inputs[1]) and ctx.written_in_place(node.inputs[2]):
+        return _attention_to_written_keys(ctx, q, k, v, mask, scale, attrs)
+    return _attention_all_keys(q, k, v, mask, positions, scale, attrs)
+
+
+def _attention_to_written_keys(ctx, q, k, v, mask, scale, attrs):
+    """Row by row: queries at start_b + t see cache slots 0 .. start_b + t (within the window)."""
+    seq, window = q.shape[2], attrs["window"]
+    rows = []
+    for b, start in enumerate(ctx.starts):
+        length = start + seq
+        keys, values = k[b:b + 1, :, :length], v[b:b + 1, :, :length]
+        hidden = None
+        if not (isinstance(seq, int) and seq == 1) or window:  # one query at the last slot sees every key
+            hidden = Tensor.ones(seq, length, dtype=dtypes.bool).triu(start + 1)
+            if window:
+                hidden = hidden | Tensor.ones(seq, length, dtype=dtypes.bool).tril(start - window)
+        row_mask = None if mask is None else mask[b:b + 1 if mask.shape[0] > 1 else 1, ..., :length]
+        rows.append(grouped_attention(q[b:b + 1], keys, values, hidden, row_mask, scale, attrs["softcap"]))
+    return rows[0].cat(*rows[1:], dim=0) if len(rows) > 1 else rows[0]
+
+
+def _attention_all_keys(q, k, v, mask, positions, scale, attrs):
+    """The IR's definition: keys masked by positions (or causally), all of the buffer's slots."""
+    batch, seq = q.shape[0], q.shape[2]
+    k, v = k[:batch], v[:batch]
+    keys = k.shape[2]
+    slot = Tensor.arange(keys)
+    hidden = None
+    if positions is not None:
+        query_pos = positions.reshape(batch, 1, seq, 1).cast(dtypes.int32)
+        hidden = slot > query_pos
+        if attrs["window"]:
+            hidden = hidden | (slot <= query_pos - attrs["window"])
+    elif attrs["causal"]:
+        query_pos = (Tensor.arange(seq) + (keys - seq)).reshape(1, 1, seq, 1)
+        hidden = slot > query_pos
+        if attrs["window"]:
+            hidden = hidden | (slot <= query_pos - attrs["window"])
+    out = grouped_attention(q, k, v, hidden, mask, scale, attrs["softcap"])
+    if hidden is None and (mask is None or mask.dtype != dtypes.bool):
+        return out
+    visible = ~hidden if hidden is not None else Tensor.ones(1, 1, seq, keys, dtype=dtypes.bool)
+    if mask is not None and mask.dtype == dtypes.bool:
+        visible = visible & mask
+    return visible.any(axis=-1, keepdim=True).where(out, 0.0)  # a query that sees nothing gets zeros
+
+
+def grouped_attention(q: Tensor, k: Tensor, v: Tensor, hidden: Tensor | None, mask: Tensor | None,
+                      scale: float, softcap: float) -> Tensor:
+    """softmax(q k^T * scale [softcapped] + mask, hiding `hidden`) v, GQA heads kept grouped.
+
+    q [batch, q_heads, seq, d]; k, v [batch, kv_heads, keys, d]; hidden/mask broadcast to
+    [batch, q_heads, seq, keys]. Query head h reads kv head h // (q_heads / kv_heads), as the
+    IR's repeat_interleave does, without materializing the repeated keys.
+    """
+    batch, q_heads, seq, head_dim = q.shape
+    kv_heads = k.shape[1]
+    groups = q_heads // kv_heads
+    qg = q.reshape(batch, kv_heads, groups, seq, head_dim)
+    scores = (qg @ k.unsqueeze(2).transpose(-1, -2)) * scale  # [batch, kv_heads, groups, seq, keys]
+    if softcap:
+        scores = (scores / softcap).tanh() * softcap
+    if mask is not None and mask.dtype == dtypes.bool:
+        hidden = ~mask if hidden is None else hidden | ~mask
+    elif mask is not None:
+        scores = scores + _grouped(mask, kv_heads, groups)
+    if hidden is not None:
+        scores = _grouped(hidden, kv_heads, groups).where(float("-inf"), scores)
+    out = scores.softmax(-1) @ v.unsqueeze(2)
+    return out.reshape(batch, q_heads, seq, v.shape[-1])
+
+
+def _grouped(mask: Tensor, kv_heads: int, groups: int) -> Tensor:
+    """A [batch|1, heads|1, seq, keys] mask (or a [seq, keys] one) laid out as [.., kv_heads, groups, ..]."""
+    while mask.ndim < 4:
+        mask = mask.unsqueeze(0)
+    if mask.shape[1] == 1:
+        return mask.unsqueeze(2)
+    return mask.reshape(mask.shape[0], kv_heads, groups, *mask.shape[2:])

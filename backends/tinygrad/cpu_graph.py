@@ -1,0 +1,112 @@
+"""A tinygrad graph runner for the CPU device: jitted kernels replayed in a tight loop, the
+thread-split ones on all cores.
+
+Two things cost tinygrad 0.14's CPU device most of its decode speed (profiles in the README):
+- per kernel launch, `run_linear` resolves the call's buffers and variables through UOp
+  rewrites and builds ctypes arguments: ~0.1-0.4 ms of Python per kernel, 200+ kernels a step;
+- the hand-coded optimizer splits large kernels across cores (a THREAD axis read through the
+  `core_id` argument), but `CPUProgram.__call__` then calls the pieces one after another on
+  the calling thread: one core busy, whatever NUM_CPU_THREADS says.
+The CPU device has no graph runner of its own (`Device["CPU"].graph` is None), and a graph
+runner is the extension point tinygrad gives a device for replaying a JIT's kernels. This one
+precomputes every kernel's function pointer and argument list when the JIT is captured, patches
+only the JIT's input buffers and bound variables per call, and hands the `core_id` pieces of a
+split kernel to a pool of threads (ctypes releases the GIL while a kernel runs).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from tinygrad.engine.jit import GraphRunner
+
+
+class KernelLaunch:
+    """One compiled kernel of the graph with its argument list (buffer addresses, then variables)."""
+
+    def __init__(self, runtime, program, buffers, device_vars: dict[str, int], input_slots: list[tuple[int, int]]):
+        info = program.arg
+        self.runtime = runtime  # keeps the kernel's executable memory alive
+        self.args: list[int] = [buffers[i]._buf.va_addr for i in info.globals] + [0] * len(info.vars)
+        self.function = ctypes.CFUNCTYPE(None, *([ctypes.c_uint64] * len(self.args)))(runtime.addr)
+        # JIT inputs change buffers per call: (argument position, input slot)
+        self.inputs = [(info.globals.index(p), slot) for p, slot in input_slots if p in info.globals]
+        first_var = len(info.globals)
+        self.core_arg = next((first_var + i for i, v in enumerate(info.vars) if v.expr == "core_id"), None)
+        self.vars = [(first_var + i, v.expr) for i, v in enumerate(info.vars) if v.expr != "core_id"]
+        self.device_vars = device_vars
+        self.info = info
+        self.static_pieces = info.global_size[0] if isinstance(info.global_size[0], int) else None
+
+    def prepare(self, input_uops, var_vals: dict[str, int]) -> int:
+        """Patch this call's inputs and variables into the arguments; returns the number of pieces."""
+        for position, slot in self.inputs:
+            self.args[position] = input_uops[slot].buffer.ensure_allocated()._buf.va_addr
+        values = {**var_vals, **self.device_vars}
+        for position, name in self.vars:
+            self.args[position] = values[name]
+        if self.static_pieces is not None:
+            return self.static_pieces
+        return self.info.launch_dims(values)[0][0]
+
+
+class KilnCPUGraph(GraphRunner):
+    """Replays a batch of a JIT's CPU kernels; set as `Device["CPU"].graph` by `install_cpu_graph`."""
+
+    pool: ThreadPoolExecutor | None = None
+    threads = 1
+
+    def __init__(self, linear, input_uops=()):
+        super().__init__(linear, input_uops)
+        self.launches = [KernelLaunch(self.runtimes[j], program, buffers, device_vars, self.uop_replace[j])
+                         for j, (_, program, buffers, device_vars) in enumerate(self.calls)]
+
+    def __call__(self, input_uops, var_vals: dict[str, int], wait: bool = False) -> float | None:
+        start = time.perf_counter()
+        for launch in self.launches:
+            pieces = launch.prepare(input_uops, var_vals)
+            if launch.core_arg is None:
+                launch.function(*launch.args)
+            else:
+                self._run_pieces(launch, pieces)
+        return time.perf_counter() - start if wait else None
+
+    def _run_pieces(self, launch: KernelLaunch, pieces: int) -> None:
+        """Run core_id 0..pieces-1: on the pool when there is one, else one after another."""
+        core = launch.core_arg
+        calls = []
+        for piece in range(pieces):
+            args = list(launch.args)
+            args[core] = piece
+            calls.append(args)
+        if self.pool is None or pieces == 1:
+            for args in calls:
+                launch.function(*args)
+            return
+        futures = [self.pool.submit(launch.function, *args) for args in calls[1:]]
+        launch.function(*calls[0])
+        for future in futures:
+            future.result()
+
+
+def install_cpu_graph(threads: int | None = None) -> None:
+    """Make KilnCPUGraph tinygrad's CPU graph runner, splitting kernels over `threads` cores.
+
+    `threads` None: every core this process may use. Kernels compiled before the call keep the
+    thread count they were compiled for (NUM_CPU_THREADS is read at code generation).
+    """
+    from tinygrad import Device
+    from tinygrad.helpers import NUM_CPU_THREADS
+
+    threads = threads or len(os.sched_getaffinity(0))
+    NUM_CPU_THREADS.value = threads
+    if threads != KilnCPUGraph.threads:
+        if KilnCPUGraph.pool is not None:
+            KilnCPUGraph.pool.shutdown()
+        KilnCPUGraph.pool = ThreadPoolExecutor(threads - 1, thread_name_prefix="kiln-tinygrad") if threads > 1 else None
+        KilnCPUGraph.threads = threads
+    device = Device["CPU"]
+    if device.graph is None or device.graph is KilnCPUGraph:
+        device.graph = KilnCPUGraph

@@ -1,0 +1,181 @@
+"""The stateful graph run by tinygrad: realized weights and KV buffers, one TinyJit per step kind.
+
+- Weights become realized tinygrad Tensors once, stored the way tinygrad's CPU kernels read
+  them fastest (weight_layouts.py); the KV caches are realized zero Tensors that `kv_write` updates in place.
+- Each row's cache position is a symbolic `Variable` (`start0`, `start1`, ...) bound at every
+  call, so the jitted step is traced once and replayed at every position.
+- Decode (seq == 1) and prefill (seq > 1) are separate `TinyJit` functions, one pair per batch
+  size. Prefill runs in chunks of at most `prefill_chunk` tokens whose length is itself a bound
+  Variable (`seq`), so every prompt length replays the same captured kernels; a longer prompt
+  is several chunks, each at its own start position.
+TinyJit runs a function eagerly on its first call, captures the kernels on its second, and
+replays them from then on: nothing compiles after a step kind's first two calls (tested, counting
+tinygrad's compiled-program cache). With KILN_TINYGRAD_BEAM=N (or tinygrad's BEAM=N) the decode
+kernels are chosen by tinygrad's BEAM search, timed on this machine (minutes per model the first
+time, then read from tinygrad's cache); prefill kernels keep the hand-coded optimizations.
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import sympy
+import torch
+from tinygrad import Context, Tensor, TinyJit, UOp
+
+from kiln.backends.executable import BackendOptions, cache_inputs
+from kiln.ir import Graph, evaluate, verify
+from kiln.ir.errors import KilnError
+
+from .cpu_graph import install_cpu_graph
+from .graph_to_tensors import LoweringContext, graph_to_tensors
+from .op_lowerings import check_lowering_table, tiny_dtype
+from .toolchain import configure_cpu_device
+from .weight_layouts import plan_weights, stored_weight
+
+PREFILL_CHUNK = 64
+
+
+class FeedError(KilnError, ValueError):
+    """tokens/positions do not fit the executable (shape, batch, positions not consecutive or out of range)."""
+
+
+def decode_beam() -> int:
+    """The BEAM search width for decode kernels: KILN_TINYGRAD_BEAM, else tinygrad's own BEAM, else 0."""
+    from tinygrad.helpers import BEAM
+
+    return int(os.environ.get("KILN_TINYGRAD_BEAM", BEAM.value))
+
+
+def to_tinygrad(tensor: torch.Tensor) -> Tensor:
+    """A realized tinygrad copy of a torch tensor."""
+    return Tensor(tensor.detach().cpu().contiguous().numpy()).realize()
+
+
+def compiled_program_count() -> int:
+    """How many kernels tinygrad has compiled in this process (its compiled-program cache)."""
+    from tinygrad.codegen import to_program_cache
+
+    return len(to_program_cache)
+
+
+class TinygradExecutable:
+    """A stateful graph lowered to tinygrad Tensors under TinyJit; owns its KV buffers."""
+
+    def __init__(self, graph: Graph, options: BackendOptions, weights=None, prefill_chunk: int = PREFILL_CHUNK):
+        configure_cpu_device(options.device)
+        install_cpu_graph(options.threads)
+        verify(graph)
+        check_lowering_table()
+        self.graph, self.options = graph, options
+        weights = graph.weights if weights is None else weights
+        self.layouts = plan_weights(graph)
+        self.params = {name: to_tinygrad(stored_weight(name, weights[name], self.layouts)) for name in graph.params}
+        bounds = {name: bound.max for name, bound in graph.symbols.items()}
+        self.caches = {v.name: Tensor.zeros(*[evaluate(d, bounds) for d in v.type.shape],
+                                            dtype=tiny_dtype(v.type.dtype)).contiguous().realize()
+                       for v in cache_inputs(graph)}
+        self.max_batch = min([c.shape[0] for c in self.caches.values()] + [options.max_batch])
+        self.max_seq_len = min([c.shape[2] for c in self.caches.values()] + [options.max_seq_len])
+        self.prefill_chunk = max(2, min(prefill_chunk, self.max_seq_len))
+        self._start_vars = [UOp.variable(f"start{b}", 0, self.max_seq_len - 1) for b in range(self.max_batch)]
+        self._seq_var = UOp.variable("seq", 2, self.prefill_chunk)
+        self._batch_dim, self._seq_dim = graph.inputs[0].type.shape
+        self.decode_beam = decode_beam()
+        self.jits: dict[tuple[int, str], TinyJit] = {}
+        self._outputs: dict[tuple[int, str], Tensor] = {}
+
+    # -- the jitted step ------------------------------------------------------------------
+    def _step_function(self, batch: int, kind: str):
+        """The function TinyJit traces for `batch` rows of decode or prefill."""
+        out = self._outputs[(batch, kind)]
+        owned = frozenset(self.caches)
+
+        def step(tokens: Tensor, positions: Tensor, *starts: UOp) -> Tensor:
+            seq = tokens.shape[1]
+            ctx = LoweringContext(self._bindings(batch, seq), list(starts), owned, self.layouts)
+            feeds = {self.graph.inputs[0].name: tokens, self.graph.inputs[1].name: positions}
+            logits = graph_to_tensors(self.graph, {**feeds, **self.caches, **self.params}, ctx)[0]
+            out[:, :seq].assign(logits.cast(out.dtype))
+            Tensor.realize(out, *self.caches.values())
+            return out
+
+        return step
+
+    def _bindings(self, batch: int, seq) -> dict:
+        bindings = {}
+        for dim, size in ((self._batch_dim, batch), (self._seq_dim, seq)):
+            if isinstance(dim, sympy.Symbol):
+                bindings[dim.name] = size
+        return bindings
+
+    def _jit(self, batch: int, kind: str) -> TinyJit:
+        key = (batch, kind)
+        if key not in self.jits:
+            seq = 1 if kind == "decode" else self.prefill_chunk
+            vocab = self.graph.outputs[0].type.shape[-1]
+            self._outputs[key] = Tensor.zeros(batch, seq, vocab, dtype=tiny_dtype(self.graph.outputs[0].type.dtype)
+                                              ).contiguous().realize()
+            self.jits[key] = TinyJit(self._step_function(batch, kind))
+        return self.jits[key]
+
+    # -- running ------------------------------------------------------------------------
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Logits f32[batch, seq, vocab] for int64 tokens/positions [batch, seq]; writes the caches."""
+        tokens, starts = self._check_feeds(tokens, positions)
+        seq = tokens.shape[1]
+        pieces = []
+        for begin in range(0, seq, self.prefill_chunk):
+            chunk = tokens[:, begin:begin + self.prefill_chunk]
+            pieces.append(self._run_chunk(chunk, starts + begin))
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
+
+    def _run_chunk(self, tokens: np.ndarray, starts: np.ndarray) -> torch.Tensor:
+        batch, seq = tokens.shape
+        positions = starts[:, None] + np.arange(seq, dtype=np.int64)
+        bound = [var.bind(int(s)) for var, s in zip(self._start_vars, starts)]
+        if seq == 1:
+            with Context(BEAM=self.decode_beam):
+                out = self._jit(batch, "decode")(Tensor(np.ascontiguousarray(tokens)), Tensor(positions), *bound)
+            return torch.from_numpy(out.numpy())
+        padded = np.zeros((2, batch, self.prefill_chunk), dtype=np.int64)
+        padded[0, :, :seq], padded[1, :, :seq] = tokens, positions
+        length = self._seq_var.bind(seq)
+        feeds = [Tensor(p)[:, :length].contiguous() for p in padded]
+        with Context(BEAM=0):  # symbolic-length kernels: BEAM would time them at one length only
+            out = self._jit(batch, "prefill")(*feeds, *bound)
+        return torch.from_numpy(out.numpy()[:, :seq].copy())
+
+    def _check_feeds(self, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
+        """int64 numpy tokens and each row's first position, after checking the contract."""
+        if tokens.dim() != 2 or tokens.shape != positions.shape:
+            raise FeedError(f"tokens {list(tokens.shape)} and positions {list(positions.shape)} must both be [batch, seq]")
+        batch, seq = tokens.shape
+        if not 1 <= batch <= self.max_batch:
+            raise FeedError(f"batch {batch} is outside [1, {self.max_batch}]; lower with a larger max_batch")
+        positions = positions.to(torch.int64).numpy()
+        starts = positions[:, 0].copy()
+        if seq > 1 and not (np.diff(positions, axis=1) == 1).all():
+            raise FeedError("the tinygrad backend needs each row's positions consecutive (start, start+1, ...): "
+                            "its cache position is one symbolic start per row")
+        if starts.min() < 0 or starts.max() + seq > self.max_seq_len:
+            raise FeedError(f"positions must lie in [0, {self.max_seq_len}), got [{int(starts.min())}, "
+                            f"{int(starts.max()) + seq - 1}]")
+        return tokens.to(torch.int64).numpy(), starts
+
+    def reset(self) -> None:
+        """Forget all cached keys and values (zero the buffers in place)."""
+        for cache in self.caches.values():
+            cache.assign(Tensor.zeros(*cache.shape, dtype=cache.dtype).contiguous())
+        Tensor.realize(*self.caches.values())
+
+    def save(self, directory) -> list[str]:
+        """Write tinygrad.json: what rebuilding the jitted steps from graph.kir and the weights needs."""
+        from .artifact_files import write_backend_info
+
+        return write_backend_info(directory, self)
+
+
+def lower(graph: Graph, options: BackendOptions) -> TinygradExecutable:
+    """Lower a stateful graph (weights attached as graph.weights) to tinygrad."""
+    return TinygradExecutable(graph, options)

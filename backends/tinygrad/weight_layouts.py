@@ -1,0 +1,131 @@
+"""How each `linear`/`matmul` weight is stored, and how its product is spelled, for tinygrad's CPU kernels.
+
+Weights are constants, so the backend stores them in the form its kernels read fastest, and
+writes each product so that tinygrad 0.14's hand-coded optimizer (codegen/opt/heuristic.py)
+picks good loops for a decode step's matrix-vector product. Measured per kernel on GPT-2 small
+(the README has the table), three rules:
+- **[out, in] storage**: with the reduction axis contiguous every output is a dot product over
+  float4 loads; GPT-2's Conv1D weights come as [in, out] (a `matmul` in the IR), which makes
+  the optimizer walk rows with a stride of `out` floats (0.9 GB/s against 4.6). They are stored
+  transposed.
+- **rows padded to a multiple of 64**: the optimizer only upcasts (several outputs per loop)
+  and splits over threads an output axis divisible by 3 or 4; GPT-2's vocabulary (50257 =
+  29 x 1733) got neither: 2.3 GB/s for the largest kernel of the step. Padded with zero rows,
+  the extra outputs are sliced off.
+- **split-K under 2048 outputs**: below 1024 outputs the optimizer upcasts nothing (768-wide
+  projections ran at 2.1 GB/s). Such products are computed as `splits` partial dot products
+  per output, [.., splits, out] in one kernel, then summed in a second, tiny one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from tinygrad import Tensor
+
+from kiln.ir import Graph, Value
+
+ROW_MULTIPLE = 64
+SPLIT_K_BELOW = 2048  # outputs under which a product is split along K
+MAX_SPLITS = 16
+
+
+@dataclass(frozen=True)
+class StoredWeight:
+    """How one parameter is stored: transposed from the graph's view, and rows padded to `rows`."""
+
+    transposed: bool = False
+    rows: int | None = None  # stored row count when padded, else None
+
+
+class WeightLayouts:
+    """The storage of every product weight, and the products written against it."""
+
+    def __init__(self, stored: dict[str, StoredWeight]):
+        self.stored = stored
+
+    @property
+    def transposed(self) -> dict[str, bool]:
+        return {name: s.transposed for name, s in self.stored.items()}
+
+    def _plan(self, value: Value | None) -> StoredWeight:
+        if value is None or value.producer is not None:
+            return StoredWeight()
+        return self.stored.get(value.name, StoredWeight())
+
+    def linear(self, weight_value: Value, x: Tensor, weight: Tensor, out_features: int) -> Tensor:
+        """x @ W.T for the graph's W [out, in], stored [rows >= out, in]."""
+        return _unpadded(matvec(x, weight), out_features)
+
+    def matmul(self, b_value: Value, a: Tensor, b: Tensor) -> Tensor:
+        """a @ B for the graph's B [in, out]; a transposed B is stored [rows >= out, in]."""
+        plan = self._plan(b_value)
+        if not plan.transposed:
+            return a @ b
+        return _unpadded(matvec(a, b), b_value.type.shape[-1])
+
+
+def _unpadded(y: Tensor, out_features: int) -> Tensor:
+    """The first out_features outputs of a product over padded rows. The padded product is made
+    contiguous first: sliced lazily, tinygrad would shrink the kernel back to out_features."""
+    return y if y.shape[-1] == out_features else y.contiguous()[..., :out_features]
+
+
+def split_count(out_features: int, in_features: int) -> int:
+    """Partial sums per output for a product with this weight shape (1: no split)."""
+    splits = 1
+    while out_features * splits < SPLIT_K_BELOW and splits < MAX_SPLITS and in_features % (splits * 8) == 0:
+        splits *= 2
+    return splits
+
+
+def matvec(x: Tensor, weight: Tensor) -> Tensor:
+    """x @ weight.T for weight [out, in], split along `in` when the output is narrow."""
+    out_features, in_features = weight.shape
+    if not (isinstance(out_features, int) and isinstance(in_features, int)):
+        return x @ weight.T
+    splits = split_count(out_features, in_features)
+    if splits == 1:
+        return x @ weight.T
+    part = in_features // splits
+    xs = x.reshape(*x.shape[:-1], splits, 1, part)
+    ws = weight.reshape(out_features, splits, part).permute(1, 0, 2)  # [splits, out, part]
+    partial = (xs * ws).sum(-1).contiguous()  # [.., splits, out]: one kernel of splits * out dot products
+    return partial.sum(-2)
+
+
+def plan_weights(graph: Graph) -> WeightLayouts:
+    """Which product weights to transpose or pad.
+
+    A matmul's right operand is stored transposed ([out, in]) when nothing else reads it; any
+    2-d weight read by `linear` or stored transposed gets its rows padded to a multiple of 64
+    (gathers such as a tied embedding's read only rows < vocab, so they are unaffected).
+    """
+    readers: dict[str, set[tuple[str, int]]] = {}
+    for node in graph.nodes:
+        for index, v in enumerate(node.inputs):
+            if v is not None and v.producer is None and v.name in graph.params:
+                readers.setdefault(v.name, set()).add((node.op, index))
+    stored = {}
+    for name, uses in readers.items():
+        value = graph.params[name]
+        if value.type.rank != 2 or not all(isinstance(d, int) for d in value.type.shape):
+            continue
+        transposed = uses == {("matmul", 1)}
+        if not transposed and ("linear", 1) not in uses:
+            continue
+        if ("matmul", 1) in uses and not transposed:
+            continue  # read both ways: keep the graph's layout, no padding
+        rows = value.type.shape[1] if transposed else value.type.shape[0]
+        padded = -(-rows // ROW_MULTIPLE) * ROW_MULTIPLE
+        stored[name] = StoredWeight(transposed, padded if padded != rows else None)
+    return WeightLayouts(stored)
+
+
+def stored_weight(name: str, tensor: torch.Tensor, layouts: WeightLayouts) -> torch.Tensor:
+    """The weight as the backend stores it: transposed and zero-padded where the plan says."""
+    plan = layouts.stored.get(name, StoredWeight())
+    weight = tensor.t() if plan.transposed else tensor
+    if plan.rows is not None:
+        weight = torch.cat([weight, weight.new_zeros(plan.rows - weight.shape[0], *weight.shape[1:])])
+    return weight.contiguous()

@@ -1,0 +1,165 @@
+"""GPT-2 small decode on the CPU: Kiln's tinygrad backend against a hand-written tinygrad GPT-2, one run.
+
+    .venv/bin/python bench/tinygrad_gpt2.py [--tokens 32] [--reps 3] [--threads 2] [--beam 2] [--skip-hf]
+
+The model is GPT-2 small with seeded random weights (bench/gpt2_small.py). Each runner is its
+own process, so that Kiln's CPU graph runner (installed into tinygrad's CPU device) never
+touches the baseline, and each decodes `--tokens` tokens `--reps` times after warming up:
+- tinygrad-handwritten: bench/tinygrad_gpt2_baseline.py, stock tinygrad 0.14, weights as stored;
+- tinygrad-handwritten-transposed: the same with nn.Linear's weight layout (what it alone buys);
+- kiln-tinygrad: the Kiln artifact compiled with --backend tinygrad; `--beam N` adds a row with
+  tinygrad's BEAM=N kernel search (minutes the first time; cached in ~/.cache/tinygrad);
+- hf-eager: PyTorch eager with Hugging Face's KV cache, for reference.
+Per rep it prints tokens/s by wall clock and by the runner's own CPU time, and the cores other
+processes used meanwhile (`*`: more than a quarter core, see cpu_contention.py).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from cpu_contention import CpuMeter  # noqa: E402
+from gpt2_small import gpt2_small_dir  # noqa: E402
+
+ARTIFACT = HERE.parent / "out" / "bench-gpt2-small-tinygrad.kiln"
+PROMPT = [464, 2068, 7586]
+
+
+def timed_reps(step, tokens: int, reps: int) -> list[dict]:
+    """Run `step()` (one decoded token) tokens times per rep, under a CpuMeter."""
+    results = []
+    for _ in range(reps):
+        cpu = time.process_time()
+        with CpuMeter() as meter:
+            for _ in range(tokens):
+                step()
+        cpu = time.process_time() - cpu
+        results.append({"tok_s": tokens / meter.result.wall_s, "cpu_tok_s": tokens / cpu,
+                        "other_cores": meter.result.other_cores})
+    return results
+
+
+def kiln_child(args) -> list[dict]:
+    import dataclasses
+
+    import torch
+
+    import kiln
+    from kiln.backends import tinygrad as tinygrad_backend
+
+    llm = kiln.load(ARTIFACT)
+    options = dataclasses.replace(llm.executable.options, threads=args.threads)
+    executable = tinygrad_backend.load(ARTIFACT, llm.graph, llm.graph.weights, options)
+    logits = executable.run(torch.tensor([PROMPT]), torch.arange(len(PROMPT))[None])
+    state = {"token": int(logits[0, -1].argmax()), "position": len(PROMPT)}
+
+    def step():
+        out = executable.run(torch.tensor([[state["token"]]]), torch.tensor([[state["position"]]]))
+        state["token"], state["position"] = int(out[0, -1].argmax()), state["position"] + 1
+        if state["position"] >= executable.max_seq_len - 1:
+            state["position"] = len(PROMPT)
+
+    for _ in range(3):  # eager run, JIT capture, first replay
+        step()
+    return timed_reps(step, args.tokens, args.reps)
+
+
+def hf_child(args) -> list[dict]:
+    import torch
+    from transformers import GPT2LMHeadModel
+
+    torch.set_num_threads(args.threads)
+    model = GPT2LMHeadModel.from_pretrained(gpt2_small_dir()).eval()
+    with torch.no_grad():
+        out = model(torch.tensor([PROMPT]), use_cache=True)
+    state = {"past": out.past_key_values, "token": int(out.logits[0, -1].argmax())}
+
+    def step():
+        with torch.no_grad():
+            out = model(torch.tensor([[state["token"]]]), past_key_values=state["past"], use_cache=True)
+        state["past"], state["token"] = out.past_key_values, int(out.logits[0, -1].argmax())
+
+    for _ in range(3):
+        step()
+    return timed_reps(step, args.tokens, args.reps)
+
+
+def run_child(name: str, argv: list[str], env: dict | None = None) -> dict:
+    """Run one runner in its own process; its last stdout line is the JSON result."""
+    started = time.perf_counter()
+    out = subprocess.run([sys.executable, *argv], capture_output=True, text=True, env={**os.environ, **(env or {})})
+    if out.returncode != 0:
+        raise RuntimeError(f"{name} failed:\n{out.stderr[-3000:]}")
+    reps = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"{name}: {reps} ({time.perf_counter() - started:.0f}s with start-up)", file=sys.stderr)
+    return {"backend": name, "reps": reps}
+
+
+def summary(row: dict, key: str) -> str:
+    values = [r[key] for r in row["reps"]]
+    sd = statistics.stdev(values) if len(values) > 1 else 0.0
+    return f"{statistics.mean(values):.2f} ± {sd:.2f}"
+
+
+def table(rows: list[dict], tokens: int, threads: int) -> str:
+    lines = ["| model | backend | threads | test | t/s (wall) | t/s (own CPU time) | others' cores |",
+             "| --- | --- | ---: | --- | ---: | ---: | ---: |"]
+    for row in rows:
+        others = max(r["other_cores"] for r in row["reps"])
+        flag = " *" if others > 0.25 else ""
+        lines.append(f"| GPT-2 small f32 | {row['backend']} | {threads} | tg{tokens} | {summary(row, 'tok_s')}{flag} | "
+                     f"{summary(row, 'cpu_tok_s')} | {others:.2f} |")
+    base = next((r for r in rows if r["backend"] == "tinygrad-handwritten"), None)
+    if base:
+        mean = lambda row, key: statistics.mean(r[key] for r in row["reps"])  # noqa: E731
+        for row in rows:
+            if row["backend"].startswith("kiln"):
+                lines.append(f"\n{row['backend']}: {mean(row, 'tok_s') / mean(base, 'tok_s'):.1f}x the hand-written "
+                             f"baseline by wall clock, {mean(row, 'cpu_tok_s') / mean(base, 'cpu_tok_s'):.1f}x by CPU time")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--beam", type=int, default=0, help="also run Kiln-tinygrad with tinygrad's BEAM=N")
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--child", choices=["kiln", "hf"], help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print(json.dumps((kiln_child if args.child == "kiln" else hf_child)(args)))
+        return 0
+    model_dir = gpt2_small_dir()
+    if not (ARTIFACT / "manifest.json").exists():
+        import kiln
+
+        kiln.compile(str(model_dir), out=ARTIFACT, backend="tinygrad", max_seq_len=256, max_batch=1)
+    common = ["--tokens", str(args.tokens), "--reps", str(args.reps), "--threads", str(args.threads)]
+    baseline = [str(HERE / "tinygrad_gpt2_baseline.py"), "--tokens", str(args.tokens), "--reps", str(args.reps)]
+    rows = [run_child("tinygrad-handwritten", baseline),
+            run_child("tinygrad-handwritten-transposed", baseline + ["--transpose"]),
+            run_child("kiln-tinygrad", [__file__, "--child", "kiln", *common])]
+    if args.beam:
+        rows.append(run_child(f"kiln-tinygrad BEAM={args.beam}", [__file__, "--child", "kiln", *common],
+                              env={"BEAM": str(args.beam)}))
+    if not args.skip_hf:
+        rows.append(run_child("hf-eager", [__file__, "--child", "hf", *common]))
+    report = table(rows, args.tokens, args.threads)
+    print(report)
+    (HERE / "results").mkdir(exist_ok=True)
+    (HERE / "results" / "tinygrad_gpt2.md").write_text(report + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

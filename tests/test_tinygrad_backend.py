@@ -1,0 +1,145 @@
+"""The tinygrad backend: IR -> tinygrad Tensors under TinyJit, checked against the interpreter and
+Hugging Face.
+
+tinygrad compiles every kernel with clang on first use, so each model is compiled once per module
+and shared; BEAM search is left off (it belongs to the benchmarks).
+"""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import kiln
+from kiln.backends.executable import BackendOptions
+from kiln.frontend.checkpoint import load_model
+from kiln.ir import run_graph
+from kiln.runtime.artifact import read_artifact
+
+from hf_oracle import eos_ids, hf_greedy, prompts
+
+tinygrad_backend = pytest.importorskip("kiln.backends.tinygrad")
+from kiln.backends.tinygrad import (CompilerNotFoundError, FeedError, TinygradArtifactError,  # noqa: E402
+                                    check_lowering_table, compiled_program_count)
+from kiln.backends.tinygrad.graph_to_tensors import LoweringContext, graph_to_tensors  # noqa: E402
+from kiln.backends.tinygrad.toolchain import CLANG_INSTALL, configure_cpu_device  # noqa: E402
+# The catalogue of one small graph per IR op, shared with the inductor backend's tests.
+from test_inductor_backend import OP_CASES, build_op_graph, random_feeds  # noqa: E402
+
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module")
+def compiled(tiny_model_dirs, tmp_path_factory):
+    """arch -> (artifact path, loaded LLM, HF model), compiled and loaded once per module."""
+    cache = {}
+
+    def get(arch):
+        if arch not in cache:
+            source = tiny_model_dirs(arch)
+            path = kiln.compile(str(source), out=tmp_path_factory.mktemp(arch) / "model.kiln", backend="tinygrad",
+                                max_seq_len=64, max_batch=2)
+            cache[arch] = path, kiln.load(path), load_model(source).model
+        return cache[arch]
+
+    return get
+
+
+def test_every_registered_op_has_a_tinygrad_lowering():
+    check_lowering_table()
+
+
+def test_all_ops_match_the_interpreter():
+    """Every op case in one graph (one eager tinygrad run), caches as plain inputs: the generic
+    kv_write and attention forms, as the IR defines them."""
+    graph = build_op_graph(OP_CASES)
+    feeds = random_feeds(graph, OP_CASES, batch=2, seq=3)
+    expected = run_graph(graph, [f.clone() for f in feeds])
+    from tinygrad import Tensor
+
+    tensors = {v.name: Tensor(f.numpy()) for v, f in zip(graph.inputs, feeds)}
+    actual = graph_to_tensors(graph, tensors, LoweringContext({"batch": 2, "seq": 3}))
+    Tensor.realize(*actual)  # one schedule for every output
+    for value, e, a in zip(graph.outputs, expected, actual):
+        result = torch.from_numpy(a.numpy())
+        assert result.dtype == e.dtype and result.shape == e.shape, value.name
+        torch.testing.assert_close(result, e, atol=1e-5, rtol=1e-5, msg=lambda m: f"{value.name}: {m}")
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_greedy_batch_of_one_equals_hugging_face(compiled, arch):
+    _, llm, model = compiled(arch)
+    (prompt,) = prompts([9])
+    result = llm.generate(prompt, max_new_tokens=NEW_TOKENS)
+    assert result.token_ids == hf_greedy(model, prompt, NEW_TOKENS, eos_ids(llm))
+
+
+def test_greedy_batch_of_two_prompt_lengths_equals_hugging_face(compiled):
+    """Rows at different positions: one start Variable per row."""
+    _, llm, model = compiled("llama")
+    batch = prompts([5, 12], seed=1)
+    results = llm.generate(batch, max_new_tokens=12)
+    for prompt, result in zip(batch, results):
+        assert result.token_ids == hf_greedy(model, prompt, 12, eos_ids(llm))
+
+
+def test_decoding_compiles_no_kernel_after_the_first_steps(compiled):
+    _, llm, _ = compiled("gpt2")
+    executable = llm.executable
+    llm.generate(prompts([7], seed=3)[0], max_new_tokens=4, ignore_eos=True)
+    programs, jits = compiled_program_count(), dict(executable.jits)
+    llm.generate(prompts([7], seed=4)[0], max_new_tokens=40, ignore_eos=True)
+    assert compiled_program_count() == programs
+    assert executable.jits == jits  # the same two TinyJits (prefill, decode), replayed
+    decode = executable.jits[(1, "decode")]
+    assert decode.captured is not None and decode.cnt > 40
+
+
+def test_artifact_lists_its_tinygrad_file_and_reloads(compiled, tmp_path):
+    path, llm, _ = compiled("gpt2")
+    manifest = json.loads((path / "manifest.json").read_text())
+    assert manifest["backend"] == "tinygrad" and "tinygrad.json" in manifest["files"]
+    info = json.loads((path / "tinygrad.json").read_text())
+    assert info["tinygrad"] == tinygrad_backend.backend_version() and info["prefill_chunk"] >= 2
+    reloaded = kiln.load(path)  # rebuilt from graph.kir + weights + tinygrad.json, no frontend
+    (prompt,) = prompts([6], seed=2)
+    assert reloaded.generate(prompt, max_new_tokens=6).token_ids == llm.generate(prompt, max_new_tokens=6).token_ids
+
+
+def test_an_artifact_from_another_tinygrad_version_is_refused(compiled, tmp_path):
+    path, _, _ = compiled("gpt2")
+    info = json.loads((path / "tinygrad.json").read_text())
+    (tmp_path / "tinygrad.json").write_text(json.dumps({**info, "tinygrad": "0.1.0"}))
+    graph = read_artifact(path).graph
+    with pytest.raises(TinygradArtifactError, match="tinygrad 0.1.0"):
+        tinygrad_backend.load(tmp_path, graph, graph.weights, BackendOptions(max_seq_len=64))
+
+
+def test_run_rejects_positions_that_are_not_consecutive(compiled):
+    _, llm, _ = compiled("llama")
+    with pytest.raises(FeedError, match="consecutive"):
+        llm.executable.run(torch.tensor([[5, 6, 7]]), torch.tensor([[0, 2, 3]]))
+    with pytest.raises(FeedError, match="positions must lie"):
+        llm.executable.run(torch.tensor([[5]]), torch.tensor([[64]]))
+
+
+def test_a_missing_c_compiler_is_a_clear_error(monkeypatch):
+    monkeypatch.setenv("CC", "/nonexistent/clang")
+    with pytest.raises(CompilerNotFoundError, match="clang") as error:
+        configure_cpu_device()
+    assert CLANG_INSTALL in str(error.value)
+    monkeypatch.setenv("CC", "gcc")
+    with pytest.raises(CompilerNotFoundError, match="unset CC"):
+        configure_cpu_device()
+
+
+@pytest.mark.slow
+def test_real_smollm2_greedy_equals_hugging_face(smollm2_dir, tmp_path):
+    path = kiln.compile(str(smollm2_dir), out=tmp_path / "smollm2.kiln", backend="tinygrad", max_seq_len=128)
+    llm = kiln.load(path)
+    model = load_model(smollm2_dir).model
+    question = llm.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
+    result = llm.generate(question, max_new_tokens=NEW_TOKENS)
+    assert result.token_ids == hf_greedy(model, question, NEW_TOKENS, eos_ids(llm))
+    assert "Paris" in result.text
