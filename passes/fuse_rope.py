@@ -78,9 +78,15 @@ def _is_unit_reshape(node: Node) -> bool:
     return len(before) == len(after) and all(dims_equal(a, b) for a, b in zip(before, after))
 
 
+def _is_symbolic(attr) -> bool:
+    return any(_is_symbolic(a) for a in attr) if isinstance(attr, tuple) else isinstance(attr, sympy.Expr)
+
+
 def _allowed(node: Node) -> bool:
-    if node.op in ELEMENTWISE or node.op in CONSTANTS:
+    if node.op in ELEMENTWISE:
         return True
+    if node.op in CONSTANTS:  # arange(seq) would be the token's index, not its position
+        return not any(_is_symbolic(a) for a in node.attrs.values())
     if node.op == "reshape":
         return _is_unit_reshape(node)
     if node.op in ("concat", "slice"):

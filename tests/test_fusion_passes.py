@@ -16,7 +16,7 @@ from kiln.passes import canonicalize, eliminate_dead_code, fold_constants
 from kiln.passes.fuse_attention_pattern import fuse_attention_pattern
 from kiln.passes.fuse_layer_norm import fuse_layer_norm
 from kiln.passes.fuse_projections import fuse_projections, merged_name
-from kiln.passes.fuse_rope import fuse_rope
+from kiln.passes.fuse_rope import fuse_rope, position_function
 from kiln.passes.pipeline import fusion_passes, run_pipeline
 
 MAX_SEQ = 32
@@ -211,6 +211,20 @@ def test_partial_rotary_becomes_one_rope_over_the_whole_head():
     assert graph.weights[ropes[0].inputs[2].name].shape == (MAX_SEQ, 4)  # rotary dim 8 of 16
     assert count(graph, "neg", "cos", "sin") == 0
     assert_same_outputs(expected, run_graph(graph, sample_feeds()))
+
+
+def test_cos_of_the_token_index_rather_than_its_position_is_no_table():
+    graph = Graph()
+    batch, seq = symbol("batch"), symbol("seq")
+    graph.add_symbol("batch", 1, 2)
+    graph.add_symbol("seq", 1, 8)
+    positions = graph.add_input("positions", TensorType("i64", (batch, seq)))
+    index = graph.call("cast", graph.call("arange", end=seq), dtype="f32")
+    by_index = graph.call("cos", graph.call("add", graph.call("cast", positions, dtype="f32"), index))
+    by_position = graph.call("sin", graph.call("cast", positions, dtype="f32"))
+    order = {id(n): i for i, n in enumerate(graph.nodes)}
+    assert position_function(graph, by_index, order) is None
+    assert position_function(graph, by_position, order)[0] is positions
 
 
 class HandWrittenLayerNorm(torch.nn.Module):
