@@ -22,13 +22,17 @@ import torch
 
 @dataclass(frozen=True)
 class BackendOptions:
-    """What every backend is told when lowering. `dtype` is the compute/weight dtype name."""
+    """What every backend is told when lowering. `dtype` is the compute/weight dtype name;
+    `quantize` a weight scheme (kiln.passes.quant_schemes) or None, `quantize_embeddings` whether
+    it also covers the lm_head and token embedding."""
 
     max_batch: int = 1
     max_seq_len: int = 1024
     dtype: str = "f32"
     threads: int | None = None
     device: str = "cpu"
+    quantize: str | None = None
+    quantize_embeddings: bool = False
 
 
 class Executable(Protocol):

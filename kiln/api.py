@@ -43,7 +43,8 @@ def backend_options(options: dict) -> BackendOptions:
 
 def compile(model=None, out: str | Path = "model.kiln", backend: str = "inductor", max_seq_len: int = 1024,
             max_batch: int = 1, dtype: str = "f32", dump_ir: str | Path | None = None,
-            progress: Progress | None = None) -> Path:
+            progress: Progress | None = None, quantize: str | None = None, quantize_embeddings: bool = False,
+            calibration=None) -> Path:
     """Compile `model` (a local Hugging Face directory or .gguf file; None = the bundled default,
     SmolLM2-135M-Instruct) into an artifact directory at `out`; returns its path.
 
@@ -53,15 +54,24 @@ def compile(model=None, out: str | Path = "model.kiln", backend: str = "inductor
     the one-line summary ("0 breaks found, 0 eliminated, 0 left"); a break Kiln cannot remove
     raises `GraphBreakError` with the report. `dump_ir` writes the IR after each pass phase into
     that directory.
+
+    `quantize` names a weight scheme ("int8", "int4-g128", "int4-g64-awq", ...; see
+    `kiln.passes.quant_schemes.SCHEMES`); `quantize_embeddings` also quantizes the lm_head and the
+    token embedding. Data-aware schemes (-awq) run the model on `calibration`: a text file, token
+    ids, or None for the bundled Moby-Dick chapters.
     """
     from kiln.frontend.capture import capture_causal_lm
     from kiln.frontend.checkpoint import load_model
     from kiln.frontend.compile_breaks import check_graph_breaks, report_files
     from kiln.passes.pipeline import run_pipeline
+    from kiln.passes.quant_schemes import get_scheme
 
     report = progress or (lambda message: None)
     started = time.perf_counter()
-    options = BackendOptions(max_batch=max_batch, max_seq_len=max_seq_len, dtype=dtype)
+    quantize = None if quantize in (None, "none") else quantize
+    scheme = get_scheme(quantize) if quantize else None  # an unknown name fails before the slow steps
+    options = BackendOptions(max_batch=max_batch, max_seq_len=max_seq_len, dtype=dtype, quantize=quantize,
+                             quantize_embeddings=quantize_embeddings)
     backend_module = get_backend(backend)  # fail before the slow steps if the backend is unusable
     if model is None:
         from kiln.frontend.default_model import default_model_dir
@@ -75,8 +85,13 @@ def compile(model=None, out: str | Path = "model.kiln", backend: str = "inductor
     _summary(progress, f"graph breaks: {breaks.summary_line()}")
     with _step(report, "capture the forward into IR"):
         graph = capture_causal_lm(loaded.model, max_batch=max_batch, max_seq_len=max_seq_len)
+    tokens, calibration_source = None, None
+    if scheme is not None and scheme.needs_calibration:
+        from kiln.calibration import calibration_tokens
+
+        tokens, calibration_source = calibration_tokens(calibration, loaded.tokenizer_path, max_seq_len)
     with _step(report, "run the pass pipeline"):
-        graph = run_pipeline(graph, options, dump_dir=dump_ir)
+        graph = run_pipeline(graph, options, dump_dir=dump_ir, calibration=tokens)
     with _step(report, f"lower with the {backend} backend"):
         executable = backend_module.lower(graph, options)
     with _step(report, f"save the artifact to {out}"):
@@ -86,7 +101,7 @@ def compile(model=None, out: str | Path = "model.kiln", backend: str = "inductor
             "backend_version": backend_version(backend_module),
             "source": str(loaded.checkpoint_dir),
             "source_hash": loaded.source_hash,
-            "options": {**dataclasses.asdict(options), "quantize": None},
+            "options": {**dataclasses.asdict(options), "calibration": calibration_source},
             "graph_stats": {**graph_stats(graph), "compile_s": round(time.perf_counter() - started, 3)},
             "graph_breaks": breaks.counts,
         })

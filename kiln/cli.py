@@ -1,6 +1,6 @@
 """The command lines: `compile-model` (compile a model into an artifact) and `kiln` (use one).
 
-    compile-model [MODEL] -o model.kiln [--backend inductor|reference] [--max-seq-len N] ...
+    compile-model [MODEL] -o model.kiln [--backend inductor|reference] [--max-seq-len N] [--quantize SCHEME] ...
     compile-model explain [TARGET] [--format md|html|json] [-o FILE]   (graph breaks and recompiles)
     kiln generate model.kiln --prompt "Once upon a time" [--max-new-tokens N] [--chat] ...
     kiln chat model.kiln
@@ -54,6 +54,14 @@ def _compile_model(argv) -> int:
     parser.add_argument("--max-batch", type=int, default=1)
     parser.add_argument("--dtype", default="f32")
     parser.add_argument("--dump-ir", metavar="DIR", help="write the IR after each pass phase into DIR")
+    from kiln.passes.quant_schemes import scheme_names
+
+    parser.add_argument("--quantize", metavar="SCHEME", default="none",
+                        help=f"weight quantization: none (default), {', '.join(scheme_names())}")
+    parser.add_argument("--quantize-embeddings", action="store_true",
+                        help="also quantize the lm_head and the token embedding (kept f32 by default)")
+    parser.add_argument("--calibration", metavar="FILE", help="text the -awq schemes calibrate on "
+                        "(default: bundled Moby-Dick chapters)")
     args = parser.parse_args(argv)
 
     import json
@@ -62,7 +70,8 @@ def _compile_model(argv) -> int:
 
     started = time.perf_counter()
     path = kiln.compile(args.model, out=args.out, backend=args.backend, max_seq_len=args.max_seq_len,
-                        max_batch=args.max_batch, dtype=args.dtype, dump_ir=args.dump_ir,
+                        max_batch=args.max_batch, dtype=args.dtype, dump_ir=args.dump_ir, quantize=args.quantize,
+                        quantize_embeddings=args.quantize_embeddings, calibration=args.calibration,
                         progress=lambda line: print(f"[compile-model] {line}", file=sys.stderr, flush=True))
     manifest = json.loads((Path(path) / "manifest.json").read_text())
     stats = manifest.get("graph_stats", {})
@@ -75,7 +84,8 @@ def _compile_model(argv) -> int:
         from kiln.frontend.report_model import summary_line
 
         print(f"breaks     {summary_line(manifest['graph_breaks'])} (report.md in the artifact)")
-    print(f"options    max_seq_len={args.max_seq_len} max_batch={args.max_batch} dtype={args.dtype}")
+    print(f"options    max_seq_len={args.max_seq_len} max_batch={args.max_batch} dtype={args.dtype} "
+          f"quantize={args.quantize}{' (with embeddings)' if args.quantize_embeddings else ''}")
     print(f"time       {time.perf_counter() - started:.1f}s")
     return 0
 

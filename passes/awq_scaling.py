@@ -105,6 +105,12 @@ def search_clip(x: torch.Tensor, weight: torch.Tensor, scheme: QuantScheme, chun
 def _clamp_to_ratio(wg: torch.Tensor, ratio: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     """Clamp grouped weights to the shrunk range round_to_nearest spans with `clip=ratio`."""
     r = ratio[..., None]
+    if scheme.symmetric and scheme.bits == 4:
+        # The grid spans [-7/8 e, e] for the signed extreme e (scaled by r): clamp to exactly that,
+        # so the clamped group's extreme is still e * r and rounding picks the grid searched.
+        extreme = wg.gather(-1, wg.abs().argmax(-1, keepdim=True)) * r
+        ends = torch.cat((extreme, extreme * -7 / 8), -1)
+        return torch.minimum(torch.maximum(wg, ends.amin(-1, keepdim=True)), ends.amax(-1, keepdim=True))
     if scheme.symmetric:
         limit = wg.abs().amax(-1, keepdim=True) * r
         return torch.minimum(torch.maximum(wg, -limit), limit)
