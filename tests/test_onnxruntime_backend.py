@@ -251,3 +251,15 @@ def test_quantized_weights_run_as_matmulnbits_and_equal_the_interpreter(bits, gr
     positions = torch.arange(5).expand(2, 5)
     expected = reference.lower(graph, options).run(tokens, positions)
     torch.testing.assert_close(ort_backend.lower(graph, options).run(tokens, positions), expected, atol=1e-4, rtol=1e-4)
+
+
+def test_int4_pipeline_runs_as_matmulnbits_and_gatherblockquantized(stateful_graph):
+    _, model = stateful_graph("llama")
+    options = BackendOptions(max_batch=2, max_seq_len=128, quantize="int4-g32", quantize_embeddings=True)
+    graph = run_pipeline(capture_causal_lm(model, max_batch=2, max_seq_len=128), options)
+    ops = ort_backend.graph_to_onnx(graph).op_types()
+    assert "GatherBlockQuantized" in ops and "MatMulNBits" in ops and "MatMul" not in ops
+    executable, oracle = ort_backend.lower(graph, options), reference.lower(graph, options)
+    for tokens, positions in feeds_in_steps()[:3]:
+        expected = oracle.run(tokens, positions)
+        torch.testing.assert_close(executable.run(tokens, positions), expected, atol=1e-4, rtol=1e-4)
