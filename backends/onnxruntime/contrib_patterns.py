@@ -27,6 +27,7 @@ from kiln.ir.dims import dims_equal
 
 from .onnx_builder import MS_DOMAIN, OnnxBuilder
 from .op_lowerings import norm_scale, reshape_target, transposed_weight
+from .quantized_lowerings import lower_linear_q, matmul_nbits
 
 Emitter = Callable[[OnnxBuilder], "str | list[str]"]
 
@@ -56,7 +57,7 @@ def plan_contrib_ops(graph: Graph) -> Plan:
     for node in graph.nodes:
         _plan_norm(graph, node, users, absorbed, plan)
     for node in graph.nodes:
-        if node.op == "linear":
+        if node.op in ("linear", "linear_q"):
             _plan_split_projection(graph, node, users, outputs, plan)
     return plan
 
@@ -302,11 +303,11 @@ def _emit_norm(b: OnnxBuilder, kind: str, x: Value, weight, bias, eps: float, of
 def _plan_split_projection(graph: Graph, node: Node, users, outputs, plan: Plan) -> None:
     """A fused projection (one linear, read only through last-axis slices) becomes one MatMul per
     slice over the matching rows of the weight: no slice copies, as separate projections run."""
-    x, weight, bias = node.inputs
+    constants = [v for v in node.inputs[1:] if v is not None]  # weight (or q, scales, zeros) and bias
     readers = users.get(node.output, [])
-    if id(node.output) in outputs or id(node.output) in plan.packed_inputs or weight.name not in graph.params:
+    if id(node.output) in outputs or id(node.output) in plan.packed_inputs:
         return
-    if bias is not None and bias.name not in graph.params:
+    if any(v.name not in graph.params for v in constants):
         return
     rank = node.output.type.rank
     if not readers or any(r.op != "slice" or r.attrs["axis"] % rank != rank - 1 or r.attrs["step"] != 1
@@ -319,22 +320,29 @@ def _plan_split_projection(graph: Graph, node: Node, users, outputs, plan: Plan)
 
 
 def _emit_split_projection(b: OnnxBuilder, node: Node, slices: list[Node]) -> str:
-    x, weight, bias = node.inputs
-    array, bias_array = b.weight(weight), None if bias is None else b.weight(bias)
-    if array is None or (bias is not None and bias_array is None):  # weights not attached: keep it whole
-        return _whole_projection(b, x, weight, bias)
-    rows = array.shape[0]
+    quantized = node.op == "linear_q"
+    x, weight, bias = node.inputs[0], node.inputs[1], node.inputs[-1]
+    arrays = [None if v is None else b.weight(v) for v in node.inputs[1:-1]]  # weight, or q, scales, zeros
+    bias_array = None if bias is None else b.weight(bias)
+    whole = (lambda: lower_linear_q(b, node)) if quantized else (lambda: _whole_projection(b, x, weight, bias))
+    if arrays[0] is None or (bias is not None and bias_array is None):  # weights not attached: keep it whole
+        return whole()
     for part in slices:
-        start, end = part.attrs["start"], min(part.attrs["end"], rows)
-        name = f"{weight.name}[{start}:{end}].T"
-        if name not in b.initializers:
-            b.initializer(name, np.ascontiguousarray(array[start:end].T))
+        start, end = part.attrs["start"], min(part.attrs["end"], arrays[0].shape[0])
         label = f"{b.label}[{start}:{end}]" if b.label else None
-        out = b.op("MatMul", b.value(x), name, label=label)
-        if bias is not None:
-            out = b.op("Add", out, b.const(bias_array[start:end], bias_array.dtype), label=label)
+        rows = [None if a is None else np.ascontiguousarray(a[start:end]) for a in arrays]
+        part_bias = "" if bias is None else b.const(bias_array[start:end], bias_array.dtype)
+        if quantized:
+            out = matmul_nbits(b, b.value(x), *rows, part_bias, node.attrs, f"{weight.name}[{start}:{end}]")
+            b.declare(out, part.output.type.dtype, part.output.type.shape)
+        else:
+            name = f"{weight.name}[{start}:{end}].T"
+            if name not in b.initializers:
+                b.initializer(name, np.ascontiguousarray(rows[0].T))
+            out = b.op("MatMul", b.value(x), name, label=label)
+            out = b.op("Add", out, part_bias, label=label) if part_bias else out
         b.rename(b.value(part.output), out)
-    return _whole_projection(b, x, weight, bias)  # for any other reader (pruned when there is none)
+    return whole()  # for any other reader (pruned when there is none)
 
 
 def _whole_projection(b: OnnxBuilder, x: Value, weight: Value, bias: Value | None) -> str:

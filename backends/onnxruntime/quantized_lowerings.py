@@ -9,8 +9,11 @@ and packed zero points, so the weight is re-laid once at lowering:
   lowering and runs as a float MatMul / Gather;
 - 8-bit codes shift to unsigned (q + 128 against ORT's default zero point 128); 4-bit codes
   keep ORT's default zero point 8, the IR's symmetric one.
+`KILN_ORT_ACCURACY_LEVEL=4` lets MatMulNBits quantize activations to int8 (approximate, faster).
 """
 from __future__ import annotations
+
+import os
 
 import numpy as np
 
@@ -19,6 +22,9 @@ from kiln.ir import Node
 from .onnx_builder import MS_DOMAIN, OnnxBuilder
 
 DEFAULT_ZERO = {4: 8, 8: 128}  # ORT's zero point when none is given, in ORT's unsigned codes
+# MatMulNBits' accuracy_level: 0 computes in f32 (the IR's exact result); 4 quantizes activations
+# to int8 per block (faster on CPUs with int8 dot products; what genai's builder picks for CPU int4)
+ACCURACY_LEVEL = int(os.environ.get("KILN_ORT_ACCURACY_LEVEL", "0"))
 
 
 def ort_block_size(group_size: int) -> int | None:
@@ -51,45 +57,49 @@ def dequantized(qweight: np.ndarray, scales: np.ndarray, zeros: np.ndarray | Non
     return ((codes - zero) * np.repeat(scales, group_size, axis=1)[:, :k]).astype(np.float32)
 
 
-def _blocked(b: OnnxBuilder, qweight, scales, zeros, bits: int, group_size: int, block: int):
+def _blocked(q: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None, bits: int, group_size: int, block: int):
     """(codes [N, blocks, block], scales [N, blocks], zeros [N, blocks] or None) in ORT blocks."""
-    codes = unsigned_codes(b.weight(qweight), bits)
+    codes = unsigned_codes(q, bits)
     n, k = codes.shape
     blocks = -(-k // block)
     padded = np.full((n, blocks * block), DEFAULT_ZERO[bits], np.uint8)
     padded[:, :k] = codes
     repeat = group_size // block
-    block_scales = np.repeat(b.weight(scales), repeat, axis=1)[:, :blocks]
-    block_zeros = None if zeros is None else np.repeat(b.weight(zeros), repeat, axis=1)[:, :blocks]
+    block_scales = np.repeat(scales, repeat, axis=1)[:, :blocks]
+    block_zeros = None if zeros is None else np.repeat(zeros, repeat, axis=1)[:, :blocks]
     return padded.reshape(n, blocks, block), np.ascontiguousarray(block_scales), block_zeros
 
 
 def lower_linear_q(b: OnnxBuilder, node: Node) -> str:
     x, qweight, scales, zeros, bias = node.inputs
-    bits, group_size = node.attrs["bits"], node.attrs["group_size"]
+    weight = [b.weight(qweight), b.weight(scales), None if zeros is None else b.weight(zeros)]
+    out = matmul_nbits(b, b.value(x), *weight, b.value(bias) if bias is not None else "", node.attrs, qweight.name)
+    b.declare(out, node.output.type.dtype, node.output.type.shape)
+    return out
+
+
+def matmul_nbits(b: OnnxBuilder, x: str, q: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None, bias: str,
+                 attrs: dict, name: str) -> str:
+    """x @ W.T (+ bias) for the quantized W = (q, scales, zeros): MatMulNBits, or a float MatMul
+    over W dequantized here when the group size makes no ORT block."""
+    bits, group_size = attrs["bits"], attrs["group_size"]
     block = ort_block_size(group_size)
-    q = b.weight(qweight)
-    if block is None or q is None:
-        w = dequantized(q, b.weight(scales), None if zeros is None else b.weight(zeros), bits, group_size)
-        name = b.initializer(f"{qweight.name}.dequantized.T", np.ascontiguousarray(w.T))
-        y = b.op("MatMul", b.value(x), name)
-        return b.op("Add", y, b.value(bias)) if bias is not None else y
-    codes, block_scales, block_zeros = _blocked(b, qweight, scales, zeros, bits, group_size, block)
+    if block is None:
+        w = dequantized(q, scales, zeros, bits, group_size)
+        y = b.op("MatMul", x, b.initializer(f"{name}.dequantized.T", np.ascontiguousarray(w.T)))
+        return b.op("Add", y, bias) if bias else y
+    codes, block_scales, block_zeros = _blocked(q, scales, zeros, bits, group_size, block)
     n, blocks, _ = codes.shape
-    packed = pack_nibbles(codes) if bits == 4 else codes
-    inputs = [b.value(x), b.initializer(f"{qweight.name}.nbits", packed),
-              b.initializer(f"{scales.name}.nbits", block_scales)]
+    inputs = [x, b.initializer(f"{name}.nbits", pack_nibbles(codes) if bits == 4 else codes),
+              b.initializer(f"{name}.nbits_scales", block_scales)]
     if block_zeros is not None:
         even = np.full((n, blocks + blocks % 2), DEFAULT_ZERO[4], np.uint8)
         even[:, :blocks] = block_zeros
-        inputs.append(b.initializer(f"{zeros.name}.nbits", pack_nibbles(even)))
+        inputs.append(b.initializer(f"{name}.nbits_zeros", pack_nibbles(even)))
     else:
         inputs.append("")
-    inputs += ["", b.value(bias) if bias is not None else ""]
-    out = b.op("MatMulNBits", *inputs, domain=MS_DOMAIN, K=qweight_in(q, bits),
-               N=int(n), bits=bits, block_size=block, accuracy_level=0)
-    b.declare(out, node.output.type.dtype, node.output.type.shape)
-    return out
+    return b.op("MatMulNBits", *inputs, "", bias, domain=MS_DOMAIN, K=qweight_in(q, bits), N=int(n), bits=bits,
+                block_size=block, accuracy_level=ACCURACY_LEVEL)
 
 
 def qweight_in(q: np.ndarray, bits: int) -> int:
@@ -105,7 +115,8 @@ def lower_embedding_q(b: OnnxBuilder, node: Node) -> str:
     if block is None or q is None or qweight_in(q, bits) % block:
         w = dequantized(q, b.weight(scales), None if zeros is None else b.weight(zeros), bits, group_size)
         return b.op("Gather", b.initializer(f"{qweight.name}.dequantized", w), b.value(ids), axis=0)
-    codes, block_scales, block_zeros = _blocked(b, qweight, scales, zeros, bits, group_size, block)
+    codes, block_scales, block_zeros = _blocked(q, b.weight(scales), None if zeros is None else b.weight(zeros), bits,
+                                                group_size, block)
     n = codes.shape[0]
     data = pack_nibbles(codes.reshape(n, -1)) if bits == 4 else codes.reshape(n, -1)
     inputs = [b.initializer(f"{qweight.name}.gather", data), b.value(ids), b.initializer(f"{scales.name}.gather", block_scales)]
