@@ -34,7 +34,10 @@ def _rms_norm_ref(x, weight, eps, offset):
     return y * (weight + offset) if weight is not None else y
 
 
-register(OpDef("linear", ("x", "weight", "bias?"), _linear_infer, F.linear, doc="x @ weight.T + bias"))
+register(OpDef("linear", ("x", "weight", "bias?"), _linear_infer, F.linear,
+               doc="x @ weight.T + bias, weight [out, in]. The fusion passes make every projection one: "
+                   "matmul by a transposed weight, a following bias add, and q/k/v or gate/up projections "
+                   "merged into one linear whose output is sliced on its last axis"))
 register(OpDef("matmul", ("a", "b"), _matmul_infer, torch.matmul))
 register(OpDef("embedding", ("weight", "ids"), _embedding_infer, lambda w, ids: F.embedding(ids, w)))
 register(OpDef(
