@@ -28,8 +28,10 @@ def add_logit_bias(logits: torch.Tensor, bias: Mapping[int, float]) -> torch.Ten
 def repetition_penalty(logits: torch.Tensor, seen: Iterable[int], penalty: float) -> torch.Tensor:
     """CTRL's penalty on every token already in the context (prompt and output): a positive
     logit is divided by `penalty`, a negative one multiplied, so the token always gets less likely."""
+    if penalty == 1.0:
+        return logits
     ids = sorted(set(seen))
-    if penalty == 1.0 or not ids:
+    if not ids:
         return logits
     logits = logits.clone()
     index = torch.tensor(ids, dtype=torch.long)
@@ -42,8 +44,10 @@ def presence_frequency_penalty(logits: torch.Tensor, generated: Iterable[int], p
                                frequency: float) -> torch.Tensor:
     """OpenAI's penalties over the tokens generated so far: logits[t] -= presence * [count > 0]
     + frequency * count."""
+    if presence == 0.0 and frequency == 0.0:
+        return logits
     counts = Counter(generated)
-    if not counts or (presence == 0.0 and frequency == 0.0):
+    if not counts:
         return logits
     logits = logits.clone()
     index = torch.tensor(list(counts), dtype=torch.long)

@@ -99,8 +99,10 @@ class Sampler:
     def process(self, logits: torch.Tensor, prompt: Sequence[int], generated: Sequence[int]) -> torch.Tensor:
         """The logits a token is drawn from (greedy takes their argmax)."""
         p = self.params
-        logits = lp.add_logit_bias(logits, dict(p.logit_bias))
-        logits = lp.repetition_penalty(logits, [*prompt, *generated], p.repetition_penalty)
+        if p.logit_bias:
+            logits = lp.add_logit_bias(logits, dict(p.logit_bias))
+        if p.repetition_penalty != 1.0:  # skipped, not only neutral: it would walk the whole context
+            logits = lp.repetition_penalty(logits, [*prompt, *generated], p.repetition_penalty)
         logits = lp.presence_frequency_penalty(logits, generated, p.presence_penalty, p.frequency_penalty)
         if p.greedy:
             return logits
