@@ -35,7 +35,7 @@ def quantization_passes(options, calibration: torch.Tensor | None = None) -> lis
                                    "give calibration token ids [sequences, length] (kiln.compile does this from "
                                    "--calibration FILE, or the bundled Moby-Dick chapters by default)")
         tokens = calibration.to(torch.int64)
-        passes.append(Pass("awq_scaling", lambda graph: awq_scale(graph, scheme, tokens), approximate=True))
+        passes.append(Pass("awq_scaling", lambda graph: awq_scale(graph, scheme, tokens)))  # exact: x / s, W * s
     passes.append(Pass("quantize_weights", lambda graph: quantize_weights(graph, scheme, include_embeddings),
                        approximate=True))
     return passes

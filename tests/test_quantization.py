@@ -173,9 +173,9 @@ def test_awq_cuts_the_output_error_of_round_to_nearest_on_a_skewed_channel():
     assert awq_error < 0.5 * rtn_error, (awq_error, rtn_error)
 
 
-def test_awq_scaling_without_clipping_keeps_the_results(tiny_llama_fused):
+def test_awq_scaling_keeps_the_results_before_rounding(tiny_llama_fused):
     graph = copy_graph(tiny_llama_fused)
-    awq_scale(graph, get_scheme("int4-g32-awq"), torch.randint(3, 500, (2, 32)), clip=False)
+    awq_scale(graph, get_scheme("int4-g32-awq"), torch.randint(3, 500, (2, 32)))
     assert graph.meta["awq"]["scaled"] > 0
     tokens = torch.randint(3, 500, (1, 12))
     torch.testing.assert_close(logits(graph, tokens), logits(tiny_llama_fused, tokens), atol=1e-4, rtol=1e-4)
