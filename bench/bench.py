@@ -1,7 +1,7 @@
 """Decode and prefill speed of SmolLM2-135M: Kiln beside Hugging Face and onnxruntime-genai, in one run.
 
     .venv/bin/python bench/bench.py [--model DIR] [--threads 2] [--reps 5] [--skip-hf-compile]
-        [--backends inductor,onnxruntime] [--genai fp32,int4 | --genai none]
+        [--backends inductor,onnxruntime,tinygrad] [--genai fp32,int4 | --genai none]
 
 Prints a llama-bench style table (pp64: prompt processing of 64 tokens; tg128: generating 128
 tokens, batch 1) with tokens/s as mean ± sd, the weight bandwidth decode reached, and the
@@ -41,6 +41,8 @@ def timed(fn, retries: int = 3):
 
 
 class KilnRunner:
+    warmups = 1
+
     def __init__(self, artifact: Path, threads: int):
         import kiln
 
@@ -53,6 +55,14 @@ class KilnRunner:
 
             options = dataclasses.replace(self.llm.executable.options, threads=threads)
             self.llm.executable = ort_backend.load(artifact, self.llm.graph, {}, options)
+        if self.llm.manifest["backend"] == "tinygrad":  # its CPU graph runner splits kernels over `threads` cores
+            import dataclasses
+
+            from kiln.backends import tinygrad as tinygrad_backend
+
+            options = dataclasses.replace(self.llm.executable.options, threads=threads)
+            self.llm.executable = tinygrad_backend.load(artifact, self.llm.graph, self.llm.graph.weights, options)
+            self.warmups = 2  # TinyJit runs eagerly on a step's first call and captures on its second
 
     def prefill(self, n: int):
         tokens = torch.randint(100, 1000, (1, n))
@@ -96,10 +106,11 @@ def measure(runners: list, test: str, n: int, reps: int) -> list[dict]:
     rep by rep. tg subtracts a 1-token generate's time."""
     fns = [(runner.prefill(n), None) if test == "pp" else (runner.generate(n), runner.generate(1))
            for runner in runners]
-    for fn, base in fns:
-        fn()
-        if base:
-            base()
+    for runner, (fn, base) in zip(runners, fns):
+        for _ in range(getattr(runner, "warmups", 1)):
+            fn()
+            if base:
+                base()
     rates = [[] for _ in runners]
     flagged, others = [False] * len(runners), [[] for _ in runners]
     for _ in range(reps):
@@ -144,7 +155,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", help="HF directory (default: the bundled SmolLM2-135M-Instruct)")
     parser.add_argument("--artifact", default="out/bench-smollm2", help="artifact path prefix (+ -BACKEND.kiln)")
-    parser.add_argument("--backends", default="inductor,onnxruntime", help="Kiln backends, comma-separated")
+    parser.add_argument("--backends", default="inductor,onnxruntime,tinygrad", help="Kiln backends, comma-separated")
     parser.add_argument("--genai", default="fp32", help="onnxruntime-genai builder precisions (fp32,int4) or none")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reps", type=int, default=5)

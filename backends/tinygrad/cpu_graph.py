@@ -11,7 +11,10 @@ The CPU device has no graph runner of its own (`Device["CPU"].graph` is None), a
 runner is the extension point tinygrad gives a device for replaying a JIT's kernels. This one
 precomputes every kernel's function pointer and argument list when the JIT is captured, patches
 only the JIT's input buffers and bound variables per call, and hands the `core_id` pieces of a
-split kernel to a pool of threads (ctypes releases the GIL while a kernel runs).
+split kernel to a pool of threads (ctypes releases the GIL while a kernel runs). A piece the pool
+has not started by the time the calling thread finished its own runs on the calling thread: on
+a machine whose other processes hold the cores, waiting for a pool thread to be scheduled made
+2 threads slower than 1.
 """
 from __future__ import annotations
 
@@ -87,8 +90,11 @@ class KilnCPUGraph(GraphRunner):
             return
         futures = [self.pool.submit(launch.function, *args) for args in calls[1:]]
         launch.function(*calls[0])
-        for future in futures:
-            future.result()
+        for future, args in zip(futures, calls[1:]):
+            if future.cancel():  # not started yet (its thread has no core now): run it here, don't wait
+                launch.function(*args)
+            else:
+                future.result()
 
 
 def install_cpu_graph(threads: int | None = None) -> None:

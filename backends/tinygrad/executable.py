@@ -1,13 +1,14 @@
 """The stateful graph run by tinygrad: realized weights and KV buffers, one TinyJit per step kind.
 
 - Weights become realized tinygrad Tensors once, stored the way tinygrad's CPU kernels read
-  them fastest (weight_layouts.py); the KV caches are realized zero Tensors that `kv_write` updates in place.
+  them fastest (weight_layouts.py); the KV caches are realized zero Tensors that `kv_write`
+  updates in place.
 - Each row's cache position is a symbolic `Variable` (`start0`, `start1`, ...) bound at every
   call, so the jitted step is traced once and replayed at every position.
 - Decode (seq == 1) and prefill (seq > 1) are separate `TinyJit` functions, one pair per batch
   size. Prefill runs in chunks of at most `prefill_chunk` tokens whose length is itself a bound
   Variable (`seq`), so every prompt length replays the same captured kernels; a longer prompt
-  is several chunks, each at its own start position.
+  is several chunks, each at its own start position (jitted_step.py).
 TinyJit runs a function eagerly on its first call, captures the kernels on its second, and
 replays them from then on: nothing compiles after a step kind's first two calls (tested, counting
 tinygrad's compiled-program cache). With KILN_TINYGRAD_BEAM=N (or tinygrad's BEAM=N) the decode
@@ -21,7 +22,7 @@ import os
 import numpy as np
 import sympy
 import torch
-from tinygrad import Context, Tensor, TinyJit, UOp
+from tinygrad import Tensor, TinyJit, UOp
 
 from kiln.backends.executable import BackendOptions, cache_inputs
 from kiln.ir import Graph, evaluate, verify
@@ -29,6 +30,7 @@ from kiln.ir.errors import KilnError
 
 from .cpu_graph import install_cpu_graph
 from .graph_to_tensors import LoweringContext, graph_to_tensors
+from .jitted_step import JittedStep
 from .op_lowerings import check_lowering_table, tiny_dtype
 from .toolchain import configure_cpu_device
 from .weight_layouts import plan_weights, stored_weight
@@ -82,25 +84,19 @@ class TinygradExecutable:
         self._seq_var = UOp.variable("seq", 2, self.prefill_chunk)
         self._batch_dim, self._seq_dim = graph.inputs[0].type.shape
         self.decode_beam = decode_beam()
-        self.jits: dict[tuple[int, str], TinyJit] = {}
-        self._outputs: dict[tuple[int, str], Tensor] = {}
+        self.steps: dict[tuple[int, str], JittedStep] = {}
 
-    # -- the jitted step ------------------------------------------------------------------
-    def _step_function(self, batch: int, kind: str):
-        """The function TinyJit traces for `batch` rows of decode or prefill."""
-        out = self._outputs[(batch, kind)]
+    # -- the jitted steps ---------------------------------------------------------------
+    def _forward(self, batch: int):
+        """The graph on tinygrad Tensors for `batch` rows: what each step's TinyJit traces."""
         owned = frozenset(self.caches)
 
-        def step(tokens: Tensor, positions: Tensor, *starts: UOp) -> Tensor:
-            seq = tokens.shape[1]
-            ctx = LoweringContext(self._bindings(batch, seq), list(starts), owned, self.layouts)
+        def forward(tokens: Tensor, positions: Tensor, starts: list[UOp]) -> Tensor:
+            ctx = LoweringContext(self._bindings(batch, tokens.shape[1]), starts, owned, self.layouts)
             feeds = {self.graph.inputs[0].name: tokens, self.graph.inputs[1].name: positions}
-            logits = graph_to_tensors(self.graph, {**feeds, **self.caches, **self.params}, ctx)[0]
-            out[:, :seq].assign(logits.cast(out.dtype))
-            Tensor.realize(out, *self.caches.values())
-            return out
+            return graph_to_tensors(self.graph, {**feeds, **self.caches, **self.params}, ctx)[0]
 
-        return step
+        return forward
 
     def _bindings(self, batch: int, seq) -> dict:
         bindings = {}
@@ -109,15 +105,21 @@ class TinygradExecutable:
                 bindings[dim.name] = size
         return bindings
 
-    def _jit(self, batch: int, kind: str) -> TinyJit:
+    def _step(self, batch: int, kind: str) -> JittedStep:
         key = (batch, kind)
-        if key not in self.jits:
-            seq = 1 if kind == "decode" else self.prefill_chunk
-            vocab = self.graph.outputs[0].type.shape[-1]
-            self._outputs[key] = Tensor.zeros(batch, seq, vocab, dtype=tiny_dtype(self.graph.outputs[0].type.dtype)
-                                              ).contiguous().realize()
-            self.jits[key] = TinyJit(self._step_function(batch, kind))
-        return self.jits[key]
+        if key not in self.steps:
+            logits = self.graph.outputs[0].type
+            decode = kind == "decode"
+            self.steps[key] = JittedStep(
+                self._forward(batch), list(self.caches.values()), batch, 1 if decode else self.prefill_chunk,
+                logits.shape[-1], tiny_dtype(logits.dtype), seq_var=None if decode else self._seq_var,
+                beam=self.decode_beam if decode else 0)  # BEAM would time symbolic-length kernels at one length only
+        return self.steps[key]
+
+    @property
+    def jits(self) -> dict[tuple[int, str], TinyJit]:
+        """The TinyJit of each step made so far, by (batch, "decode" | "prefill")."""
+        return {key: step.jit for key, step in self.steps.items()}
 
     # -- running ------------------------------------------------------------------------
     def run(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -134,17 +136,8 @@ class TinygradExecutable:
         batch, seq = tokens.shape
         positions = starts[:, None] + np.arange(seq, dtype=np.int64)
         bound = [var.bind(int(s)) for var, s in zip(self._start_vars, starts)]
-        if seq == 1:
-            with Context(BEAM=self.decode_beam):
-                out = self._jit(batch, "decode")(Tensor(np.ascontiguousarray(tokens)), Tensor(positions), *bound)
-            return torch.from_numpy(out.numpy())
-        padded = np.zeros((2, batch, self.prefill_chunk), dtype=np.int64)
-        padded[0, :, :seq], padded[1, :, :seq] = tokens, positions
-        length = self._seq_var.bind(seq)
-        feeds = [Tensor(p)[:, :length].contiguous() for p in padded]
-        with Context(BEAM=0):  # symbolic-length kernels: BEAM would time them at one length only
-            out = self._jit(batch, "prefill")(*feeds, *bound)
-        return torch.from_numpy(out.numpy()[:, :seq].copy())
+        step = self._step(batch, "decode" if seq == 1 else "prefill")
+        return torch.from_numpy(step(tokens, positions, bound))
 
     def _check_feeds(self, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         """int64 numpy tokens and each row's first position, after checking the contract."""
