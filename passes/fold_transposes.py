@@ -11,7 +11,7 @@ left to fuse_bias_activation and fold_linear_reshapes.
 """
 from __future__ import annotations
 
-from kiln.ir import Graph, Node, Value
+from kiln.ir import Graph, Value
 
 from .dce import eliminate_dead_code
 from .match import Users, made_by
