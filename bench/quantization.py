@@ -103,6 +103,8 @@ def decode_rate(runner, n: int, reps: int) -> dict:
 def record(entry: dict) -> None:
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else []
     key = (entry["scheme"], entry["backend"], entry["quantize_embeddings"])
+    previous = [r for r in results if (r["scheme"], r["backend"], r["quantize_embeddings"]) == key]
+    entry = {**(previous[0] if previous else {}), **entry}  # a decode-only run keeps the perplexity, and so on
     results = [r for r in results if (r["scheme"], r["backend"], r["quantize_embeddings"]) != key] + [entry]
     RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")
@@ -122,6 +124,8 @@ def perplexity_table(results: list[dict], backends: list[str]) -> str:
                 cells.append(f"{r['perplexity']:.2f}")
             else:
                 cells.append(f"{r['perplexity']:.2f} ({100 * (r['perplexity'] / fp32[backend] - 1):+.1f}%)")
+            if r is not None and "perplexity_decode" in r:
+                cells[-1] += f"; decode path {r['perplexity_decode']:.2f}"
         lines.append(f"| {'fp32' if scheme == 'none' else scheme} | {'quantized' if emb else 'f32'} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -153,6 +157,8 @@ def main(argv=None) -> int:
     parser.add_argument("--ort-accuracy-level", default="4")
     parser.add_argument("--genai", default="none", help="onnxruntime-genai baseline precision (int4) or none")
     parser.add_argument("--no-perplexity", action="store_true")
+    parser.add_argument("--decode-path", action="store_true", help="also measure perplexity one token at a time "
+                        "through the KV cache (the decode kernels, which may round activations to int8)")
     parser.add_argument("--no-decode", action="store_true")
     args = parser.parse_args(argv)
     os.environ["KILN_ORT_ACCURACY_LEVEL"] = args.ort_accuracy_level  # read when the ORT backend is imported
@@ -187,6 +193,8 @@ def main(argv=None) -> int:
             if not args.no_perplexity:
                 result = perplexity(executable, windows)
                 entry.update(perplexity=result.perplexity, windows=list(result.per_window))
+            if args.decode_path:
+                entry["perplexity_decode"] = perplexity(executable, windows, chunk=1).perplexity
             if not args.no_decode:
                 runner = ExecutableRunner(f"kiln-{backend}", executable, tokenizer, 2 if backend == "tinygrad" else 1)
                 entry.update(decode_rate(runner, args.tg, args.reps))

@@ -6,6 +6,8 @@
 Each window is run as one prefill from position 0 on an empty cache (`executable.run` returns
 logits for every position), so every backend is measured the same way; the first token of a
 window is context only. Perplexity = exp(mean negative log-likelihood over predicted tokens).
+`chunk=1` feeds the window one token at a time through the KV cache instead: the decode path,
+whose kernels may differ from prefill's (e.g. int8-rounded activations in low-bit GEMVs).
 """
 from __future__ import annotations
 
@@ -41,17 +43,22 @@ def window_nll(logits: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
     return -log_probs.gather(-1, window[1:, None]).squeeze(-1)
 
 
-def perplexity(executable, windows: torch.Tensor) -> PerplexityResult:
-    """Perplexity of `executable` (a Kiln Executable) on token `windows` [count, length]."""
+def window_logits(executable, window: torch.Tensor, chunk: int | None = None) -> torch.Tensor:
+    """Logits [length, vocab] of one window from an empty cache, in one call or `chunk` tokens at a time."""
+    executable.reset()
+    step = chunk or len(window)
+    positions = torch.arange(len(window))
+    with torch.no_grad():
+        return torch.cat([executable.run(window[None, i:i + step], positions[None, i:i + step])[0]
+                          for i in range(0, len(window), step)])
+
+
+def perplexity(executable, windows: torch.Tensor, chunk: int | None = None) -> PerplexityResult:
+    """Perplexity of `executable` (a Kiln Executable) on token `windows` [count, length]; see the
+    module docstring for `chunk`."""
     if windows.shape[1] > executable.options.max_seq_len:
         raise ContextLengthError(windows.shape[1], executable.options.max_seq_len)
-    nlls = []
-    positions = torch.arange(windows.shape[1])[None]
-    for window in windows:
-        executable.reset()
-        with torch.no_grad():
-            logits = executable.run(window[None], positions)[0]
-        nlls.append(window_nll(logits, window))
+    nlls = [window_nll(window_logits(executable, window, chunk), window) for window in windows]
     executable.reset()
     mean = torch.cat(nlls).mean().item()
     return PerplexityResult(math.exp(mean), mean, sum(len(n) for n in nlls),

@@ -76,25 +76,31 @@ def test_awq_scheme_without_calibration_is_an_error():
 
 
 # -- the pass on a tiny model --------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def tiny_llama_fused(tiny_model_dirs):
-    """The tiny llama (tied embeddings) captured and through canonicalize + fuse, stateless."""
-    from kiln.frontend.capture import capture_causal_lm
-    from kiln.frontend.checkpoint import load_model
-    from kiln.passes.pipeline import default_pipeline
-
-    graph = capture_causal_lm(load_model(tiny_model_dirs("llama")).model, max_batch=1, max_seq_len=MAX_SEQ)
-    manager = default_pipeline(BackendOptions(max_seq_len=MAX_SEQ))
-    manager.phases = [p for p in manager.phases if p[0] in ("canonicalize", "fuse")]
-    return manager.run(graph)
-
-
 def copy_graph(graph: Graph) -> Graph:
     from kiln.ir import parse_graph, print_graph
 
     copy = parse_graph(print_graph(graph))
     copy.weights = dict(graph.weights)
     return copy
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_captured(tiny_model_dirs):
+    """The tiny llama (tied embeddings) as captured."""
+    from kiln.frontend.capture import capture_causal_lm
+    from kiln.frontend.checkpoint import load_model
+
+    return capture_causal_lm(load_model(tiny_model_dirs("llama")).model, max_batch=1, max_seq_len=MAX_SEQ)
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_fused(tiny_llama_captured):
+    """The tiny llama through canonicalize + fuse: the stateless graph the quantize phase sees."""
+    from kiln.passes.pipeline import default_pipeline
+
+    manager = default_pipeline(BackendOptions(max_seq_len=MAX_SEQ))
+    manager.phases = [p for p in manager.phases if p[0] in ("canonicalize", "fuse")]
+    return manager.run(copy_graph(tiny_llama_captured))
 
 
 def logits(graph: Graph, tokens: torch.Tensor) -> torch.Tensor:
@@ -257,6 +263,17 @@ def test_perplexity_is_the_inverse_probability_of_the_next_token():
     assert all(math.isclose(p, 4.0, rel_tol=1e-6) for p in result.per_window)
     uniform = window_nll(torch.zeros(20, 50), windows[0])
     assert torch.allclose(uniform, torch.full((19,), math.log(50), dtype=torch.float64))
+
+
+def test_perplexity_token_by_token_through_the_cache_equals_one_prefill(tiny_llama_captured):
+    from kiln.backends import reference
+    from kiln.passes.pipeline import run_pipeline
+
+    options = BackendOptions(max_seq_len=MAX_SEQ, quantize="int4-g32")
+    executable = reference.lower(run_pipeline(copy_graph(tiny_llama_captured), options), options)
+    windows = torch.randint(3, 500, (1, 16))
+    whole, stepwise = perplexity(executable, windows), perplexity(executable, windows, chunk=1)
+    assert math.isclose(whole.perplexity, stepwise.perplexity, rel_tol=1e-4)
 
 
 # -- the real model ------------------------------------------------------------------------------
