@@ -41,8 +41,6 @@ def timed(fn, retries: int = 3):
 
 
 class KilnRunner:
-    warmups = 1
-
     def __init__(self, artifact: Path, threads: int):
         import kiln
 
@@ -62,7 +60,6 @@ class KilnRunner:
 
             options = dataclasses.replace(self.llm.executable.options, threads=threads)
             self.llm.executable = tinygrad_backend.load(artifact, self.llm.graph, self.llm.graph.weights, options)
-            self.warmups = 2  # TinyJit runs eagerly on a step's first call and captures on its second
 
     def prefill(self, n: int):
         tokens = torch.randint(100, 1000, (1, n))
@@ -106,11 +103,10 @@ def measure(runners: list, test: str, n: int, reps: int) -> list[dict]:
     rep by rep. tg subtracts a 1-token generate's time."""
     fns = [(runner.prefill(n), None) if test == "pp" else (runner.generate(n), runner.generate(1))
            for runner in runners]
-    for runner, (fn, base) in zip(runners, fns):
-        for _ in range(getattr(runner, "warmups", 1)):
-            fn()
-            if base:
-                base()
+    for fn, base in fns:
+        fn()
+        if base:
+            base()
     rates = [[] for _ in runners]
     flagged, others = [False] * len(runners), [[] for _ in runners]
     for _ in range(reps):

@@ -67,7 +67,7 @@ def kiln_child(args) -> list[dict]:
         if state["position"] >= executable.max_seq_len - 1:
             state["position"] = len(PROMPT)
 
-    for _ in range(3):  # eager run, JIT capture, first replay
+    for _ in range(3):  # JIT capture (compiles), then replays
         step()
     return timed_reps(step, args.tokens, args.reps)
 

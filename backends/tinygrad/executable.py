@@ -9,9 +9,9 @@
   size. Prefill runs in chunks of at most `prefill_chunk` tokens whose length is itself a bound
   Variable (`seq`), so every prompt length replays the same captured kernels; a longer prompt
   is several chunks, each at its own start position (jitted_step.py).
-TinyJit runs a function eagerly on its first call, captures the kernels on its second, and
-replays them from then on: nothing compiles after a step kind's first two calls (tested, counting
-tinygrad's compiled-program cache). With KILN_TINYGRAD_BEAM=N (or tinygrad's BEAM=N) the decode
+Each step's TinyJit captures its kernels on the first call and replays them from then on:
+nothing compiles after a step kind's first call (tested, counting tinygrad's compiled-program
+cache). With KILN_TINYGRAD_BEAM=N (or tinygrad's BEAM=N) the decode
 kernels are chosen by tinygrad's BEAM search, timed on this machine (minutes per model the first
 time, then read from tinygrad's cache); prefill kernels keep the hand-coded optimizations.
 """

@@ -47,6 +47,10 @@ class JittedStep:
             return logits_buffer
 
         self.jit = TinyJit(step)
+        # Capture on the first call: TinyJit's eager first call exists for state a function creates
+        # lazily, and here every weight, cache and buffer is realized before; it would only trace
+        # and schedule the whole graph one more time (tens of seconds for a 30-layer model).
+        self.jit.cnt = 1
 
     def __call__(self, tokens: np.ndarray, positions: np.ndarray, starts: list[UOp]) -> np.ndarray:
         """Logits [batch, seq, vocab] (a copy) for int64 tokens/positions [batch, seq]."""

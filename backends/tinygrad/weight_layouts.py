@@ -80,7 +80,13 @@ def split_count(out_features: int, in_features: int) -> int:
 
 
 def matvec(x: Tensor, weight: Tensor) -> Tensor:
-    """x @ weight.T for weight [out, in], split along `in` when the output is narrow."""
+    """x @ weight.T for weight [out, in], split along `in` when the output is narrow.
+
+    x is made contiguous first: left lazy, tinygrad fuses the ops producing it (an activation, a
+    norm) into the product's loads and recomputes them for every output row; SmolLM2's down
+    projection, recomputing silu(gate) * up 2304 times, ran at 1 GB/s.
+    """
+    x = x.contiguous()
     out_features, in_features = weight.shape
     if not (isinstance(out_features, int) and isinstance(in_features, int)):
         return x @ weight.T
