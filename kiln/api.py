@@ -27,12 +27,26 @@ Progress = Callable[[str], None]
 
 def load(path: str | Path, check_hashes: bool = True) -> LLM:
     """Open the artifact at `path` (checked: versions, sizes, hashes) and ready it to generate."""
-    contents = read_artifact(Path(path), check_hashes=check_hashes)
+    contents = _read_rank(Path(path), check_hashes)
     backend = get_backend(contents.backend)
     options = backend_options(contents.options)
     executable = backend.load(contents.directory, contents.graph, contents.graph.weights, options)
     tokenizer = Tokenizer.from_dir(contents.tokenizer_dir) if contents.tokenizer_dir else None
     return LLM(executable, tokenizer, contents.manifest, contents.graph)
+
+
+def _read_rank(path: Path, check_hashes: bool):
+    """The artifact with this process's weights: under torchrun for a tensor-parallel artifact,
+    the process group is joined first (kiln.runtime.distributed) and the rank's shard is read."""
+    from kiln.runtime.artifact import read_manifest
+
+    ranks = read_manifest(path).get("tensor_parallel", 1) if path.is_dir() else 1
+    if ranks == 1:
+        return read_artifact(path, check_hashes=check_hashes)
+    from kiln.runtime.distributed import join_process_group
+
+    rank = join_process_group(ranks, read_manifest(path)["options"].get("device", "cpu"))
+    return read_artifact(path, check_hashes=check_hashes, rank=rank)
 
 
 def backend_options(options: dict) -> BackendOptions:
@@ -44,7 +58,7 @@ def backend_options(options: dict) -> BackendOptions:
 def compile(model=None, out: str | Path = "model.kiln", backend: str = "inductor", max_seq_len: int = 1024,
             max_batch: int = 1, dtype: str = "f32", dump_ir: str | Path | None = None,
             progress: Progress | None = None, quantize: str | None = None, quantize_embeddings: bool = False,
-            calibration=None) -> Path:
+            calibration=None, tensor_parallel: int = 1) -> Path:
     """Compile `model` (a local Hugging Face directory or .gguf file; None = the bundled default,
     SmolLM2-135M-Instruct) into an artifact directory at `out`; returns its path.
 
@@ -59,6 +73,9 @@ def compile(model=None, out: str | Path = "model.kiln", backend: str = "inductor
     `kiln.passes.quant_schemes.SCHEMES`); `quantize_embeddings` also quantizes the lm_head and the
     token embedding. Data-aware schemes (-awq) run the model on `calibration`: a text file, token
     ids, or None for the bundled Moby-Dick chapters.
+
+    `tensor_parallel` N > 1 shards the graph over N ranks (kiln.passes.shard_tensor_parallel) and
+    writes one artifact with every rank's weights; run it with `torchrun --nproc-per-node N`.
     """
     from kiln.frontend.capture import capture_causal_lm
     from kiln.frontend.checkpoint import load_model
@@ -73,6 +90,7 @@ def compile(model=None, out: str | Path = "model.kiln", backend: str = "inductor
     options = BackendOptions(max_batch=max_batch, max_seq_len=max_seq_len, dtype=dtype, quantize=quantize,
                              quantize_embeddings=quantize_embeddings)
     backend_module = get_backend(backend)  # fail before the slow steps if the backend is unusable
+    _check_tensor_parallel(tensor_parallel, backend, quantize)
     if model is None:
         from kiln.frontend.default_model import default_model_dir
 
@@ -92,11 +110,17 @@ def compile(model=None, out: str | Path = "model.kiln", backend: str = "inductor
         tokens, calibration_source = calibration_tokens(calibration, loaded.tokenizer_path, max_seq_len)
     with _step(report, "run the pass pipeline"):
         graph = run_pipeline(graph, options, dump_dir=dump_ir, calibration=tokens)
-    with _step(report, f"lower with the {backend} backend"):
-        executable = backend_module.lower(graph, options)
+    rank_weights = None
+    if tensor_parallel > 1:
+        with _step(report, f"shard over {tensor_parallel} ranks"):
+            graph, rank_weights = _shard(graph, tensor_parallel)
+        executable = _CompiledPerRank()
+    else:
+        with _step(report, f"lower with the {backend} backend"):
+            executable = backend_module.lower(graph, options)
     with _step(report, f"save the artifact to {out}"):
         path = save_artifact(out, graph, executable, tokenizer_dir=loaded.tokenizer_path.parent,
-                             extra_files=report_files(breaks), manifest_fields={
+                             extra_files=report_files(breaks), rank_weights=rank_weights, manifest_fields={
             "backend": backend,
             "backend_version": backend_version(backend_module),
             "source": str(loaded.checkpoint_dir),
@@ -106,6 +130,37 @@ def compile(model=None, out: str | Path = "model.kiln", backend: str = "inductor
             "graph_breaks": breaks.counts,
         })
     return path
+
+
+def _check_tensor_parallel(ranks: int, backend: str, quantize: str | None) -> None:
+    if not isinstance(ranks, int) or ranks < 1:
+        raise ValueError(f"tensor_parallel must be a positive integer, got {ranks!r}")
+    if ranks > 1 and backend not in ("inductor", "reference"):
+        from kiln.passes.shard_tensor_parallel import ShardingError
+
+        raise ShardingError(f"the {backend} backend cannot run a tensor-parallel graph. "
+                            "Fix: use --backend inductor (or reference), or drop --tensor-parallel")
+    if ranks > 1 and quantize:
+        from kiln.passes.shard_tensor_parallel import ShardingError
+
+        raise ShardingError("tensor parallelism does not shard quantized weights yet. "
+                            "Fix: drop --quantize or --tensor-parallel")
+
+
+def _shard(graph, ranks: int):
+    """Rank 0's graph (the same for every rank) and the weights of ranks 1..N-1."""
+    from kiln.passes.shard_tensor_parallel import shard_tensor_parallel
+
+    shards = [shard_tensor_parallel(graph, rank, ranks) for rank in range(ranks)]
+    return shards[0], [shard.weights for shard in shards[1:]]
+
+
+class _CompiledPerRank:
+    """The executable of a tensor-parallel artifact is built in each rank when it is loaded (a
+    compile needs the ranks' process group), so there are no backend files to save."""
+
+    def save(self, directory) -> list[str]:
+        return []
 
 
 def graph_stats(graph) -> dict:

@@ -3,6 +3,7 @@
     compile-model [MODEL] -o model.kiln [--backend inductor|reference] [--max-seq-len N] [--quantize SCHEME] ...
     compile-model explain [TARGET] [--format md|html|json] [-o FILE]   (graph breaks and recompiles)
     kiln generate model.kiln --prompt "Once upon a time" [--max-new-tokens N] [--chat] ...
+    torchrun --nproc-per-node N -m kiln generate model.kiln ...   (compiled with --tensor-parallel N)
     kiln chat model.kiln
     kiln ir MODEL|ARTIFACT|FILE.kir [--stateful]   (print a graph's IR)
 
@@ -62,6 +63,8 @@ def _compile_model(argv) -> int:
                         help="also quantize the lm_head and the token embedding (kept f32 by default)")
     parser.add_argument("--calibration", metavar="FILE", help="text the -awq schemes calibrate on "
                         "(default: bundled Moby-Dick chapters)")
+    parser.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                        help="shard over N ranks (run with torchrun --nproc-per-node N -m kiln generate ...)")
     args = parser.parse_args(argv)
 
     import json
@@ -72,6 +75,7 @@ def _compile_model(argv) -> int:
     path = kiln.compile(args.model, out=args.out, backend=args.backend, max_seq_len=args.max_seq_len,
                         max_batch=args.max_batch, dtype=args.dtype, dump_ir=args.dump_ir, quantize=args.quantize,
                         quantize_embeddings=args.quantize_embeddings, calibration=args.calibration,
+                        tensor_parallel=args.tensor_parallel,
                         progress=lambda line: print(f"[compile-model] {line}", file=sys.stderr, flush=True))
     manifest = json.loads((Path(path) / "manifest.json").read_text())
     stats = manifest.get("graph_stats", {})
@@ -190,11 +194,20 @@ def _kiln(argv) -> int:
                     top_p=args.top_p, min_p=args.min_p, typical_p=args.typical_p, eta=args.eta,
                     repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
                     frequency_penalty=args.frequency_penalty, seed=args.seed)
+    from kiln.runtime.distributed import is_main_rank
+
     if args.command == "generate":
         prompt = llm.encode_chat([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+        if not is_main_rank():  # tensor parallel: every rank generates in lockstep, rank 0 prints
+            llm.generate(prompt, **sampling)
+            return 0
         result = _print_stream(llm.stream(prompt, **sampling))
         print(f"[{result.stats.summary()}]", file=sys.stderr)
         return 0
+    if llm.manifest.get("tensor_parallel", 1) > 1:
+        print("error: kiln chat does not run a tensor-parallel artifact yet; use kiln generate under torchrun",
+              file=sys.stderr)
+        return EXIT_USAGE
     return _chat_loop(llm, args.system, sampling)
 
 

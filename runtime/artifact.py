@@ -4,6 +4,9 @@
       manifest.json          format, versions, source hash, options, IR hash, {file: sha256, bytes}
       graph.kir              the stateful graph's text form (kiln.ir.print_graph)
       weights.safetensors    graph.weights (safetensors only: loading never unpickles)
+      weights.rank1.safetensors, ...   a tensor-parallel artifact's other ranks' shards (manifest
+                             `tensor_parallel`: N): graph.kir is the same for every rank,
+                             weights.safetensors is rank 0's
       tokenizer.json, tokenizer_config.json, generation_config.json, chat_template.jinja (as present)
       ...                    the backend's own files (Executable.save)
 
@@ -84,11 +87,13 @@ def file_sha256(path: Path) -> str:
 
 # -- writing ---------------------------------------------------------------------------------
 def save_artifact(directory, graph: Graph, executable, tokenizer_dir=None, manifest_fields: dict | None = None,
-                  extra_files: dict[str, str] | None = None) -> Path:
+                  extra_files: dict[str, str] | None = None, rank_weights: list | None = None) -> Path:
     """Write the artifact for `graph` (stateful, weights attached) and `executable` to `directory`.
 
     `manifest_fields` adds backend, backend_version, source_hash, options, ... to the manifest.
     `extra_files` ({name: text}, e.g. the graph-break report) are written and listed like the rest.
+    `rank_weights`: for a tensor-parallel graph, the weights of ranks 1, 2, ... (graph.weights are
+    rank 0's); the manifest records `tensor_parallel`.
     The artifact is assembled in a temporary sibling directory and moved into place, so a crash
     never leaves half an artifact; an existing artifact at `directory` is replaced, anything
     else there is refused.
@@ -102,6 +107,9 @@ def save_artifact(directory, graph: Graph, executable, tokenizer_dir=None, manif
         (staging / GRAPH_FILE).write_text(graph_text, encoding="utf-8")
         save_file(_weights_for_saving(graph), str(staging / WEIGHTS_FILE))
         names = [GRAPH_FILE, WEIGHTS_FILE, *_copy_tokenizer(tokenizer_dir, staging)]
+        for rank, weights in enumerate(rank_weights or [], start=1):
+            save_file(_weights_for_saving(graph, weights), str(staging / weights_file(rank)))
+            names.append(weights_file(rank))
         names += _expand_dirs(staging, executable.save(staging) or [])
         for name, text in (extra_files or {}).items():
             (staging / name).write_text(text, encoding="utf-8")
@@ -109,6 +117,7 @@ def save_artifact(directory, graph: Graph, executable, tokenizer_dir=None, manif
         manifest = {
             "format": FORMAT, "format_version": FORMAT_VERSION, "kiln_version": kiln_version(),
             **(manifest_fields or {}),
+            **({"tensor_parallel": 1 + len(rank_weights)} if rank_weights else {}),
             "ir_hash": hashlib.sha256(graph_text.encode("utf-8")).hexdigest(),
             "files": {n: {"sha256": file_sha256(staging / n), "bytes": (staging / n).stat().st_size} for n in names},
         }
@@ -125,13 +134,19 @@ def _check_replaceable(directory: Path) -> None:
                             "Fix: choose another output path, or delete it first.")
 
 
-def _weights_for_saving(graph: Graph) -> dict[str, torch.Tensor]:
-    missing = [name for name in graph.params if name not in graph.weights]
+def weights_file(rank: int) -> str:
+    """The weights of `rank` in a (tensor-parallel) artifact."""
+    return WEIGHTS_FILE if rank == 0 else f"weights.rank{rank}.safetensors"
+
+
+def _weights_for_saving(graph: Graph, weights: dict | None = None) -> dict[str, torch.Tensor]:
+    weights = graph.weights if weights is None else weights
+    missing = [name for name in graph.params if name not in weights]
     if missing:
         raise ArtifactError(f"Cannot save: parameters {missing[:5]} have no weights attached to the graph.")
     out, seen = {}, set()
     for name in graph.params:
-        t = graph.weights[name].detach().cpu().contiguous()
+        t = weights[name].detach().cpu().contiguous()
         key = (t.untyped_storage().data_ptr(), t.storage_offset())
         out[name] = t.clone() if key in seen else t  # safetensors refuses shared storage (tied weights)
         seen.add(key)
@@ -170,14 +185,20 @@ def _move_into_place(staging: Path, directory: Path) -> None:
 
 
 # -- reading ---------------------------------------------------------------------------------
-def read_artifact(directory, check_hashes: bool = True) -> ArtifactContents:
-    """Open and check an artifact; raise ArtifactError saying which file is wrong and how."""
+def read_artifact(directory, check_hashes: bool = True, rank: int = 0) -> ArtifactContents:
+    """Open and check an artifact (with `rank`'s weights, for a tensor-parallel one); raise
+    ArtifactError saying which file is wrong and how. Other ranks' shards are size-checked only."""
     directory = Path(directory)
     manifest = read_manifest(directory)
+    ranks = manifest.get("tensor_parallel", 1)
+    if not 0 <= rank < ranks:
+        raise ArtifactError(f"{directory} has weights for {ranks} rank(s), not for rank {rank}. "
+                            f"Fix: run it with torchrun --nproc-per-node {ranks}.")
+    others = {weights_file(r) for r in range(ranks) if r != rank}
     for name, entry in manifest["files"].items():
-        _check_file(directory, name, entry, check_hashes)
+        _check_file(directory, name, entry, check_hashes and name not in others)
     graph = _read_graph(directory, manifest)
-    graph.weights = _read_weights(directory, graph)
+    graph.weights = _read_weights(directory, graph, weights_file(rank))
     return ArtifactContents(directory, manifest, graph)
 
 
@@ -252,8 +273,8 @@ def _read_graph(directory: Path, manifest: dict) -> Graph:
     return graph
 
 
-def _read_weights(directory: Path, graph: Graph) -> dict[str, torch.Tensor]:
-    path = directory / WEIGHTS_FILE
+def _read_weights(directory: Path, graph: Graph, name: str = WEIGHTS_FILE) -> dict[str, torch.Tensor]:
+    path = directory / name
     try:
         weights = load_file(str(path))
     except (SafetensorError, OSError, ValueError) as e:

@@ -148,6 +148,9 @@ OP_CASES = {
         lambda g, q, k, v, m: g.call("attention", q, k, v, m, None, causal=True, window=2)),
     "kv_write": (["c: f32[3, 2, 6, 8]", "n: f32[batch, 2, seq, 8]", "p: i64<6[batch, seq]"],
                  lambda g, c, n, p: g.call("kv_write", c, n, p)),
+    # A world of one rank (the identity); several ranks are tested by test_tensor_parallel.py.
+    "all_reduce": (["x: f32[batch, seq, 3]"], lambda g, x: g.call("all_reduce", x, world_size=1)),
+    "all_gather": (["x: f32[batch, seq, 3]"], lambda g, x: g.call("all_gather", x, axis=-1, world_size=1)),
 }
 batch_, seq_ = symbol("batch"), symbol("seq")
 

@@ -3,6 +3,8 @@
 - `lower(graph, options)` compiles just in time with torch.compile (executable.py);
 - `executable.save(directory)` writes an AOTInductor package, and `load(directory, graph, weights,
   options)` runs it without tracing or compiling (aoti_package.py);
+- a tensor-parallel graph (collectives.py) is saved without a package and compiled with
+  torch.compile when loaded in each rank: AOTInductor's CPU runtime has all_reduce but no all_gather;
 - lower_to_fx.py holds the one table from IR op to torch call (`FX_LOWERINGS`), and the hook for
   custom linear kernels (`register_linear_lowering`).
 """
@@ -11,7 +13,10 @@ from __future__ import annotations
 import torch
 
 from . import fast_linear  # registers Kiln's GEMV kernel as the lowering of fp32 linears
-from .aoti_package import AOTIExecutable, PackageError, load
+from kiln.ir.ops.collectives import tensor_parallel_size
+
+from .aoti_package import AOTIExecutable, PackageError
+from .aoti_package import load as load_package
 from .executable import FeedError, InductorExecutable, lower
 from .lower_to_fx import (FX_LOWERINGS, LoweringError, UnsupportedOpError, check_lowering_table, graph_to_fx,
                           register_linear_lowering)
@@ -22,6 +27,14 @@ NAME = "inductor"
 def backend_version() -> str:
     """Inductor is part of torch: its version is torch's."""
     return torch.__version__
+
+
+def load(directory, graph, weights, options):
+    """The executable of an artifact: its AOTInductor package, or for a tensor-parallel graph a
+    just-in-time compile of this rank's shard (the package path cannot carry all_gather)."""
+    if tensor_parallel_size(graph) > 1:
+        return InductorExecutable(graph, options, weights)
+    return load_package(directory, graph, weights, options)
 
 
 __all__ = [

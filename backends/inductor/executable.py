@@ -23,6 +23,7 @@ from torch._inductor.compile_fx import compile_fx
 
 from kiln.backends.executable import BackendOptions, cache_inputs
 from kiln.ir import Graph, evaluate, to_torch, verify
+from kiln.ir.ops.collectives import check_world, tensor_parallel_size
 
 from .lower_to_fx import graph_to_fx
 
@@ -67,6 +68,8 @@ class StatefulRunner:
             raise ValueError(f"the inductor backend runs on the CPU only so far, not {options.device!r}; "
                              "use device='cpu' or another backend")
         verify(graph)
+        if tensor_parallel_size(graph) > 1:  # fail here, not inside a compiled collective
+            check_world(tensor_parallel_size(graph))
         apply_threads(options)
         self.graph, self.options = graph, options
         named = allocate_caches(graph)
@@ -134,8 +137,12 @@ class InductorExecutable(StatefulRunner):
             return logits
 
     def save(self, directory: Path) -> list[str]:
-        """Write an AOTInductor package of this graph (no weights inside); returns its file names."""
+        """Write an AOTInductor package of this graph (no weights inside); returns its file names.
+        A tensor-parallel graph gets none: it is compiled just in time when loaded (see __init__)."""
         from .aoti_package import write_package
+
+        if tensor_parallel_size(self.graph) > 1:
+            return []
 
         return write_package(self.graph, self.module, self.options, Path(directory))
 

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from kiln.ir import Graph, Node, all_ops, to_torch
 
 from . import composite_ops
+from .collectives import COLLECTIVE_LOWERINGS
 from .quantized_linear import QUANTIZED_LOWERINGS
 
 
@@ -221,6 +222,7 @@ FX_LOWERINGS: dict[str, Lowering] = {
     "attention": _torch_call(composite_ops.attention),
     "kv_write": _kv_write,
     **QUANTIZED_LOWERINGS,  # linear_q, embedding_q (quantized_linear.py)
+    **COLLECTIVE_LOWERINGS,  # all_reduce, all_gather (collectives.py)
 }
 
 

@@ -268,6 +268,17 @@ ONNX_LOWERINGS: dict[str, Lowering] = {
 }
 
 
+def _refuse_collective(b, node):
+    if node.attrs["world_size"] == 1:  # a world of one rank: the identity
+        return b.op("Identity", b.value(node.inputs[0]))
+    raise OnnxLoweringError(
+        f"the onnxruntime backend cannot run a tensor-parallel graph (it has {node.op}). "
+        "Fix: compile with --backend inductor (or reference), or without --tensor-parallel")
+
+
+ONNX_LOWERINGS.update(all_reduce=_refuse_collective, all_gather=_refuse_collective)
+
+
 def check_lowering_table() -> None:
     """Raise OnnxLoweringError naming every registered IR op that ONNX_LOWERINGS lacks."""
     missing = sorted(set(all_ops()) - set(ONNX_LOWERINGS))

@@ -232,6 +232,17 @@ TENSOR_LOWERINGS: dict[str, Lowering] = {
 }
 
 
+def _refuse_collective(ctx, node, args, attrs):
+    if attrs["world_size"] == 1:  # a world of one rank: the identity
+        return args[0]
+    raise UnsupportedOpError(
+        f"the tinygrad backend cannot run a tensor-parallel graph (it has {node.op}). "
+        "Fix: compile with --backend inductor (or reference), or without --tensor-parallel")
+
+
+TENSOR_LOWERINGS.update(all_reduce=_refuse_collective, all_gather=_refuse_collective)
+
+
 def check_lowering_table() -> None:
     """Raise UnsupportedOpError naming every registered IR op that TENSOR_LOWERINGS lacks."""
     missing = sorted(set(all_ops()) - set(TENSOR_LOWERINGS))

@@ -1,0 +1,151 @@
+"""Tensor parallelism: a sharded SmolLM2-shaped model generates what the unsharded one does.
+
+The tiny llama (SmolLM2's shape: GQA with 4 query and 2 KV heads, RoPE, SwiGLU, tied embeddings)
+is compiled with --tensor-parallel 2 and 4 (4 ranks replicate each KV head on two ranks), and run
+by torchrun on CPU with gloo, one process per rank; greedy tokens must equal the unsharded
+artifact's, token for token, on every rank.
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kiln
+from kiln.backends.executable import BackendOptions
+from kiln.passes.shard_tensor_parallel import ShardingError, shard_tensor_parallel
+from kiln.runtime.distributed import TensorParallelError
+
+MAX_SEQ_LEN, NEW_TOKENS = 64, 16
+PROMPT = "The capital of France is"
+WORKER = """\
+import json, sys
+import torch.distributed as dist
+import kiln
+llm = kiln.load(sys.argv[1])
+ids = llm.generate(sys.argv[2], max_new_tokens=int(sys.argv[3]), ignore_eos=True).token_ids
+with open(f"{sys.argv[4]}.rank{dist.get_rank()}.json", "w") as f:
+    json.dump(ids, f)
+"""
+
+
+@pytest.fixture(scope="module")
+def artifacts(tiny_model_dirs, tmp_path_factory):
+    """(backend, ranks) -> artifact path of the tiny llama, compiled once per module."""
+    cache = {}
+
+    def get(backend: str, ranks: int):
+        if (backend, ranks) not in cache:
+            out = tmp_path_factory.mktemp(f"tp{ranks}") / f"{backend}.kiln"
+            cache[backend, ranks] = kiln.compile(str(tiny_model_dirs("llama")), out=out, backend=backend,
+                                                 max_seq_len=MAX_SEQ_LEN, tensor_parallel=ranks)
+        return cache[backend, ranks]
+
+    return get
+
+
+@pytest.fixture(scope="module")
+def unsharded_ids(artifacts) -> list[int]:
+    return kiln.load(artifacts("reference", 1)).generate(PROMPT, max_new_tokens=NEW_TOKENS, ignore_eos=True).token_ids
+
+
+@pytest.fixture(scope="module")
+def stateful_graph(tiny_model_dirs):
+    """The tiny llama after the whole pass pipeline (fused, stateful)."""
+    from kiln.frontend.capture import capture_causal_lm
+    from kiln.frontend.checkpoint import load_model
+    from kiln.passes.pipeline import run_pipeline
+
+    options = BackendOptions(max_seq_len=MAX_SEQ_LEN)
+    graph = capture_causal_lm(load_model(tiny_model_dirs("llama")).model, max_batch=1, max_seq_len=MAX_SEQ_LEN)
+    return run_pipeline(graph, options)
+
+
+def torchrun(ranks: int, *args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={ranks}", *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+
+
+def run_ranks(path, ranks: int, tmp_path) -> list[list[int]]:
+    """Greedy token ids of every rank of a torchrun job running the Python API on `path`."""
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    result = torchrun(ranks, str(script), str(path), PROMPT, str(NEW_TOKENS), str(tmp_path / "ids"))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [json.loads((tmp_path / f"ids.rank{rank}.json").read_text()) for rank in range(ranks)]
+
+
+# -- the pass ------------------------------------------------------------------------------
+def test_kv_buffers_and_projections_shrink_to_each_ranks_heads(stateful_graph):
+    full_cache = stateful_graph.inputs[2].type.shape  # [batch, 2 kv heads, seq, head_dim]
+    for ranks, kv_heads in ((2, 1), (4, 1)):
+        shard = shard_tensor_parallel(stateful_graph, rank=0, world_size=ranks)
+        assert shard.inputs[2].type.shape == (full_cache[0], kv_heads, *full_cache[2:])
+        assert {n.op for n in shard.nodes} >= {"all_reduce", "all_gather"}
+        # two all_reduce per layer (o_proj, down) plus the masked embedding's; one all_gather (logits)
+        ops = [n.op for n in shard.nodes]
+        assert ops.count("all_reduce") == 2 * 2 + 1 and ops.count("all_gather") == 1
+
+
+def test_rank_shards_put_back_together_are_the_original_weights(stateful_graph):
+    name = "model.layers.0.mlp.down_proj.weight"
+    shards = [shard_tensor_parallel(stateful_graph, rank, 2) for rank in range(2)]
+    assert torch.equal(torch.cat([s.weights[name] for s in shards], dim=1), stateful_graph.weights[name])
+    assert str(shards[0]) == str(shards[1])  # one graph for every rank: only the weights differ
+
+
+def test_four_ranks_replicate_each_kv_head_on_the_ranks_that_read_it(stateful_graph):
+    qkv = next(name for name in stateful_graph.params if "q_proj-k_proj-v_proj" in name)
+    full = stateful_graph.weights[qkv]  # rows: 4 q heads, 2 k heads, 2 v heads of 16
+    for rank in range(4):
+        rows = shard_tensor_parallel(stateful_graph, rank, 4).weights[qkv]
+        kv_head = rank // 2
+        expected = torch.cat([full[16 * rank:16 * (rank + 1)], full[64 + 16 * kv_head:64 + 16 * (kv_head + 1)],
+                              full[96 + 16 * kv_head:96 + 16 * (kv_head + 1)]])
+        assert torch.equal(rows, expected)
+
+
+def test_head_counts_that_do_not_split_are_refused(stateful_graph):
+    with pytest.raises(ShardingError, match="3 ranks"):
+        shard_tensor_parallel(stateful_graph, rank=0, world_size=3)
+
+
+def test_onnxruntime_and_tinygrad_refuse_a_sharded_graph(stateful_graph, tmp_path, tiny_model_dirs):
+    shard = shard_tensor_parallel(stateful_graph, rank=0, world_size=2)
+    pytest.importorskip("onnxruntime")
+    from kiln.backends.onnxruntime import graph_to_onnx
+
+    with pytest.raises(Exception, match="cannot run a tensor-parallel graph"):
+        graph_to_onnx(shard)
+    with pytest.raises(ShardingError, match="tinygrad backend cannot run a tensor-parallel graph"):
+        kiln.compile(str(tiny_model_dirs("llama")), out=tmp_path / "x.kiln", backend="tinygrad", tensor_parallel=2)
+
+
+# -- artifacts under torchrun --------------------------------------------------------------
+def test_a_sharded_artifact_outside_torchrun_says_how_to_run_it(artifacts, monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    path = artifacts("reference", 2)
+    assert json.loads((path / "manifest.json").read_text())["tensor_parallel"] == 2
+    with pytest.raises(TensorParallelError, match="torchrun --nproc-per-node 2"):
+        kiln.load(path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ranks", [2, 4])
+def test_sharded_greedy_tokens_equal_unsharded_on_every_rank(artifacts, unsharded_ids, ranks, tmp_path):
+    assert run_ranks(artifacts("reference", ranks), ranks, tmp_path) == [unsharded_ids] * ranks
+
+
+@pytest.mark.slow
+def test_torchrun_kiln_generate_on_inductor_prints_the_unsharded_text_once(artifacts, tmp_path):
+    expected = kiln.load(artifacts("reference", 1)).generate(PROMPT, max_new_tokens=NEW_TOKENS)
+    result = torchrun(2, "-m", "kiln", "generate", str(artifacts("inductor", 2)), "--prompt", PROMPT,
+                      "--max-new-tokens", str(NEW_TOKENS))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count(expected.text) == 1 and expected.text.strip()
