@@ -6,7 +6,8 @@ The stateful graph (after `insert_kv_cache`) has the signature
              cache.k.0, cache.v.0, cache.k.1, ...   each [max_batch, kv_heads, max_seq_len, head_dim]
     outputs: logits f32[batch, seq, vocab], then the updated caches in the order of the cache inputs
 
-`batch` <= max_batch: a call reads and writes the first `batch` rows of the caches. Row b's tokens
+`batch` <= max_batch: a call reads and writes cache rows [first_row, first_row + batch) (by default
+the first `batch` rows; a scheduler gives each request its own row, see cache_rows.py). Row b's tokens
 sit at positions[b, :], which may differ per row; a query sees cache slots <= its own position.
 A backend owns the cache buffers and updates them in place, so the runtime feeds only tokens and
 positions.
@@ -40,8 +41,12 @@ class Executable(Protocol):
 
     options: BackendOptions
 
-    def run(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Logits f32[batch, seq, vocab] for int64 tokens/positions [batch, seq]; writes the caches."""
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor, first_row: int = 0) -> torch.Tensor:
+        """Logits f32[batch, seq, vocab] for int64 tokens/positions [batch, seq]; writes the caches
+        of rows [first_row, first_row + batch)."""
+
+    def cache_views(self) -> list[torch.Tensor]:
+        """Zero-copy CPU torch views of the KV buffers (for copying rows between requests)."""
 
     def reset(self) -> None:
         """Forget all cached keys and values (zero the buffers)."""

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from kiln.backends.cache_rows import check_rows, run_at_rows
 from kiln.backends.executable import BackendOptions, cache_inputs
 from kiln.ir import Graph, evaluate, run_graph, to_torch, verify
 
@@ -41,11 +42,20 @@ class ReferenceExecutable:
             for v in self._cache_values
         ]
 
-    def run(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Logits [batch, seq, vocab] for int64 tokens/positions [batch, seq]; updates the caches."""
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor, first_row: int = 0) -> torch.Tensor:
+        """Logits [batch, seq, vocab] for int64 tokens/positions [batch, seq]; updates the caches
+        of rows [first_row, first_row + batch)."""
+        check_rows(first_row, tokens.size(0), self.caches[0].size(0) if self.caches else self.options.max_batch)
+        return run_at_rows(self._run_front, self.caches, tokens, positions, first_row)
+
+    def cache_views(self) -> list[torch.Tensor]:
+        return self.caches
+
+    def _run_front(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         feeds = [tokens.to(torch.int64), positions.to(torch.int64), *self.caches]
         outputs = run_graph(self.graph, feeds)
-        self.caches = list(outputs[1:])
+        for cache, updated in zip(self.caches, outputs[1:]):  # in place: views of the buffers stay valid
+            cache.copy_(updated)
         return outputs[0]
 
     def save(self, directory: Path) -> list[str]:

@@ -40,3 +40,16 @@ class ContextLengthError(GenerationError):
 
 def _next_power_of_two(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
+
+
+class QueueFullError(GenerationError):
+    """The engine's waiting queue is at its bound: the request was not queued."""
+
+    def __init__(self, max_queue: int) -> None:
+        self.max_queue = max_queue
+        super().__init__(f"{max_queue} requests are already waiting for a KV slot. Fix: retry later, or "
+                         "raise the engine's max_queue (kiln serve --max-queue).")
+
+
+class ConstraintError(GenerationError):
+    """A json_schema / regex / choices constraint is malformed, or no output can satisfy it."""

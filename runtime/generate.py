@@ -5,8 +5,9 @@
     for piece in llm.stream("Once upon a time"): print(piece, end="")
     llm.chat([{"role": "user", "content": "Hi!"}]).text
 
-A prompt is a string or a list of token ids; a list of prompts is generated as batches of at
-most max_batch rows. Context policy: a prompt longer than the compiled max_seq_len raises
+A prompt is a string or a list of token ids. Every request runs through the continuous-batching
+`Engine` (engine.py): a list of prompts shares the compiled `max_batch` KV rows, each prompt
+admitted as a row frees, and `llm.submit` queues requests from any thread or event loop. Context policy: a prompt longer than the compiled max_seq_len raises
 `ContextLengthError`; a prompt that fits but leaves too little room for max_new_tokens has its
 new tokens clamped to what fits (the result says so: finish_reason "context", stats.clamped).
 """
@@ -16,8 +17,12 @@ from typing import Sequence
 
 import torch
 
-from kiln.runtime.decode_loop import BatchGeneration, GenerationRequest
+from kiln.runtime.constraint_compiler import pop_constraint
+from kiln.runtime.decode_loop import GenerationRequest
+from kiln.runtime.engine import Engine
+from kiln.runtime.engine_batch import EngineBatch, Exclusive
 from kiln.runtime.errors import ContextLengthError, GenerationError, TokenizerError
+from kiln.runtime.request_handle import RequestHandle
 from kiln.runtime.results import GenerationResult
 from kiln.runtime.sampler import SamplingParams
 from kiln.runtime.text_stream import TextStream
@@ -32,6 +37,15 @@ class LLM:
         self.tokenizer = tokenizer
         self.manifest = manifest or {}
         self.graph = graph
+        self._engine: Engine | None = None
+
+    @property
+    def engine(self) -> Engine:
+        """The continuous-batching scheduler over this executable's KV rows (made on first use)."""
+        if self._engine is None or self._engine.executable is not self.executable:
+            decoder = self.tokenizer.incremental_decoder if self.tokenizer else None
+            self._engine = Engine(self.executable, decoder)
+        return self._engine
 
     @property
     def max_seq_len(self) -> int:
@@ -58,6 +72,13 @@ class LLM:
         (n-gram drafts from the context), another `LLM` compiled from a model with the same
         tokenizer (it drafts), or any `kiln.runtime.speculative.Drafter`. Greedy output is
         identical to plain decoding; the stats report acceptance and tokens per target step.
+
+        Structured output (one of): `json_schema` (a dict, JSON text or pydantic model class; the
+        output is compact JSON valid under it), `regex` (the whole output matches it), `choices`
+        (the output is one of these strings). Tokens the grammar forces are appended without
+        sampling and fed several to a model call (`fast_forward=False` feeds them one call each,
+        same output); the output ends (finish_reason "stop") when the grammar admits nothing
+        more. A malformed or unsatisfiable constraint raises ConstraintError.
         """
         return self.stream(prompts, max_new_tokens, temperature, top_k, top_p, seed, stop, ignore_eos,
                            stop_token_ids, **sampling).results
@@ -69,12 +90,31 @@ class LLM:
         (prompt index, piece) pairs for a list; the returned stream's `.results` holds the
         GenerationResults afterwards. Bad arguments raise here, before any model call."""
         speculative = sampling.pop("speculative", None)
+        constraint = pop_constraint(self.tokenizer, sampling)
         params = sampling_params(temperature, top_k, top_p, sampling)
-        single, batches = self._plan(prompts, max_new_tokens, params, seed, stop, ignore_eos, stop_token_ids)
+        single, token_lists, request, seeds = self._plan(prompts, max_new_tokens, params, seed, stop, ignore_eos,
+                                                         stop_token_ids, constraint)
+        if speculative is not None and constraint is not None:
+            raise GenerationError("speculative decoding does not take json_schema, regex or choices. Fix: drop "
+                                  "one of them (forced tokens already skip decode steps without a drafter).")
         if speculative is not None:
-            batches = [self._speculative(batch, speculative) for batch in batches]
-            batches = [one for group in batches for one in group]
-        return TextStream(batches, single)
+            return TextStream(self._speculative(token_lists, request, seeds, speculative), single)
+        return TextStream([EngineBatch(self.engine, token_lists, request, seeds)], single)
+
+    def submit(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+               seed: int = 0, stop: str | Sequence[str] | None = None, ignore_eos: bool = False,
+               stop_token_ids: Sequence[int] = (), **sampling) -> RequestHandle:
+        """Queue one prompt on the engine and return at once: iterate the handle (or `async for`)
+        for its text, `handle.result()` (or `await handle.wait()`) for its GenerationResult,
+        `handle.cancel()` to stop it. Same keywords as `generate`, except `speculative`. Bad
+        arguments raise here; a full queue raises QueueFullError."""
+        constraint = pop_constraint(self.tokenizer, sampling)
+        params = sampling_params(temperature, top_k, top_p, sampling)
+        single, token_lists, request, seeds = self._plan(prompt, max_new_tokens, params, seed, stop, ignore_eos,
+                                                         stop_token_ids, constraint)
+        if not single:
+            raise GenerationError("submit takes one prompt. Fix: call it once per prompt (or use generate for a list).")
+        return self.engine.submit(token_lists[0], request, seeds[0])
 
     def chat(self, messages: list[dict], **kwargs) -> GenerationResult:
         """Generate the assistant's reply to a conversation, using the model's chat template."""
@@ -95,8 +135,10 @@ class LLM:
                                  "or recompile from a model directory with tokenizer.json.")
         return self.tokenizer
 
-    def _plan(self, prompts, max_new_tokens, params: SamplingParams, seed, stop, ignore_eos=False, stop_token_ids=()):
-        """Validate everything up front and build the batches (not yet run)."""
+    def _plan(self, prompts, max_new_tokens, params: SamplingParams, seed, stop, ignore_eos=False, stop_token_ids=(),
+              constraint=None):
+        """Validate everything up front: (whether one prompt was given, the prompts' token ids,
+        the request, one seed per prompt)."""
         single, token_lists = self._encode_prompts(prompts)
         if max_new_tokens < 0:
             raise GenerationError(f"max_new_tokens must be >= 0, got {max_new_tokens}.")
@@ -115,15 +157,11 @@ class LLM:
         request = GenerationRequest(
             max_new_tokens=int(max_new_tokens), sampling=params, stop=stops,
             eos_ids=self.tokenizer.eos_ids if self.tokenizer and not ignore_eos else frozenset(),
-            stop_token_ids=frozenset(int(t) for t in stop_token_ids))
-        decoder = self.tokenizer.incremental_decoder if self.tokenizer else None
-        n = self.max_batch
-        batches = [BatchGeneration(self.executable, token_lists[i:i + n], request, seeds[i:i + n], decoder)
-                   for i in range(0, len(token_lists), n)]
-        return single, batches
+            stop_token_ids=frozenset(int(t) for t in stop_token_ids), constraint=constraint)
+        return single, token_lists, request, seeds
 
-    def _speculative(self, batch: BatchGeneration, speculative) -> list:
-        """The rows of a planned batch as speculative generations of one prompt each."""
+    def _speculative(self, token_lists, request, seeds, speculative) -> list:
+        """Speculative generations of one prompt each, holding the executable alone while they run."""
         from kiln.runtime.speculative import ModelDrafter, PromptLookupDrafter, SpeculativeGeneration
 
         def drafter():
@@ -136,8 +174,9 @@ class LLM:
             raise GenerationError(f"speculative={speculative!r:.60} is not a drafter. Fix: pass 'prompt_lookup', "
                                   "a draft LLM from kiln.load, or an object with propose() and feedback().")
 
-        return [SpeculativeGeneration(self.executable, row.prompt, batch.request, row.seed, drafter(), batch.decoder_factory)
-                for row in batch.rows]
+        decoder = self.tokenizer.incremental_decoder if self.tokenizer else None
+        return [Exclusive(self.engine, SpeculativeGeneration(self.executable, prompt, request, seed, drafter(), decoder))
+                for prompt, seed in zip(token_lists, seeds)]
 
     def _encode_prompts(self, prompts) -> tuple[bool, list[list[int]]]:
         """(whether one prompt was given, the prompts as token id lists)."""

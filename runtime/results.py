@@ -10,7 +10,8 @@ from kiln.runtime.sampler import TokenLogprob
 class GenerationStats:
     """Timing and counts for one prompt. Rates are per prompt (its own tokens over the batch's
     wall time), so a batch of prompts reports each prompt's share, not the batch total.
-    `ttft_s` runs from its batch's prefill call to its first token (tokenizing not included).
+    `ttft_s` runs from the request's submission (queueing included) to its first token
+    (tokenizing not included).
 
     `max_new_tokens` is the limit actually applied: lower than asked when the prompt plus the
     requested tokens would not fit in the compiled context (then `clamped` is True).
@@ -23,6 +24,11 @@ class GenerationStats:
     decode_s: float = 0.0
     max_new_tokens: int = 0
     clamped: bool = False
+    cached_tokens: int = 0  # prompt tokens whose keys/values were reused from the prefix cache
+    # model calls whose logits this prompt used (prefill included), and the tokens a constraint
+    # forced (taken without sampling; fast-forward feeds them several to a call)
+    model_steps: int = 0
+    forced_tokens: int = 0
     # speculative decoding only: target-model steps after prefill, drafts proposed and accepted
     target_steps: int = 0
     drafted_tokens: int = 0
@@ -32,6 +38,11 @@ class GenerationStats:
     @property
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def steps_per_token(self) -> float:
+        """Model calls per new token: 1 for plain decoding, less with fast-forward."""
+        return self.model_steps / self.tokens_out if self.tokens_out else 0.0
 
     @property
     def prefill_tokens_per_s(self) -> float:
@@ -58,7 +69,7 @@ class GenerationResult:
 
     `token_ids` are the new tokens only, including the EOS (or stop) token when one ended it (the
     text never shows it). `finish_reason` is "eos", "stop" (a stop string, the text ending before
-    it, or a stop token id),
+    it, a stop token id, or a json_schema / regex / choices constraint that admits nothing more),
     "length" (max_new_tokens) or "context" (the compiled max_seq_len clamped the length).
     """
 

@@ -86,15 +86,22 @@ class Sampler:
         return self.choose(logits, prompt, generated).token
 
     def choose(self, logits: torch.Tensor, prompt: Sequence[int] = (),
-               generated: Sequence[int] = ()) -> TokenLogprob:
+               generated: Sequence[int] = (), allowed: torch.Tensor | None = None) -> TokenLogprob:
+        """The next token; `allowed` (bool [vocab]) masks the rest to -inf first (a constraint),
+        so top-k and the other filters pick among allowed tokens. Log-probabilities stay the model's."""
         raw = logits.detach().float().reshape(-1)
-        processed = self.process(raw, prompt, generated)
+        masked = raw if allowed is None else raw.masked_fill(~allowed, lp.NEG_INF)
+        processed = self.process(masked, prompt, generated)
         if self.params.greedy:
             token = int(torch.argmax(processed))
         else:
             probs = torch.softmax(processed, dim=-1)
             token = int(torch.multinomial(probs, 1, generator=self.generator))
         return self._with_logprobs(raw, token)
+
+    def score(self, logits: torch.Tensor, token: int) -> TokenLogprob:
+        """The record of a token chosen without sampling (a constraint forced it)."""
+        return self._with_logprobs(logits.detach().float().reshape(-1), token)
 
     def process(self, logits: torch.Tensor, prompt: Sequence[int], generated: Sequence[int]) -> torch.Tensor:
         """The logits a token is drawn from (greedy takes their argmax)."""

@@ -82,6 +82,10 @@ class Tokenizer:
         """The text of `ids`."""
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def to_json(self) -> str:
+        """The tokenizer as `tokenizer.json` text (for libraries that build their own view of it)."""
+        return self._tok.to_str()
+
     def incremental_decoder(self) -> IncrementalDecoder:
         """A streaming decoder that emits only complete characters."""
         return IncrementalDecoder(self.decode)

@@ -24,7 +24,7 @@ from tiny_models import VOCAB_SIZE, tokenizer_config, tokenizer_json
 MAX_BATCH, MAX_SEQ_LEN, HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 2, 24, 16, 2, 1, 8
 
 
-def tiny_stateful_graph(seed: int = 0) -> Graph:
+def tiny_stateful_graph(seed: int = 0, max_batch: int = MAX_BATCH) -> Graph:
     """(tokens, positions, cache.k.0, cache.v.0) -> (logits, cache.k.0', cache.v.0')."""
     gen = torch.Generator().manual_seed(seed)
 
@@ -32,12 +32,12 @@ def tiny_stateful_graph(seed: int = 0) -> Graph:
         return torch.randn(*shape, generator=gen) * 0.5
 
     g = Graph()
-    g.add_symbol("batch", 1, MAX_BATCH)
+    g.add_symbol("batch", 1, max_batch)
     g.add_symbol("seq", 1, MAX_SEQ_LEN)
     b, s = symbol("batch"), symbol("seq")
     tokens = g.add_input("tokens", TensorType("i64", (b, s)))
     positions = g.add_input("positions", TensorType("i64", (b, s)))
-    cache_type = TensorType("f32", (MAX_BATCH, KV_HEADS, MAX_SEQ_LEN, HEAD_DIM))
+    cache_type = TensorType("f32", (max_batch, KV_HEADS, MAX_SEQ_LEN, HEAD_DIM))
     cache_k, cache_v = g.add_input("cache.k.0", cache_type), g.add_input("cache.v.0", cache_type)
     embed = g.add_param("embed", weight(VOCAB_SIZE, HIDDEN))
     x = g.call("add", g.call("embedding", embed, tokens),

@@ -92,9 +92,8 @@ class AOTIExecutable(StatefulRunner):
         self.model.load_constants({k: constants[k].detach() for k in expected},
                                   check_full_update=True, user_managed=True)
 
-    def run(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Logits f32[batch, seq, vocab]; writes the tokens' keys/values into the caches."""
-        return self.model(*self.check_feeds(tokens, positions))[0]
+    def _run_front(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(tokens, positions)[0]
 
     def save(self, directory: Path) -> list[str]:
         """Copy the package into `directory` (nothing to recompile)."""

@@ -21,6 +21,7 @@ import sympy
 import torch
 from torch._inductor.compile_fx import compile_fx
 
+from kiln.backends.cache_rows import check_rows, run_at_rows
 from kiln.backends.executable import BackendOptions, cache_inputs
 from kiln.ir import Graph, evaluate, to_torch, verify
 from kiln.ir.ops.collectives import check_world, tensor_parallel_size
@@ -95,6 +96,20 @@ class StatefulRunner:
         for cache in self.caches:
             cache.zero_()
 
+    def cache_views(self) -> list[torch.Tensor]:
+        return self.caches
+
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor, first_row: int = 0) -> torch.Tensor:
+        """Logits f32[batch, seq, vocab]; writes the tokens' keys/values into cache rows
+        [first_row, first_row + batch) (the compiled step addresses rows from 0: others are swapped in)."""
+        feeds = self.check_feeds(tokens, positions)
+        check_rows(first_row, tokens.size(0), self.max_batch)
+        return run_at_rows(self._run_front, self.caches, *feeds, first_row)
+
+    def _run_front(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The compiled step over cache rows [0, batch) (JIT or AOTInductor: each subclass its own)."""
+        raise NotImplementedError
+
 
 class InductorExecutable(StatefulRunner):
     """A stateful graph compiled by torch.compile (Inductor) that owns its KV buffers."""
@@ -121,9 +136,8 @@ class InductorExecutable(StatefulRunner):
             if feeds[index].size(axis) > 1 and high > 2:
                 torch._dynamo.mark_dynamic(feeds[index], axis, min=max(low, 2), max=high)
 
-    def run(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Logits f32[batch, seq, vocab]; writes the tokens' keys/values into the caches."""
-        feeds = self.check_feeds(tokens, positions)
+    def _run_front(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        feeds = (tokens, positions)
         self._mark_dynamic(feeds)
         shape_class = tuple(min(size, 2) for size in feeds[0].shape)  # what the compiled graphs guard on
         with torch.no_grad():
@@ -143,7 +157,6 @@ class InductorExecutable(StatefulRunner):
 
         if tensor_parallel_size(self.graph) > 1:
             return []
-
         return write_package(self.graph, self.module, self.options, Path(directory))
 
 

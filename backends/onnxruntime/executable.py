@@ -23,6 +23,7 @@ import onnx
 import onnxruntime as ort
 import torch
 
+from kiln.backends.cache_rows import check_rows
 from kiln.backends.executable import BackendOptions
 from kiln.ir import to_torch
 
@@ -69,13 +70,21 @@ class OrtExecutable:
             else:
                 cache.update_inplace(np.zeros(spec["shape"], _numpy_dtype(to_torch(spec["dtype"]))))
 
-    def run(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Logits [batch, seq, vocab] for int64 tokens/positions [batch, seq]; writes the caches."""
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor, first_row: int = 0) -> torch.Tensor:
+        """Logits [batch, seq, vocab] for int64 tokens/positions [batch, seq]; writes the caches of
+        rows [first_row, first_row + batch) (bound by pointer: any row costs the same)."""
         tokens, positions = self._check_feeds(tokens, positions)
         batch, seq = tokens.shape
+        check_rows(first_row, batch, self.max_batch)
         if seq > 1 and batch > 1 and self.info["contiguous_positions"] and bool(positions[:, 0].any()):
-            return torch.cat([self._run_rows(tokens[r:r + 1], positions[r:r + 1], r) for r in range(batch)])
-        return self._run_rows(tokens, positions, 0)
+            return torch.cat([self._run_rows(tokens[r:r + 1], positions[r:r + 1], first_row + r) for r in range(batch)])
+        return self._run_rows(tokens, positions, first_row)
+
+    def cache_views(self) -> list[torch.Tensor]:
+        if self.device_type != "cpu":
+            raise ProviderError(f"KV rows on {self.options.device} are not addressable from the CPU; "
+                                "prefix copies need device='cpu'")
+        return self.caches
 
     def _check_feeds(self, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if tokens.dim() != 2 or tokens.shape != positions.shape:

@@ -24,6 +24,7 @@ import sympy
 import torch
 from tinygrad import Tensor, TinyJit, UOp
 
+from kiln.backends.cache_rows import check_rows, run_at_rows
 from kiln.backends.executable import BackendOptions, cache_inputs
 from kiln.ir import Graph, evaluate, verify
 from kiln.ir.errors import KilnError
@@ -122,8 +123,17 @@ class TinygradExecutable:
         return {key: step.jit for key, step in self.steps.items()}
 
     # -- running ------------------------------------------------------------------------
-    def run(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Logits f32[batch, seq, vocab] for int64 tokens/positions [batch, seq]; writes the caches."""
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor, first_row: int = 0) -> torch.Tensor:
+        """Logits f32[batch, seq, vocab] for int64 tokens/positions [batch, seq]; writes the caches of
+        rows [first_row, first_row + batch) (the jitted steps address rows from 0: others are swapped in)."""
+        check_rows(first_row, tokens.size(0), self.max_batch)
+        return run_at_rows(self._run_front, self.cache_views(), tokens, positions, first_row)
+
+    def cache_views(self) -> list[torch.Tensor]:
+        """The realized buffers' memory as torch tensors (zero-copy on the CPU device)."""
+        return [_torch_view(cache) for cache in self.caches.values()]
+
+    def _run_front(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         tokens, starts = self._check_feeds(tokens, positions)
         seq = tokens.shape[1]
         pieces = []
@@ -167,6 +177,12 @@ class TinygradExecutable:
         from .artifact_files import write_backend_info
 
         return write_backend_info(directory, self)
+
+
+def _torch_view(tensor: Tensor) -> torch.Tensor:
+    memory = tensor.uop.base.realized.as_memoryview(force_zero_copy=True)
+    array = np.frombuffer(memory, dtype=tensor.dtype.fmt).reshape(tensor.shape)
+    return torch.from_numpy(array)
 
 
 def lower(graph: Graph, options: BackendOptions) -> TinygradExecutable:

@@ -1,0 +1,59 @@
+"""Addressing KV-buffer rows: what lets a scheduler put each request in its own slot.
+
+A compiled step reads and writes cache rows [0, batch). To run one request that lives in row
+`first_row`, a backend that cannot offset its bindings swaps the slots that request uses to the
+front, runs, and swaps them back (`run_at_rows`): a few MB of copies per call, small beside the
+prefill chunk that needs it (decode steps run every slot at once from row 0 and never swap).
+Prefix caching copies the keys and values of a shared prefix from one row to another
+(`copy_prefix`). Both work on zero-copy torch views of a backend's buffers
+(`Executable.cache_views`), [max_batch, kv_heads, max_seq_len, head_dim] each.
+"""
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+
+from kiln.ir.errors import KilnError
+
+
+class RowAddressError(KilnError, ValueError):
+    """A call names cache rows that do not exist or overlap the rows it must swap with."""
+
+
+def check_rows(first_row: int, batch: int, max_batch: int) -> None:
+    if first_row < 0 or first_row + batch > max_batch:
+        raise RowAddressError(f"cache rows [{first_row}, {first_row + batch}) lie outside the {max_batch} "
+                              "compiled rows. Fix: address rows below max_batch (compile with a larger max_batch).")
+
+
+def run_at_rows(run: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], views: Sequence[torch.Tensor],
+                tokens: torch.Tensor, positions: torch.Tensor, first_row: int) -> torch.Tensor:
+    """`run(tokens, positions)` (which uses rows [0, batch)) against rows [first_row, first_row + batch)."""
+    batch = tokens.size(0)
+    if first_row == 0:
+        return run(tokens, positions)
+    if first_row < batch:
+        raise RowAddressError(f"rows [{first_row}, {first_row + batch}) overlap rows [0, {batch}); run such a "
+                              "call one row at a time")
+    used = int(positions.max()) + 1  # a query reads slots <= its position; the call writes no further
+    _swap(views, batch, first_row, used)
+    try:
+        return run(tokens, positions)
+    finally:
+        _swap(views, batch, first_row, used)
+
+
+def _swap(views: Sequence[torch.Tensor], batch: int, first_row: int, used: int) -> None:
+    for cache in views:
+        front, rows = cache[:batch, :, :used], cache[first_row:first_row + batch, :, :used]
+        saved = front.clone()
+        front.copy_(rows)
+        rows.copy_(saved)
+
+
+def copy_prefix(views: Sequence[torch.Tensor], source_row: int, target_row: int, length: int) -> None:
+    """Copy the keys and values of slots [0, length) from one row to another."""
+    if source_row != target_row and length > 0:
+        for cache in views:
+            cache[target_row, :, :length].copy_(cache[source_row, :, :length])

@@ -1,0 +1,260 @@
+"""Continuous batching: one scheduler thread over the static KV buffers' `max_batch` rows.
+
+Each request gets a row of its own for its whole life. Every engine step
+1. admits waiting requests into free rows (reusing cached prefixes, kv_slots.py);
+2. feeds one chunk (at most `prefill_chunk` tokens) of the oldest request that has more than one
+   token to feed (a prompt, or tokens a constraint forced) through a single-row call at its row;
+3. runs one decode call over rows [0, highest decoding row] that feeds every decoding request
+   its newest token and samples its next one.
+So a long prompt is prefilled a chunk at a time between decode steps instead of stalling them,
+and a request that finishes frees its row for the next one at once. Rows in the decode call
+with nothing to decode (free, or still prefilling) get a placeholder at the slot their next
+real token will overwrite, which no query can see before that.
+
+A request's output does not depend on what runs beside it: rows never read each other's slots,
+and each request samples from its own seeded generator.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections import deque
+from contextlib import contextmanager
+
+import torch
+
+from kiln.backends.cache_rows import copy_prefix
+from kiln.runtime.decode_loop import GenerationRequest, Row
+from kiln.runtime.errors import QueueFullError
+from kiln.runtime.kv_slots import KvSlots
+from kiln.runtime.request_handle import RequestHandle
+from kiln.runtime.results import GenerationResult, GenerationStats
+
+PREFILL_CHUNK = 128
+MAX_QUEUE = 256
+
+
+class Sequence:
+    """A request inside the engine: its Row (sampling, stop strings, text) and where its cache is."""
+
+    def __init__(self, handle: RequestHandle, row: Row):
+        self.handle, self.row = handle, row
+        self.slot = -1
+        self.fed = 0  # tokens of prompt + generated ones whose keys/values sit in the slot
+        self.reused = 0
+        self.submitted_at = time.perf_counter()
+        self.ttft_s = 0.0
+        self.prefill_s = 0.0
+
+    def pending(self) -> list[int]:
+        """The tokens to feed before the next sampling: the prompt's rest, then generated tokens."""
+        prompt, fed = self.row.prompt, self.fed
+        if fed < len(prompt):
+            return prompt[fed:] + self.row.tokens
+        return self.row.tokens[fed - len(prompt):]
+
+    def result(self) -> GenerationResult:
+        row = self.row
+        return GenerationResult(
+            text=row.text, token_ids=list(row.tokens), finish_reason=row.finish_reason or "length",
+            prompt_token_ids=list(row.prompt), logprobs=row.logprobs,
+            stats=GenerationStats(tokens_in=len(row.prompt), tokens_out=len(row.tokens), ttft_s=self.ttft_s,
+                                  prefill_s=self.prefill_s, decode_s=row.decode_s, max_new_tokens=row.max_new,
+                                  clamped=row.clamped, cached_tokens=self.reused))
+
+
+class Engine:
+    """The scheduler. `submit` from any thread; a daemon thread runs the steps."""
+
+    def __init__(self, executable, decoder_factory=None, prefill_chunk: int = PREFILL_CHUNK,
+                 max_queue: int = MAX_QUEUE, prefix_caching: bool = True):
+        self.executable = executable
+        self.max_batch = executable.options.max_batch
+        self.max_seq_len = executable.options.max_seq_len
+        self.decoder_factory = decoder_factory
+        self.prefill_chunk = max(2, prefill_chunk)
+        self.max_queue = max_queue
+        self.slots = KvSlots(self.max_batch, prefix_caching)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self._next_id = 0
+        self._lock = threading.Lock()  # guards `waiting` and the id counter
+        self._work = threading.Event()
+        self._stepping = threading.RLock()  # held during a step; `exclusive()` holds it too
+        self._thread: threading.Thread | None = None
+
+    # -- any thread ----------------------------------------------------------------------
+    @property
+    def queue_depth(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def slots_in_use(self) -> int:
+        return self.slots.in_use
+
+    def submit(self, prompt: list[int], request: GenerationRequest, seed: int, bounded: bool = True,
+               sink: queue.SimpleQueue | None = None, tag=None, background: bool = True) -> RequestHandle:
+        """Queue a request (validated by the caller); `bounded` refuses it when max_queue wait.
+        `background=False` leaves the stepping to the caller (`drive`) unless the engine thread
+        already runs."""
+        with self._lock:
+            if bounded and len(self.waiting) >= self.max_queue:
+                raise QueueFullError(self.max_queue)
+            handle = RequestHandle(self._next_id, sink, tag)
+            self._next_id += 1
+            decoder = self.decoder_factory() if self.decoder_factory else None
+            self.waiting.append(Sequence(handle, Row(list(prompt), request, seed, self.max_seq_len, decoder)))
+        if background:
+            self._ensure_thread()
+        self._work.set()
+        return handle
+
+    @property
+    def threaded(self) -> bool:
+        """Whether the engine thread runs (then it does all the stepping)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def drive(self) -> bool:
+        """One step in the calling thread (when no engine thread runs); whether work remains.
+
+        Why not always the engine thread: torch's OpenMP pools belong to the thread that starts a
+        parallel region, and a pool whose workers still spin slows down another thread's pool
+        severalfold on a small machine. A process that calls the model from its main thread
+        (generate, perplexity, benchmarks) therefore keeps every model call there."""
+        with self._stepping:
+            return self.step()
+
+    @contextmanager
+    def exclusive(self):
+        """Hold the executable alone (e.g. for speculative decoding, which uses rows from 0):
+        waits until no request is running, and forgets every row's cached prefix afterwards."""
+        while True:
+            self._stepping.acquire()
+            if not self.running and not self.waiting:
+                break
+            if not self.threaded:  # nobody else will run what is left (e.g. an abandoned stream)
+                self.step()
+            self._stepping.release()
+            time.sleep(0.001)
+        try:
+            yield self.executable
+        finally:
+            for row in range(self.max_batch):
+                self.slots.contents[row] = []
+            self._stepping.release()
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._loop, name="kiln-engine", daemon=True)
+            self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            self._work.wait()
+            self._work.clear()  # cleared before stepping: a submit during the step sets it again
+            busy = True
+            while busy:
+                with self._stepping:
+                    busy = self.step()
+
+    # -- the engine thread ---------------------------------------------------------------
+    def step(self) -> bool:
+        """One scheduling step; whether any request is still waiting or running."""
+        self._drop_cancelled()
+        self._admit()
+        prefilling = next((s for s in self.running if len(s.pending()) > 1), None)
+        if prefilling is not None:
+            self._guarded([prefilling], self._feed_chunk, prefilling)
+        decoding = [s for s in self.running if len(s.pending()) == 1]
+        if decoding:
+            self._guarded(decoding, self._decode, decoding)
+        return bool(self.running or self.waiting)
+
+    def _admit(self) -> None:
+        while self.waiting:
+            placement = self.slots.place(self.waiting[0].row.prompt)
+            if placement is None:
+                return
+            with self._lock:
+                seq = self.waiting.popleft()
+            if not seq.row.active:  # nothing to generate (max_new_tokens 0)
+                self._finish(seq)
+                continue
+            if placement.copy_from is not None:
+                copy_prefix(self.executable.cache_views(), placement.copy_from, placement.row, placement.reused)
+            seq.slot, seq.fed = placement.row, placement.reused
+            seq.reused = placement.reused
+            self.slots.occupy(seq.slot, seq, seq.row.prompt[:placement.reused])
+            self.running.append(seq)
+
+    def _feed_chunk(self, seq: Sequence) -> None:
+        start = time.perf_counter()
+        tokens = seq.pending()[:self.prefill_chunk]
+        positions = torch.arange(seq.fed, seq.fed + len(tokens), dtype=torch.int64)[None]
+        logits = self.executable.run(torch.tensor([tokens], dtype=torch.int64), positions, first_row=seq.slot)
+        self.slots.fed(seq.slot, tokens, seq.fed)
+        seq.fed += len(tokens)
+        if not seq.pending():
+            self._accept(seq, logits[0, -1])
+        seq.prefill_s += time.perf_counter() - start
+
+    def _decode(self, seqs: list[Sequence]) -> None:
+        start = time.perf_counter()
+        rows = max(s.slot for s in seqs) + 1
+        tokens = torch.zeros(rows, 1, dtype=torch.int64)
+        positions = torch.zeros(rows, 1, dtype=torch.int64)
+        for row in range(rows):  # placeholders where the row's next real token will go
+            positions[row, 0] = min(len(self.slots.contents[row]), self.max_seq_len - 1)
+        for seq in seqs:
+            tokens[seq.slot, 0], positions[seq.slot, 0] = seq.pending()[0], seq.fed
+        logits = self.executable.run(tokens, positions)
+        for row in range(rows):
+            self.slots.scribbled(row, int(positions[row, 0]))
+        for seq in seqs:
+            self.slots.fed(seq.slot, [int(tokens[seq.slot, 0])], seq.fed)
+            seq.fed += 1
+            self._accept(seq, logits[seq.slot, 0])
+        elapsed = time.perf_counter() - start
+        for seq in seqs:
+            seq.row.decode_s += elapsed
+
+    def _accept(self, seq: Sequence, logits: torch.Tensor) -> None:
+        piece = seq.row.accept(logits)
+        if not seq.ttft_s:
+            seq.ttft_s = time.perf_counter() - seq.submitted_at
+        if piece:
+            seq.handle.post_piece(piece)
+        if not seq.row.active:
+            self._finish(seq)
+
+    def _guarded(self, seqs: list[Sequence], fn, *args) -> None:
+        """Run a model call; if it fails, fail the requests it served (the others go on)."""
+        try:
+            fn(*args)
+        except Exception as error:  # noqa: BLE001 - handed to each caller, who re-raises it
+            for seq in seqs:
+                if seq in self.running:
+                    self._release(seq)
+                seq.handle.post_error(error)
+
+    def _drop_cancelled(self) -> None:
+        for seq in [s for s in self.running if s.handle.cancel_requested]:
+            seq.row.finish_reason = "cancelled"
+            self._finish(seq)
+        with self._lock:
+            cancelled = [s for s in self.waiting if s.handle.cancel_requested]
+            for seq in cancelled:
+                self.waiting.remove(seq)
+        for seq in cancelled:
+            seq.row.finish_reason = "cancelled"
+            seq.handle.post_result(seq.result())
+
+    def _finish(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self._release(seq)
+        seq.handle.post_result(seq.result())
+
+    def _release(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.slots.release(seq.slot)

@@ -1,0 +1,195 @@
+"""The continuous-batching engine: slots, chunked prefill, prefix caching, cancellation, queue
+bound, async iteration; every request's output equal to the same request run alone.
+
+Most tests use the hand-built one-layer graph of test_generate_loop on the reference backend;
+the last ones run a tiny Llama through each compiling backend.
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+import threading
+
+import pytest
+import torch
+
+from kiln.backends.executable import BackendOptions
+from kiln.backends.reference import ReferenceExecutable
+from kiln.runtime.errors import QueueFullError
+from kiln.runtime.generate import LLM
+from test_generate_loop import MAX_SEQ_LEN, tiny_stateful_graph, tokenizer  # noqa: F401 - a fixture
+
+ROWS = 4
+
+
+class CallLog:
+    """An executable wrapper that records (batch, seq, first_row) of every call."""
+
+    def __init__(self, executable):
+        self.inner, self.calls = executable, []
+        self.options = executable.options
+
+    def run(self, tokens, positions, first_row=0):
+        self.calls.append((tokens.size(0), tokens.size(1), first_row))
+        return self.inner.run(tokens, positions, first_row)
+
+    def cache_views(self):
+        return self.inner.cache_views()
+
+
+def executable(max_batch: int = ROWS):
+    return ReferenceExecutable(tiny_stateful_graph(0, max_batch), BackendOptions(max_batch=max_batch,
+                                                                                  max_seq_len=MAX_SEQ_LEN))
+
+
+def alone(prompt, **kwargs):
+    return LLM(executable(1)).generate(prompt, **kwargs)
+
+
+def mixed_prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, 500) for _ in range(rng.randint(1, 14))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("sampling", [dict(), dict(temperature=0.9, top_k=40, seed=5)], ids=["greedy", "sampled"])
+def test_sixteen_concurrent_requests_of_mixed_lengths_match_each_run_alone(sampling):
+    llm = LLM(executable())
+    llm.engine.prefill_chunk = 4  # several chunks per long prompt, interleaved with decode steps
+    prompts = mixed_prompts(16)
+    lengths = [4 + i % 7 for i in range(16)]
+    handles = [None] * 16
+
+    def client(indices):
+        for i in indices:
+            handles[i] = llm.submit(prompts[i], max_new_tokens=lengths[i], **sampling)
+
+    threads = [threading.Thread(target=client, args=(range(k, 16, 4),)) for k in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    results = [h.result(timeout=120) for h in handles]
+    expected = [alone(p, max_new_tokens=n, **sampling) for p, n in zip(prompts, lengths)]
+    assert [r.token_ids for r in results] == [e.token_ids for e in expected]
+    assert llm.engine.slots_in_use == 0 and llm.engine.queue_depth == 0
+
+
+def test_generate_of_a_list_shares_the_rows_and_matches_each_prompt_alone():
+    prompts = mixed_prompts(7, seed=1)
+    log = CallLog(executable())
+    results = LLM(log).generate(prompts, max_new_tokens=6)
+    assert [r.token_ids for r in results] == [alone(p, max_new_tokens=6).token_ids for p in prompts]
+    assert max(batch for batch, seq, _ in log.calls if seq == 1) > 1  # decode steps served several rows
+    assert {row for _, seq, row in log.calls if seq > 1} > {0}  # prefills went to rows beyond the first
+
+
+def test_a_long_prompt_is_prefilled_in_chunks_between_decode_steps():
+    log = CallLog(executable(2))
+    llm = LLM(log)
+    llm.engine.prefill_chunk = 4
+    with llm.engine.exclusive():  # queue both before the engine starts
+        short = llm.submit([7], max_new_tokens=12)
+        long = llm.submit(list(range(10, 26)), max_new_tokens=2)
+    short.result(timeout=60), long.result(timeout=60)
+    chunks = [i for i, (batch, seq, row) in enumerate(log.calls) if seq > 1]
+    assert len(chunks) >= 3  # 16 prompt tokens in chunks of 4 (the last one rides in a decode step)
+    between = [log.calls[i] for i in range(chunks[0], chunks[-1]) if log.calls[i][1] == 1]
+    assert between, "the short request decoded while the long prompt was prefilled"
+
+
+def test_a_freed_row_admits_the_next_waiting_request_at_once():
+    log = CallLog(executable(2))
+    llm = LLM(log)
+    with llm.engine.exclusive():
+        handles = [llm.submit([5 + i, 9], max_new_tokens=n) for i, n in enumerate((2, 10, 3))]
+    first, second, third = (h.result(timeout=60) for h in handles)
+    assert third.token_ids == alone([7, 9], max_new_tokens=3).token_ids
+    assert third.stats.ttft_s < second.stats.ttft_s + second.stats.decode_s  # it started before the 2nd ended
+    assert max(batch for batch, _, _ in log.calls) <= 2
+
+
+def test_a_repeated_prompt_reuses_its_cached_prefix():
+    log = CallLog(executable())
+    llm = LLM(log)
+    prompt = [11, 12, 13, 14, 15, 16, 17, 18]
+    first = llm.generate(prompt, max_new_tokens=5)
+    fed_before = sum(seq for _, seq, _ in log.calls)
+    second = llm.generate(prompt, max_new_tokens=5)
+    assert second.token_ids == first.token_ids
+    assert second.stats.cached_tokens == len(prompt) - 1
+    assert sum(seq for _, seq, _ in log.calls) - fed_before == 5  # the last prompt token + 4 new ones
+
+
+def test_a_shared_system_prefix_is_copied_from_a_busy_row():
+    llm = LLM(executable())
+    system = [40, 41, 42, 43, 44, 45, 46, 47, 48]
+    with llm.engine.exclusive():
+        busy = llm.submit(system + [1], max_new_tokens=8)
+    busy.result(timeout=60)
+    llm.engine.slots.occupant[0] = "held"  # keep row 0 busy so the next request needs another row
+    try:
+        other = llm.generate(system + [2, 3], max_new_tokens=5)
+    finally:
+        llm.engine.slots.release(0)
+    assert other.stats.cached_tokens == len(system)
+    assert other.token_ids == alone(system + [2, 3], max_new_tokens=5).token_ids
+
+
+def test_cancel_frees_the_row_and_reports_cancelled():
+    llm = LLM(executable(1))
+    with llm.engine.exclusive():
+        handle = llm.submit([3, 4, 5], max_new_tokens=20)
+        waiting = llm.submit([6], max_new_tokens=3)
+        handle.cancel()
+    assert handle.result(timeout=60).finish_reason == "cancelled"
+    assert waiting.result(timeout=60).token_ids == alone([6], max_new_tokens=3).token_ids
+    assert llm.engine.slots_in_use == 0
+
+
+def test_a_full_queue_refuses_new_requests():
+    llm = LLM(executable(1))
+    llm.engine.max_queue = 2
+    with llm.engine.exclusive():
+        queued = [llm.submit([3], max_new_tokens=2) for _ in range(2)]
+        with pytest.raises(QueueFullError, match="2 requests are already waiting"):
+            llm.submit([3], max_new_tokens=2)
+    assert all(h.result(timeout=60).token_ids == queued[0].result().token_ids for h in queued)
+
+
+def test_async_iteration_streams_the_text_of_the_result(tokenizer):  # noqa: F811
+    llm = LLM(executable(), tokenizer)
+
+    async def consume():
+        handles = [llm.submit(text, max_new_tokens=8) for text in ("hello world", "the cat", "a")]
+        texts = await asyncio.gather(*[_join(h) for h in handles])
+        return texts, [await h.wait() for h in handles]
+
+    texts, results = asyncio.run(consume())
+    assert texts == [r.text for r in results] and all(r.token_ids for r in results)
+
+
+async def _join(handle) -> str:
+    return "".join([piece async for piece in handle])
+
+
+def test_a_failing_model_call_fails_its_requests_and_the_engine_goes_on():
+    class Flaky(CallLog):
+        def run(self, tokens, positions, first_row=0):
+            if tokens[0, 0] == 13:
+                raise RuntimeError("the model call failed")
+            return super().run(tokens, positions, first_row)
+
+    llm = LLM(Flaky(executable(1)))
+    with pytest.raises(RuntimeError, match="model call failed"):
+        llm.generate([13, 14], max_new_tokens=3)
+    assert llm.generate([20, 21], max_new_tokens=3).token_ids == alone([20, 21], max_new_tokens=3).token_ids
+
+
+def test_rows_addressed_by_first_row_compute_what_row_zero_computes():
+    tokens, positions = torch.tensor([[5, 6, 7]]), torch.arange(3)[None]
+    front, back = executable(), executable()
+    want = front.run(tokens, positions)
+    got = back.run(tokens, positions, first_row=3)
+    torch.testing.assert_close(got, want)
+    torch.testing.assert_close(back.caches[0][3], front.caches[0][0])
+    assert back.caches[0][0].abs().sum() == 0  # row 0 was swapped back untouched
