@@ -3,7 +3,8 @@
 Each request gets a row of its own for its whole life. Every engine step
 1. admits waiting requests into free rows (reusing cached prefixes, kv_slots.py);
 2. feeds one chunk (at most `prefill_chunk` tokens) of the oldest request that has more than one
-   token to feed (a prompt, or tokens a constraint forced) through a single-row call at its row;
+   token to feed (a prompt, or its newest token plus the tokens a constraint forced after it:
+   fast-forward) through a single-row call at its row;
 3. runs one decode call over rows [0, highest decoding row] that feeds every decoding request
    its newest token and samples its next one.
 So a long prompt is prefilled a chunk at a time between decode steps instead of stalling them,
@@ -61,7 +62,8 @@ class Sequence:
             prompt_token_ids=list(row.prompt), logprobs=row.logprobs,
             stats=GenerationStats(tokens_in=len(row.prompt), tokens_out=len(row.tokens), ttft_s=self.ttft_s,
                                   prefill_s=self.prefill_s, decode_s=row.decode_s, max_new_tokens=row.max_new,
-                                  clamped=row.clamped, cached_tokens=self.reused))
+                                  clamped=row.clamped, cached_tokens=self.reused, model_steps=row.model_steps,
+                                  forced_tokens=row.forced_count))
 
 
 class Engine:
@@ -221,6 +223,8 @@ class Engine:
 
     def _accept(self, seq: Sequence, logits: torch.Tensor) -> None:
         piece = seq.row.accept(logits)
+        if seq.row.active:  # tokens a constraint forces: appended now, fed as one chunk next step
+            piece += seq.row.push_forced()
         if not seq.ttft_s:
             seq.ttft_s = time.perf_counter() - seq.submitted_at
         if piece:
