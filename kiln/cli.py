@@ -6,6 +6,7 @@
     torchrun --nproc-per-node N -m kiln generate model.kiln ...   (compiled with --tensor-parallel N)
     kiln chat model.kiln
     kiln ir MODEL|ARTIFACT|FILE.kir [--stateful]   (print a graph's IR)
+    kiln serve model.kiln [--host 127.0.0.1] [--port 8000]   (OpenAI-compatible HTTP server)
 
 A Kiln error prints one line to stderr and exits with status 2; there is no traceback for
 mistakes the user can fix.
@@ -180,7 +181,10 @@ def _kiln(argv) -> int:
     show.add_argument("--stateful", action="store_true", help="for a model: run the pass pipeline first")
     show.add_argument("--max-seq-len", type=int, default=1024)
     show.add_argument("--max-batch", type=int, default=1)
+    _serve_arguments(commands)
     args = parser.parse_args(argv)
+    if args.command == "serve":
+        return _serve(args)
     if args.command == "ir":
         from kiln.ir_listing import show_ir
 
@@ -209,6 +213,38 @@ def _kiln(argv) -> int:
               file=sys.stderr)
         return EXIT_USAGE
     return _chat_loop(llm, args.system, sampling)
+
+
+def _serve_arguments(commands) -> None:
+    serve = commands.add_parser("serve", help="serve the artifact over an OpenAI-compatible HTTP API")
+    serve.add_argument("artifact")
+    serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--max-queue", type=int, default=256,
+                       help="requests that may wait for a KV slot; more are answered 429 (default 256)")
+    serve.add_argument("--model-name", help="the model id clients send (default: the artifact's directory name)")
+    serve.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
+                       help="largest request body accepted; larger ones are answered 413 (default 4 MiB)")
+
+
+def _serve(args) -> int:
+    try:
+        import fastapi  # noqa: F401
+        import prometheus_client  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as error:
+        raise KilnError(f"`kiln serve` needs FastAPI, uvicorn and prometheus-client ({error}). "
+                        "Fix: pip install 'kiln[serve]'.") from None
+    import kiln
+    from kiln.runtime.server import serve
+
+    llm = kiln.load(args.artifact)
+    llm.engine.max_queue = args.max_queue
+    name = args.model_name or Path(args.artifact).resolve().name.removesuffix(".kiln")
+    print(f"[kiln serve] {name} on http://{args.host}:{args.port}/v1 (max_batch={llm.max_batch}, "
+          f"max_seq_len={llm.max_seq_len})", file=sys.stderr, flush=True)
+    serve(llm, args.host, args.port, name, args.max_body_bytes)
+    return 0
 
 
 def _print_stream(stream):

@@ -1,0 +1,321 @@
+"""An OpenAI-compatible HTTP server over the continuous-batching engine.
+
+    kiln serve model.kiln [--host 127.0.0.1] [--port 8000]
+    app = create_app(kiln.load("model.kiln"))          # any ASGI server can run it
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (the model's chat template), GET
+/v1/models, GET /health, GET /metrics (Prometheus). Streaming uses server-sent events. Each
+request is submitted to `llm.submit` and shares the KV slots with every other request in
+flight; a full waiting queue answers 429, and a client that goes away cancels its request.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import time
+import uuid
+
+from fastapi import FastAPI, Request
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
+from starlette.responses import JSONResponse, Response
+
+from kiln.ir.errors import KilnError
+from kiln.runtime import openai_protocol as api
+from kiln.runtime.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
+from kiln.runtime.openai_errors import (APIError, from_kiln_error, from_validation_error, internal, invalid,
+                                        model_not_found)
+from kiln.runtime.server_metrics import RequestTimer, ServerMetrics
+from kiln.runtime.sse import event, event_stream
+
+log = logging.getLogger(__name__)
+
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "cancelled": "abort"}
+
+
+def create_app(llm, model_name: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+    """The ASGI app serving `llm` (a loaded `kiln.LLM`) under `model_name` (default: the artifact's
+    source directory name)."""
+    name = model_name or _default_name(llm)
+    created = int(time.time())
+    metrics = ServerMetrics(getattr(llm, "engine", None))
+    app = FastAPI(title="Kiln", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.llm, app.state.model_name, app.state.metrics = llm, name, metrics
+    app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    app.add_exception_handler(APIError, lambda request, error: error.response())
+    app.add_exception_handler(HTTPException, lambda request, error: APIError(
+        error.status_code, str(error.detail), "invalid_request_error").response())
+    app.add_exception_handler(Exception, lambda request, error: internal(error).response())
+
+    @app.get("/health")
+    async def health():
+        engine = getattr(llm, "engine", None)
+        return {"status": "ok", "model": name,
+                "slots_in_use": engine.slots_in_use if engine else None,
+                "queue_depth": engine.queue_depth if engine else None}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(metrics.exposition(), media_type=metrics.content_type)
+
+    @app.get("/v1/models")
+    async def models():
+        return _card_list(name, created, llm.max_seq_len).model_dump()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != name:
+            raise model_not_found(model_id, name)
+        return _card_list(name, created, llm.max_seq_len).data[0].model_dump()
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await _counted(metrics, "completions", _completion(llm, name, request, metrics))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await _counted(metrics, "chat", _chat(llm, name, request, metrics))
+
+    return app
+
+
+# -- the two generation endpoints ----------------------------------------------------------------
+async def _completion(llm, name: str, request: Request, metrics: ServerMetrics) -> Response:
+    timer = metrics.timer()
+    req = await _parse(request, api.CompletionRequest)
+    _check_request(req, name)
+    if req.echo or req.suffix is not None or req.best_of not in (None, 1):
+        param = "echo" if req.echo else "suffix" if req.suffix is not None else "best_of"
+        raise invalid(f"{param} is not supported by this server. Fix: leave it out.", param)
+    prompt = _single_prompt(req.prompt)
+    handle = await _submit(llm, prompt, "prompt", _sampling(llm, req, req.max_tokens, req.logprobs))
+    if req.stream:
+        return event_stream(_completion_events(handle, req, name, timer), handle, internal)
+    result = await _collect(handle, timer, request)
+    choice = api.CompletionChoice(text=result.text, finish_reason=FINISH_REASONS.get(result.finish_reason),
+                                  logprobs=_completion_logprobs(llm, result) if req.logprobs is not None else None)
+    return _json(api.CompletionResponse(model=name, choices=[choice], usage=_usage(result)))
+
+
+async def _chat(llm, name: str, request: Request, metrics: ServerMetrics) -> Response:
+    timer = metrics.timer()
+    req = await _parse(request, api.ChatCompletionRequest)
+    _check_request(req, name)
+    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+    try:
+        prompt = await asyncio.to_thread(llm.encode_chat, messages)
+    except KilnError as error:
+        raise invalid(str(error), "messages") from None
+    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+    top = (req.top_logprobs or 0) if req.logprobs else None
+    handle = await _submit(llm, prompt, "messages", _sampling(llm, req, max_tokens, top))
+    if req.stream:
+        return event_stream(_chat_events(handle, req, name, timer), handle, internal)
+    result = await _collect(handle, timer, request)
+    choice = api.ChatChoice(message=api.AssistantMessage(content=result.text),
+                            finish_reason=FINISH_REASONS.get(result.finish_reason),
+                            logprobs=_chat_logprobs(llm, result) if req.logprobs else None)
+    return _json(api.ChatCompletionResponse(model=name, choices=[choice], usage=_usage(result)))
+
+
+async def _completion_events(handle, req: api.CompletionRequest, name: str, timer: RequestTimer):
+    base = dict(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=name)
+    async for piece in handle:
+        timer.piece()
+        yield event(api.CompletionResponse(**base, choices=[api.CompletionChoice(text=piece)]))
+    result = await handle.wait()
+    _finished(timer, result)
+    yield event(api.CompletionResponse(**base, choices=[api.CompletionChoice(
+        text="", finish_reason=FINISH_REASONS.get(result.finish_reason))]))
+    if req.stream_options and req.stream_options.include_usage:
+        yield event(api.CompletionResponse(**base, choices=[], usage=_usage(result)))
+
+
+async def _chat_events(handle, req: api.ChatCompletionRequest, name: str, timer: RequestTimer):
+    base = dict(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=name)
+
+    def chunk(delta: api.Delta, finish_reason=None, usage=None, choices=True):
+        listed = [api.ChatChunkChoice(delta=delta, finish_reason=finish_reason)] if choices else []
+        return event(api.ChatCompletionChunk(**base, choices=listed, usage=usage))
+
+    yield chunk(api.Delta(role="assistant", content=""))
+    async for piece in handle:
+        timer.piece()
+        yield chunk(api.Delta(content=piece))
+    result = await handle.wait()
+    _finished(timer, result)
+    yield chunk(api.Delta(), FINISH_REASONS.get(result.finish_reason))
+    if req.stream_options and req.stream_options.include_usage:
+        yield chunk(api.Delta(), usage=_usage(result), choices=False)
+
+
+# -- request handling ----------------------------------------------------------------------------
+async def _counted(metrics: ServerMetrics, endpoint: str, handler) -> Response:
+    """Run an endpoint, turning every failure into an OpenAI error response, and count the answer."""
+    try:
+        response = await handler
+    except APIError as error:
+        response = error.response()
+    except Exception as error:  # noqa: BLE001 - a bug must not take the server down
+        log.exception("request failed")
+        response = internal(error).response()
+    metrics.requests.labels(endpoint, str(response.status_code)).inc()
+    return response
+
+
+async def _parse(request: Request, model: type[BaseModel]):
+    """The request body as `model`: malformed JSON and invalid fields are 400s naming the problem."""
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        raise invalid(f"The request body is not valid JSON ({error}). Fix: send a JSON object.") from None
+    if not isinstance(body, dict):
+        raise invalid(f"The request body must be a JSON object, got {type(body).__name__}.")
+    try:
+        return model.model_validate(body)
+    except ValidationError as error:
+        raise from_validation_error(error) from None
+
+
+def _check_request(req: api.SamplingFields, name: str) -> None:
+    if req.model != name:
+        raise model_not_found(req.model, name)
+    if req.n != 1:
+        raise invalid(f"n={req.n} is not supported: this server returns one choice per request. "
+                      "Fix: send n=1 (or leave it out) and make concurrent requests for more samples.", "n")
+    if req.stream and getattr(req, "logprobs", None) not in (None, False):
+        raise invalid("logprobs are not returned when streaming. Fix: set stream=false to get them.", "logprobs")
+
+
+def _single_prompt(prompt) -> str | list[int]:
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise invalid(f"{len(prompt)} prompts in one request; this server takes one. "
+                          "Fix: send one request per prompt (they are batched together anyway).", "prompt")
+        prompt = prompt[0]
+    if not prompt:
+        raise invalid("The prompt is empty. Fix: give at least one token of prompt.", "prompt")
+    return prompt
+
+
+def _sampling(llm, req: api.SamplingFields, max_tokens: int | None, logprobs: int | None) -> dict:
+    """llm.submit's keywords for a request."""
+    return dict(
+        max_new_tokens=llm.max_seq_len if max_tokens is None else max_tokens,
+        temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
+        seed=req.seed if req.seed is not None else secrets.randbelow(2**31),
+        stop=[s for s in ([req.stop] if isinstance(req.stop, str) else req.stop or []) if s], ignore_eos=req.ignore_eos, stop_token_ids=tuple(req.stop_token_ids),
+        min_p=req.min_p, typical_p=req.typical_p, eta=req.eta, repetition_penalty=req.repetition_penalty,
+        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+        logit_bias=_logit_bias(llm, req.logit_bias), logprobs=logprobs)
+
+
+def _logit_bias(llm, bias: dict[str, float] | None) -> dict[int, float]:
+    vocab = llm.tokenizer.vocab_size if llm.tokenizer is not None else None
+    out = {}
+    for key, value in (bias or {}).items():
+        if not key.lstrip("-").isdigit() or int(key) < 0 or (vocab is not None and int(key) >= vocab):
+            raise invalid(f"logit_bias key {key!r} is not a token id of this model (0..{vocab and vocab - 1}).",
+                          "logit_bias")
+        if not -100 <= value <= 100:
+            raise invalid(f"logit_bias for token {key} is {value}; biases must be in [-100, 100].", "logit_bias")
+        out[int(key)] = float(value)
+    return out
+
+
+async def _submit(llm, prompt, prompt_param: str, sampling: dict):
+    """Queue the request (validation and tokenizing run off the event loop)."""
+    try:
+        return await asyncio.to_thread(llm.submit, prompt, **sampling)
+    except KilnError as error:
+        raise from_kiln_error(error, prompt_param) from None
+
+
+async def _collect(handle, timer: RequestTimer, request: Request):
+    """The finished result of a non-streamed request; cancels it if the client goes away first."""
+
+    async def drain():
+        async for _ in handle:
+            timer.piece()
+        return await handle.wait()
+
+    async def client_gone():
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    generation, watch = asyncio.ensure_future(drain()), asyncio.ensure_future(client_gone())
+    try:
+        await asyncio.wait({generation, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not generation.done():
+            handle.cancel()
+            generation.cancel()
+    if not generation.done() or generation.cancelled():
+        raise APIError(499, "The client closed the connection.", "client_closed_request")
+    try:
+        result = generation.result()
+    except KilnError as error:
+        raise internal(error) from None
+    _finished(timer, result)
+    return result
+
+
+def _finished(timer: RequestTimer, result) -> None:
+    timer.finished(len(result.prompt_token_ids), len(result.token_ids))
+
+
+# -- response pieces -----------------------------------------------------------------------------
+def _json(model: BaseModel) -> JSONResponse:
+    return JSONResponse(model.model_dump())
+
+
+def _usage(result) -> api.Usage:
+    prompt, completion = len(result.prompt_token_ids), len(result.token_ids)
+    return api.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+
+
+def _token_text(llm, token: int) -> str:
+    return llm.tokenizer.decode([token], skip_special_tokens=False) if llm.tokenizer else str(token)
+
+
+def _completion_logprobs(llm, result) -> api.CompletionLogprobs:
+    tokens, offsets, offset = [], [], 0
+    for entry in result.logprobs or []:
+        tokens.append(_token_text(llm, entry.token))
+        offsets.append(offset)
+        offset += len(tokens[-1])
+    return api.CompletionLogprobs(
+        tokens=tokens, token_logprobs=[e.logprob for e in result.logprobs or []], text_offset=offsets,
+        top_logprobs=[{_token_text(llm, t): lp for t, lp in e.top} for e in result.logprobs or []])
+
+
+def _chat_logprobs(llm, result) -> api.ChatLogprobs:
+    def entry(token: int, logprob: float) -> dict:
+        text = _token_text(llm, token)
+        return dict(token=text, logprob=logprob, bytes=list(text.encode("utf-8")))
+
+    return api.ChatLogprobs(content=[
+        api.TokenLogprobEntry(**entry(e.token, e.logprob), top_logprobs=[api.TopLogprob(**entry(t, lp)) for t, lp in e.top])
+        for e in result.logprobs or []])
+
+
+def _card_list(name: str, created: int, max_seq_len: int) -> api.ModelList:
+    return api.ModelList(data=[api.ModelCard(id=name, created=created, max_model_len=max_seq_len)])
+
+
+def _default_name(llm) -> str:
+    source = str(llm.manifest.get("source") or "kiln-model").rstrip("/")
+    return source.rsplit("/", 1)[-1]
+
+
+# -- running it ----------------------------------------------------------------------------------
+def serve(llm, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
+          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_level: str = "info") -> None:
+    """Serve `llm` with uvicorn until interrupted (loopback only unless `host` says otherwise)."""
+    import uvicorn
+
+    uvicorn.run(create_app(llm, model_name, max_body_bytes), host=host, port=port, log_level=log_level)

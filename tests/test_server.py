@@ -1,0 +1,223 @@
+"""The OpenAI-compatible server, driven by the official `openai` client over a loopback port.
+
+One tiny random Llama artifact (max_batch 4, so concurrent requests share the engine's KV rows)
+is served by uvicorn in a thread for the whole module; each answer is checked against the same
+request run directly through `LLM.generate`.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+import uvicorn
+
+import kiln
+from kiln.runtime.server import create_app
+
+MODEL = "tiny-llama"
+MAX_SEQ_LEN = 128
+MAX_BODY = 64 * 1024
+PROMPTS = ["Once upon a time", "The capital of France is", "A compiler translates", "In the winter snow",
+           "The quick brown fox", "Questions and answers:", "Tensors are arrays", "Peter Piper picked"]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_model_dirs, tmp_path_factory):
+    path = kiln.compile(str(tiny_model_dirs("llama")), out=tmp_path_factory.mktemp("served") / "model.kiln",
+                        backend="reference", max_seq_len=MAX_SEQ_LEN, max_batch=4)
+    return kiln.load(path)
+
+
+@pytest.fixture(scope="module")
+def base_url(llm):
+    server = uvicorn.Server(uvicorn.Config(create_app(llm, MODEL, max_body_bytes=MAX_BODY), host="127.0.0.1",
+                                           port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    yield f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+@pytest.fixture
+def client(base_url):
+    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def http(method: str, url: str, body: bytes | None = None) -> tuple[int, bytes]:
+    """(status, body) of a plain HTTP request, errors included."""
+    request = urllib.request.Request(url, data=body, method=method, headers={"content-type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.read()
+
+
+def alone(llm, prompt, max_tokens, **kwargs):
+    return llm.generate(prompt, max_new_tokens=max_tokens, **kwargs)
+
+
+def test_completion_equals_the_same_request_run_directly(client, llm):
+    response = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=12, temperature=0)
+    expected = alone(llm, PROMPTS[0], 12)
+    assert response.choices[0].text == expected.text
+    assert response.choices[0].finish_reason == ("length" if expected.finish_reason == "length" else "stop")
+    assert response.usage.prompt_tokens == len(llm.tokenizer.encode(PROMPTS[0]))
+    assert response.usage.completion_tokens == len(expected.token_ids)
+    assert response.usage.total_tokens == response.usage.prompt_tokens + response.usage.completion_tokens
+
+
+def test_chat_completion_applies_the_chat_template(client, llm):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Where is Paris?"}]
+    response = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=10, temperature=0)
+    expected = llm.chat(messages, max_new_tokens=10)
+    assert response.choices[0].message.role == "assistant"
+    assert response.choices[0].message.content == expected.text
+    assert response.usage.prompt_tokens == len(llm.encode_chat(messages))
+
+
+def test_extra_sampling_fields_and_seed_reproduce_direct_sampling(client, llm):
+    settings = dict(temperature=0.8, top_p=0.9, seed=7, presence_penalty=0.5, frequency_penalty=0.3,
+                    logit_bias={"5": 2.0})
+    response = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=10, **settings,
+                                         extra_body={"top_k": 20, "min_p": 0.05})
+    expected = alone(llm, PROMPTS[1], 10, temperature=0.8, top_p=0.9, seed=7, presence_penalty=0.5,
+                     frequency_penalty=0.3, logit_bias={5: 2.0}, top_k=20, min_p=0.05)
+    assert response.choices[0].text == expected.text
+
+
+def test_stop_strings_and_logprobs(client, llm):
+    full = alone(llm, PROMPTS[2], 16).text
+    stop = full[3:5]
+    response = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=16, temperature=0, stop=[stop],
+                                         logprobs=2)
+    assert response.choices[0].text == alone(llm, PROMPTS[2], 16, stop=[stop]).text
+    logprobs = response.choices[0].logprobs
+    assert len(logprobs.tokens) == len(logprobs.token_logprobs) == response.usage.completion_tokens
+    assert all(len(top) <= 2 and max(top.values()) >= lp - 1e-6 for top, lp in
+               zip(logprobs.top_logprobs, logprobs.token_logprobs))
+
+
+def test_streamed_completion_pieces_add_up_to_the_text_and_end_with_usage(client, llm):
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=20, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    expected = alone(llm, PROMPTS[3], 20)
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    assert chunks[-1].usage.completion_tokens == len(expected.token_ids)
+
+
+def test_streamed_chat_sends_role_then_content_deltas(client, llm):
+    messages = [{"role": "user", "content": "Tell me a story."}]
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=15, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == llm.chat(messages, max_new_tokens=15).text
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_concurrent_requests_each_equal_the_request_run_alone(client, llm):
+    expected = [alone(llm, p, 24, ignore_eos=True).text for p in PROMPTS]
+
+    def ask(i):
+        if i % 2:
+            stream = client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=24, temperature=0,
+                                               stream=True, extra_body={"ignore_eos": True})
+            return "".join(c.choices[0].text for c in stream)
+        return client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=24, temperature=0,
+                                         extra_body={"ignore_eos": True}).choices[0].text
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        assert list(pool.map(ask, range(len(PROMPTS)))) == expected
+
+
+def test_models_health_and_metrics(client, base_url, llm):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    status, body = http("GET", f"{base_url}/health")
+    assert status == 200 and json.loads(body)["status"] == "ok"
+    client.completions.create(model=MODEL, prompt=PROMPTS[4], max_tokens=4, temperature=0)
+    text = http("GET", f"{base_url}/metrics")[1].decode()
+    for name in ("kiln_requests_total", "kiln_prompt_tokens_total", "kiln_generation_tokens_total",
+                 "kiln_time_to_first_token_seconds_bucket", "kiln_inter_token_latency_seconds_bucket",
+                 "kiln_queue_depth", "kiln_kv_slots_in_use", "kiln_kv_slots_total 4.0"):
+        assert name in text
+
+
+def test_unknown_model_is_404(client):
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.completions.create(model="gpt-4", prompt="hi", max_tokens=2)
+    assert caught.value.body["code"] == "model_not_found"
+
+
+def test_prompt_longer_than_the_context_is_400_context_length_exceeded(client):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt=[7] * (MAX_SEQ_LEN + 1), max_tokens=2)
+    assert caught.value.body["code"] == "context_length_exceeded"
+    assert caught.value.body["param"] == "prompt"
+
+
+@pytest.mark.parametrize("bad, param", [
+    (dict(temperature=-1), "temperature"), (dict(n=2), "n"), (dict(top_p=0), "top_p"),
+    (dict(logit_bias={"999999": 1}), "logit_bias"), (dict(extra_body={"bogus": 1}), "bogus"),
+])
+def test_invalid_parameters_are_400_naming_the_parameter(client, bad, param):
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, **bad)
+    assert caught.value.body["param"] == param
+    assert caught.value.body["type"] == "invalid_request_error"
+
+
+def test_malformed_json_is_400_and_oversized_body_is_413(base_url):
+    status, body = http("POST", f"{base_url}/v1/completions", b"{not json")
+    assert status == 400 and "not valid JSON" in json.loads(body)["error"]["message"]
+    status, body = http("POST", f"{base_url}/v1/completions", json.dumps({"model": MODEL, "prompt": "x" * MAX_BODY}).encode())
+    assert status == 413 and json.loads(body)["error"]["code"] == "request_too_large"
+
+
+def test_full_queue_is_429_and_the_server_keeps_serving(client, llm):
+    bound = llm.engine.max_queue
+    llm.engine.max_queue = 0
+    try:
+        with pytest.raises(openai.RateLimitError) as caught:
+            client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+        assert caught.value.body["code"] == "queue_full"
+    finally:
+        llm.engine.max_queue = bound
+    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0).choices[0].text == \
+        alone(llm, "hi", 2).text
+
+
+def test_client_disconnecting_mid_stream_cancels_its_request_and_frees_its_slot(client, base_url, llm, monkeypatch):
+    handles = []
+    submit = llm.submit
+
+    def recording_submit(*args, **kwargs):
+        handles.append(submit(*args, **kwargs))
+        return handles[-1]
+
+    monkeypatch.setattr(llm, "submit", recording_submit)
+    stream = client.completions.create(model=MODEL, prompt="Once", max_tokens=MAX_SEQ_LEN, temperature=0,
+                                       stream=True, extra_body={"ignore_eos": True})
+    next(iter(stream))
+    stream.close()
+    result = handles[0].result(timeout=30)
+    assert result.finish_reason == "cancelled"
+    assert len(result.token_ids) < MAX_SEQ_LEN - 2
+    deadline = time.monotonic() + 10
+    while llm.engine.slots_in_use:
+        assert time.monotonic() < deadline, "the slot was not freed"
+        time.sleep(0.01)
+    assert "kiln_kv_slots_in_use 0.0" in http("GET", f"{base_url}/metrics")[1].decode()
