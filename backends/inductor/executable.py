@@ -120,7 +120,9 @@ class InductorExecutable(StatefulRunner):
         named_caches = self._init_state(graph, options)
         self.module = graph_to_fx(graph, weights, state=named_caches)
         self.compile_count = 0
-        self.freezing = freezing
+        # Frozen small weights become literals in the generated code, and Inductor's FX graph cache
+        # then hands one rank's kernels (its vocab offset) to another: shards compile unfrozen.
+        self.freezing = freezing and tensor_parallel_size(graph) == 1
         self._dynamic_dims = dynamic_dims(graph)
         self._compiled_shapes: set[tuple[int, ...]] = set()
         self._compiled = torch.compile(self.module, backend=self._compile_with_inductor)
