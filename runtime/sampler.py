@@ -93,7 +93,9 @@ class Sampler:
         masked = raw if allowed is None else raw.masked_fill(~allowed, lp.NEG_INF)
         processed = self.process(masked, prompt, generated)
         if self.params.greedy:
-            token = int(torch.argmax(processed))
+            # numpy's argmax runs in this thread: torch's splits a vocab-sized reduction over its
+            # OpenMP pool, whose spinning workers then steal cores from the backend's own threads
+            token = int(processed.numpy().argmax())
         else:
             probs = torch.softmax(processed, dim=-1)
             token = int(torch.multinomial(probs, 1, generator=self.generator))
