@@ -1,7 +1,7 @@
 """Decode and prefill speed of SmolLM2-135M: Kiln beside Hugging Face and onnxruntime-genai, in one run.
 
     .venv/bin/python bench/bench.py [--model DIR] [--threads 2] [--reps 5] [--skip-hf-compile]
-        [--backends inductor,onnxruntime,tinygrad] [--genai fp32,int4 | --genai none]
+        [--backends inductor,onnxruntime,tinygrad] [--genai fp32,int4 | --genai none] [--quantize int4-g32,int8]
 
 Prints a llama-bench style table (pp64: prompt processing of 64 tokens; tg128: generating 128
 tokens, batch 1) with tokens/s as mean ± sd, the weight bandwidth decode reached, and the
@@ -45,7 +45,9 @@ class KilnRunner:
         import kiln
 
         self.llm = kiln.load(artifact)
-        self.name = f"kiln-{self.llm.manifest['backend']}"
+        quantize = self.llm.manifest.get("options", {}).get("quantize")
+        self.name = f"kiln-{self.llm.manifest['backend']}" + (f"-{quantize}" if quantize else "")
+        self.weight_bytes = sum(t.numel() * t.element_size() for t in self.llm.graph.weights.values())
         if self.llm.manifest["backend"] == "onnxruntime":  # its session sizes its own thread pool
             import dataclasses
 
@@ -121,7 +123,8 @@ def measure(runners: list, test: str, n: int, reps: int) -> list[dict]:
             flagged[i] |= contended
             others[i].append(other)
     return [{"backend": runner.name, "test": f"{test}{n}", "mean": statistics.mean(r),
-             "sd": statistics.stdev(r) if len(r) > 1 else 0.0, "contended": f, "other_cores": max(o)}
+             "sd": statistics.stdev(r) if len(r) > 1 else 0.0, "contended": f, "other_cores": max(o),
+             "weight_bytes": getattr(runner, "weight_bytes", None)}
             for runner, r, f, o in zip(runners, rates, flagged, others)]
 
 
@@ -129,7 +132,8 @@ def table(rows: list[dict], weight_bytes: int, params: int, threads: int) -> str
     lines = ["| model | size | params | backend | threads | test | t/s | weight GB/s |",
              "| --- | ---: | ---: | --- | ---: | --- | ---: | ---: |"]
     for r in rows:
-        gbs = f"{r['mean'] * weight_bytes / 1e9:.1f}" if r["test"].startswith("tg") else ""
+        row_bytes = r.get("weight_bytes") or weight_bytes
+        gbs = f"{r['mean'] * row_bytes / 1e9:.1f}" if r["test"].startswith("tg") else ""
         flag = " *" if r["contended"] else ""
         lines.append(f"| SmolLM2-135M f32 | {weight_bytes / 2**20:.0f} MiB | {params / 1e6:.1f} M | {r['backend']} | "
                      f"{threads} | {r['test']} | {r['mean']:.2f} ± {r['sd']:.2f}{flag} | {gbs} |")
@@ -157,6 +161,8 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--pp", type=int, default=64)
     parser.add_argument("--tg", type=int, default=128)
+    parser.add_argument("--quantize", default="", help="also Kiln artifacts with these weight schemes "
+                        "(e.g. int4-g32,int8), on each backend")
     parser.add_argument("--skip-hf-compile", action="store_true", help="skip the slow-to-compile baseline")
     parser.add_argument("--skip-hf", action="store_true", help="skip both Hugging Face baselines")
     args = parser.parse_args(argv)
@@ -167,13 +173,16 @@ def main(argv=None) -> int:
 
     model_dir = Path(args.model) if args.model else default_model_dir()
     artifacts = []
-    for backend in args.backends.split(","):
-        artifact = Path(f"{args.artifact}-{backend}.kiln")
-        if not (artifact / "manifest.json").exists():
-            started = time.perf_counter()
-            kiln.compile(str(model_dir), out=artifact, backend=backend, max_seq_len=512, max_batch=1)
-            print(f"compiled {artifact} in {time.perf_counter() - started:.0f}s", file=sys.stderr)
-        artifacts.append(artifact)
+    schemes = [None] + [q for q in args.quantize.split(",") if q]
+    for scheme in schemes:
+        for backend in args.backends.split(","):
+            artifact = Path(f"{args.artifact}-{backend}" + (f"-{scheme}" if scheme else "") + ".kiln")
+            if not (artifact / "manifest.json").exists():
+                started = time.perf_counter()
+                kiln.compile(str(model_dir), out=artifact, backend=backend, max_seq_len=512, max_batch=1,
+                             quantize=scheme)
+                print(f"compiled {artifact} in {time.perf_counter() - started:.0f}s", file=sys.stderr)
+            artifacts.append(artifact)
     runners = [KilnRunner(artifact, args.threads) for artifact in artifacts]
     for precision in [p for p in args.genai.split(",") if p != "none"]:
         genai_dir = build_genai_model(model_dir, Path(f"{args.artifact}-genai-{precision}"), precision)

@@ -37,6 +37,8 @@ class GenaiRunner:
             "intra_op_num_threads": threads, "inter_op_num_threads": 1}}}}))
         self.model = og.Model(config)
         self.name = f"ort-genai-{precision}"
+        # what a decode step reads: the model's weights (the external-data file(s), or the model itself)
+        self.weight_bytes = sum(f.stat().st_size for f in Path(genai_dir).iterdir() if f.suffix in (".onnx", ".data"))
 
     def _generator(self, prompt: list[int], new_tokens: int):
         import numpy as np
