@@ -77,6 +77,7 @@ def compile(model=None, out: str | Path = "model.kiln", backend: str = "inductor
     `tensor_parallel` N > 1 shards the graph over N ranks (kiln.passes.shard_tensor_parallel) and
     writes one artifact with every rank's weights; run it with `torchrun --nproc-per-node N`.
     """
+    from kiln.frontend.background_break_check import CleanBreaks, start_if_worthwhile
     from kiln.frontend.capture import capture_causal_lm
     from kiln.frontend.checkpoint import load_model
     from kiln.frontend.compile_breaks import check_graph_breaks, report_files
@@ -87,6 +88,10 @@ def compile(model=None, out: str | Path = "model.kiln", backend: str = "inductor
     started = time.perf_counter()
     quantize = None if quantize in (None, "none") else quantize
     scheme = get_scheme(quantize) if quantize else None  # an unknown name fails before the slow steps
+    if scheme is not None and scheme.needs_calibration:
+        from kiln.calibration import check_source
+
+        check_source(calibration)
     options = BackendOptions(max_batch=max_batch, max_seq_len=max_seq_len, dtype=dtype, quantize=quantize,
                              quantize_embeddings=quantize_embeddings)
     backend_module = get_backend(backend)  # fail before the slow steps if the backend is unusable
@@ -98,29 +103,52 @@ def compile(model=None, out: str | Path = "model.kiln", backend: str = "inductor
             model = default_model_dir()
     with _step(report, f"load {model}"):
         loaded = load_model(model)
-    with _step(report, "check graph breaks (Dynamo)"):
-        breaks = check_graph_breaks(loaded.model, str(model))  # raises GraphBreakError if any is left
-    _summary(progress, f"graph breaks: {breaks.summary_line()}")
-    with _step(report, "capture the forward into IR"):
-        graph = capture_causal_lm(loaded.model, max_batch=max_batch, max_seq_len=max_seq_len)
     tokens, calibration_source = None, None
     if scheme is not None and scheme.needs_calibration:
         from kiln.calibration import calibration_tokens
 
         tokens, calibration_source = calibration_tokens(calibration, loaded.tokenizer_path, max_seq_len)
-    with _step(report, "run the pass pipeline"):
-        graph = run_pipeline(graph, options, dump_dir=dump_ir, calibration=tokens)
-    rank_weights = None
-    if tensor_parallel > 1:
-        with _step(report, f"shard over {tensor_parallel} ranks"):
-            graph, rank_weights = _shard(graph, tensor_parallel)
-        executable = _CompiledPerRank()
-    else:
+
+    def check_here():
+        with _step(report, "check graph breaks (Dynamo)"):
+            return check_graph_breaks(loaded.model, str(model))  # raises GraphBreakError if any is left
+
+    def capture_and_lower():
+        with _step(report, "capture the forward into IR"):
+            graph = capture_causal_lm(loaded.model, max_batch=max_batch, max_seq_len=max_seq_len)
+        with _step(report, "run the pass pipeline"):
+            graph = run_pipeline(graph, options, dump_dir=dump_ir, calibration=tokens)
+        if tensor_parallel > 1:
+            with _step(report, f"shard over {tensor_parallel} ranks"):
+                graph, rank_weights = _shard(graph, tensor_parallel)
+            return graph, _CompiledPerRank(), rank_weights
         with _step(report, f"lower with the {backend} backend"):
-            executable = backend_module.lower(graph, options)
+            return graph, backend_module.lower(graph, options), None
+
+    param_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
+    background = start_if_worthwhile(loaded.checkpoint_dir, param_bytes, str(model))
+    if background is None:
+        breaks = check_here()
+        _summary(progress, f"graph breaks: {breaks.summary_line()}")
+        graph, executable, rank_weights = capture_and_lower()
+    else:
+        report("check graph breaks (Dynamo) in a child process, beside the capture ...")
+        try:
+            graph, executable, rank_weights = capture_and_lower()
+        except Exception:
+            background.cancel()
+            check_here()  # a graph break explains a failed capture best (GraphBreakError)
+            raise
+        with _step(report, "wait for the graph-break check"):
+            breaks = background.clean_result()
+        if breaks is None:  # breaks found: the check here raises, or rewrites the model's branches
+            breaks = check_here()
+            graph, executable, rank_weights = capture_and_lower()
+        _summary(progress, f"graph breaks: {breaks.summary_line()}")
     with _step(report, f"save the artifact to {out}"):
         path = save_artifact(out, graph, executable, tokenizer_dir=loaded.tokenizer_path.parent,
-                             extra_files=report_files(breaks), rank_weights=rank_weights, manifest_fields={
+                             extra_files=breaks.files if isinstance(breaks, CleanBreaks) else report_files(breaks),
+                             rank_weights=rank_weights, manifest_fields={
             "backend": backend,
             "backend_version": backend_version(backend_module),
             "source": str(loaded.checkpoint_dir),

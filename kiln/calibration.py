@@ -44,13 +44,18 @@ def calibration_tokens(source, tokenizer_path: Path, max_seq_len: int) -> tuple[
     return torch.tensor(ids[:rows * length], dtype=torch.int64).view(rows, length), description
 
 
+def check_source(source) -> None:
+    """Fail early (before the model loads) on a calibration file that does not exist."""
+    if isinstance(source, (str, Path)) and not Path(source).is_file():
+        raise CalibrationSourceError(f"calibration file {source} does not exist; give a UTF-8 text file "
+                                     "(or leave it out for the bundled Moby-Dick chapters)")
+
+
 def _text(source) -> tuple[str, str]:
     if source is None:
         from kiln.moby_dick import CALIBRATION_SOURCE, calibration_text
 
         return calibration_text(), CALIBRATION_SOURCE
+    check_source(source)
     path = Path(source)
-    if not path.is_file():
-        raise CalibrationSourceError(f"calibration file {path} does not exist; give a UTF-8 text file "
-                                     "(or leave it out for the bundled Moby-Dick chapters)")
     return path.read_text(encoding="utf-8", errors="replace"), f"text file {path.name}"

@@ -24,7 +24,10 @@ def tiny_llama(tiny_model_dirs):
     return load_model(tiny_model_dirs("llama")).model
 
 
-def test_compile_writes_the_break_report_into_the_artifact(tiny_model_dirs, tmp_path):
+@pytest.mark.parametrize("mode", ["inline", "background"])
+def test_compile_writes_the_break_report_into_the_artifact(tiny_model_dirs, tmp_path, monkeypatch, mode):
+    """Inline, or in a child process beside the capture (what large models get on 2+ cores)."""
+    monkeypatch.setenv("KILN_BREAK_CHECK", mode)
     lines = []
     path = kiln.compile(str(tiny_model_dirs("llama")), out=tmp_path / "m.kiln", backend="reference", max_seq_len=64,
                         progress=lines.append)

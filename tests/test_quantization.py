@@ -214,20 +214,26 @@ def test_inductor_lowering_of_linear_q_matches_the_interpreter(bits, group_size,
         assert ((got - want).norm() / want.norm()).item() < 0.012
 
 
-def test_quantized_tiny_model_compiles_to_an_inductor_artifact_that_records_the_scheme(tiny_model_dirs, tmp_path):
+def test_awq_compile_to_an_inductor_artifact_records_the_scheme_and_its_calibration(tiny_model_dirs, tmp_path):
     import kiln
     from kiln.backends import reference
 
     path = kiln.compile(tiny_model_dirs("llama"), out=tmp_path / "q.kiln", backend="inductor", max_seq_len=MAX_SEQ,
-                        quantize="int4-g32")
-    manifest = json.loads((path / "manifest.json").read_text())
-    assert manifest["options"]["quantize"] == "int4-g32" and manifest["options"]["quantize_embeddings"] is False
-    llm = kiln.load(path)
+                        quantize="int4-g32-awq")
+    options = json.loads((path / "manifest.json").read_text())["options"]
+    assert options["quantize"] == "int4-g32-awq" and options["quantize_embeddings"] is False
+    assert options["calibration"].startswith("Moby-Dick chapters 2, 4, 5 (bundled")
+    llm = kiln.load(path)  # the AOTInductor package, its int4 kernel calls through the proxy executor
+    assert llm.graph.meta["awq"]["calibration_tokens"] == 4 * MAX_SEQ and llm.graph.meta["awq"]["scaled"] > 0
     assert sum(n.op == "linear_q" for n in llm.graph.nodes) == 8  # 2 layers of qkv, o, gate_up, down
     oracle = reference.lower(llm.graph, llm.executable.options)
     tokens = torch.randint(3, 500, (1, 10))
-    want, got = oracle.run(tokens, torch.arange(10)[None]), llm.executable.run(tokens, torch.arange(10)[None])
-    assert ((got - want).norm() / want.norm()).item() < 0.02
+    # Prefill dequantizes and runs one f32 GEMM: the interpreter's results. Decode runs Kiln's int4
+    # kernel, whose int8-rounded activations (~0.5% per linear) this random model amplifies.
+    for start, end, tolerance in ((0, 9, 1e-4), (9, 10, 0.05)):
+        chunk, positions = tokens[:, start:end], torch.arange(start, end)[None]
+        want, got = oracle.run(chunk, positions), llm.executable.run(chunk, positions)
+        assert ((got - want).norm() / want.norm()).item() < tolerance
 
 
 def test_compile_with_an_unknown_scheme_fails_before_loading_the_model(tmp_path, capsys):
@@ -235,6 +241,15 @@ def test_compile_with_an_unknown_scheme_fails_before_loading_the_model(tmp_path,
 
     assert compile_model_main([str(tmp_path / "no-model"), "-o", str(tmp_path / "x"), "--quantize", "int3"]) == 2
     assert "unknown quantization scheme 'int3'; known schemes: int8" in capsys.readouterr().err
+
+
+def test_a_missing_calibration_file_is_an_error_before_the_model_loads(tmp_path, capsys):
+    from kiln.cli import compile_model_main
+
+    argv = [str(tmp_path / "no-model"), "-o", str(tmp_path / "x"), "--quantize", "int4-g64-awq",
+            "--calibration", str(tmp_path / "missing.txt")]
+    assert compile_model_main(argv) == 2
+    assert "calibration file" in capsys.readouterr().err
 
 
 # -- perplexity ----------------------------------------------------------------------------------
