@@ -31,6 +31,7 @@ def main() -> None:
     parser.add_argument("--tasks", default="kiln_moby_dick,kiln_basic_mc")
     parser.add_argument("--limit", type=int, default=None, help="documents per task (default: all)")
     parser.add_argument("--max-seq-len", type=int, default=1024, help="when compiling the artifact")
+    parser.add_argument("--batch-size", type=int, default=4, help="rows per model call, for both models")
     args = parser.parse_args()
 
     artifact = ensure_artifact(Path(args.artifact), args.max_seq_len)
@@ -39,9 +40,9 @@ def main() -> None:
 
     hf_dir = default_model_dir()
     runs = {
-        "kiln": ["--model", "kiln", "--model_args", f"path={artifact}"],
+        "kiln": ["--model", "kiln", "--model_args", f"path={artifact}", "--batch_size", str(args.batch_size)],
         "hf": ["--model", "hf", "--model_args", f"pretrained={hf_dir},dtype=float32,max_length={max_length}",
-               "--device", "cpu", "--batch_size", "1"],
+               "--device", "cpu", "--batch_size", str(args.batch_size)],
     }
     scores, seconds = {}, {}
     for name, model_args in runs.items():

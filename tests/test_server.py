@@ -7,12 +7,13 @@ request run directly through `LLM.generate`.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
@@ -221,3 +222,11 @@ def test_client_disconnecting_mid_stream_cancels_its_request_and_frees_its_slot(
         assert time.monotonic() < deadline, "the slot was not freed"
         time.sleep(0.01)
     assert "kiln_kv_slots_in_use 0.0" in http("GET", f"{base_url}/metrics")[1].decode()
+
+
+def test_serve_without_fastapi_says_what_to_install():
+    code = ("import sys; sys.modules['fastapi'] = None\n"
+            "from kiln.cli import kiln_main; sys.exit(kiln_main(['serve', 'model.kiln']))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 2
+    assert "pip install 'kiln[serve]'" in done.stderr
