@@ -39,7 +39,8 @@ ELEMENTWISE = {
     "logical_and", "logical_or", "neg", "exp", "log", "sqrt", "rsqrt", "reciprocal", "abs", "tanh", "sin",
     "cos", "erf", "sigmoid", "relu", "silu", "gelu", "logical_not", "where", "cast",
 }
-PER_HEAD = {"rope": (0,), "rms_norm": (0,), "layer_norm": (0,), "slice": (0,), "reshape": (0,), "permute": (0,)}
+# Ops whose first input may be split (each has a `_<op>` rule below); their other inputs may not.
+SPLIT_FIRST_INPUT = {"rope", "rms_norm", "layer_norm", "slice", "reshape", "permute"}
 
 
 class ShardingError(KilnError, ValueError):
@@ -128,8 +129,8 @@ class _Sharder:
     def _layout(self, v: Value | None) -> Layout | None:
         return None if v is None else self.layouts.get(id(v))
 
-    def _emit(self, op: str, inputs, attrs: dict, layout: Layout | None = None, names=None) -> Value:
-        node = self.out.create(op, inputs, attrs, names)
+    def _emit(self, op: str, inputs, attrs: dict, layout: Layout | None = None) -> Value:
+        node = self.out.create(op, inputs, attrs)
         self.out.nodes.append(node)
         for v in node.outputs:
             if layout is not None:
@@ -288,7 +289,7 @@ class _Sharder:
             return self._emit("attention", inputs, dict(node.attrs), q)
         if node.op in ELEMENTWISE:
             return self._emit(node.op, inputs, dict(node.attrs), self._elementwise_layout(where, inputs, layouts))
-        if node.op in PER_HEAD:
+        if node.op in SPLIT_FIRST_INPUT:
             if any(layouts[1:]):
                 raise ShardingError(f"{where}: only its first input may be split")
             layout = layouts[0]
