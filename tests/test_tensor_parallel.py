@@ -1,9 +1,9 @@
 """Tensor parallelism: a sharded SmolLM2-shaped model generates what the unsharded one does.
 
 The tiny llama (SmolLM2's shape: GQA with 4 query and 2 KV heads, RoPE, SwiGLU, tied embeddings)
-is compiled with --tensor-parallel 2 and 4 (4 ranks replicate each KV head on two ranks), and run
-by torchrun on CPU with gloo, one process per rank; greedy tokens must equal the unsharded
-artifact's, token for token, on every rank.
+is compiled with --tensor-parallel 2 and 4 (4 ranks replicate each KV head on two ranks), the tiny
+qwen2 (q/k/v biases, untied lm_head) with 2, and run by torchrun on CPU with gloo, one process
+per rank; greedy tokens must equal the unsharded artifact's, token for token, on every rank.
 """
 from __future__ import annotations
 
@@ -35,22 +35,26 @@ with open(f"{sys.argv[4]}.rank{dist.get_rank()}.json", "w") as f:
 
 @pytest.fixture(scope="module")
 def artifacts(tiny_model_dirs, tmp_path_factory):
-    """(backend, ranks) -> artifact path of the tiny llama, compiled once per module."""
+    """(backend, ranks, arch) -> artifact path of a tiny model, compiled once per module."""
     cache = {}
 
-    def get(backend: str, ranks: int):
-        if (backend, ranks) not in cache:
-            out = tmp_path_factory.mktemp(f"tp{ranks}") / f"{backend}.kiln"
-            cache[backend, ranks] = kiln.compile(str(tiny_model_dirs("llama")), out=out, backend=backend,
-                                                 max_seq_len=MAX_SEQ_LEN, tensor_parallel=ranks)
-        return cache[backend, ranks]
+    def get(backend: str, ranks: int, arch: str = "llama"):
+        if (backend, ranks, arch) not in cache:
+            out = tmp_path_factory.mktemp(f"{arch}-tp{ranks}") / f"{backend}.kiln"
+            cache[backend, ranks, arch] = kiln.compile(str(tiny_model_dirs(arch)), out=out, backend=backend,
+                                                       max_seq_len=MAX_SEQ_LEN, tensor_parallel=ranks)
+        return cache[backend, ranks, arch]
 
     return get
 
 
+def greedy_ids(path) -> list[int]:
+    return kiln.load(path).generate(PROMPT, max_new_tokens=NEW_TOKENS, ignore_eos=True).token_ids
+
+
 @pytest.fixture(scope="module")
 def unsharded_ids(artifacts) -> list[int]:
-    return kiln.load(artifacts("reference", 1)).generate(PROMPT, max_new_tokens=NEW_TOKENS, ignore_eos=True).token_ids
+    return greedy_ids(artifacts("reference", 1))
 
 
 @pytest.fixture(scope="module")
@@ -137,9 +141,10 @@ def test_a_sharded_artifact_outside_torchrun_says_how_to_run_it(artifacts, monke
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("ranks", [2, 4])
-def test_sharded_greedy_tokens_equal_unsharded_on_every_rank(artifacts, unsharded_ids, ranks, tmp_path):
-    assert run_ranks(artifacts("reference", ranks), ranks, tmp_path) == [unsharded_ids] * ranks
+@pytest.mark.parametrize("arch, ranks", [("llama", 2), ("llama", 4), ("qwen2", 2)])
+def test_sharded_greedy_tokens_equal_unsharded_on_every_rank(artifacts, arch, ranks, tmp_path):
+    expected = greedy_ids(artifacts("reference", 1, arch))
+    assert run_ranks(artifacts("reference", ranks, arch), ranks, tmp_path) == [expected] * ranks
 
 
 @pytest.mark.slow
