@@ -1,7 +1,7 @@
 """Continuous-batching throughput on SmolLM2-135M: total tokens/s at 1, 4, 8 and 16 concurrent requests.
 
-    .venv/bin/python bench/throughput.py [--backend onnxruntime] [--concurrency 1,4,8,16] [--requests 32]
-        [--new-tokens 64] [--threads 2]
+    .venv/bin/python bench/throughput.py [--backend onnxruntime] [--concurrency 1,4,8,16] [--requests 16]
+        [--new-tokens 32] [--threads 2]
 
 Each level submits `--requests` requests of mixed prompt lengths (16-120 tokens) to one engine
 through `llm.submit`, at most `concurrency` in flight at a time (a new one as soon as one ends),
@@ -82,8 +82,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backend", default="onnxruntime")
     parser.add_argument("--concurrency", default="1,4,8,16")
-    parser.add_argument("--requests", type=int, default=32)
-    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
