@@ -13,11 +13,10 @@ from __future__ import annotations
 
 from collections import deque
 
+import numpy as np
 import torch
 
 from kiln.runtime.errors import ConstraintError
-
-_BITS = torch.arange(32, dtype=torch.int32)
 
 
 class CompiledConstraint:
@@ -51,16 +50,16 @@ class Constraint:
     def allowed(self, vocab_size: int) -> torch.Tensor:
         """Bool [vocab_size]: the tokens the grammar allows next (EOS once it is accepting).
         Raises ConstraintError when none is allowed: the grammar cannot be satisfied from here."""
-        words = torch.frombuffer(bytearray(self._matcher.compute_bitmask()), dtype=torch.int32)
+        # numpy, in this thread: vocab-sized torch ops would wake its thread pool on every step
+        bits = np.unpackbits(np.frombuffer(self._matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")
         self._check()
-        bits = ((words.unsqueeze(1) >> _BITS) & 1).reshape(-1).bool()
-        allowed = torch.zeros(vocab_size, dtype=torch.bool)
-        n = min(vocab_size, bits.numel())
+        allowed = np.zeros(vocab_size, dtype=bool)
+        n = min(vocab_size, bits.size)
         allowed[:n] = bits[:n]
-        if not bool(allowed.any()):
+        if not allowed.any():
             raise ConstraintError(f"No token can continue the output under {self.description}. Fix: check that "
                                   "some text satisfies the constraint, and that the model's vocabulary can spell it.")
-        return allowed
+        return torch.from_numpy(allowed)
 
     def forced(self, limit: int) -> list[int]:
         """Up to `limit` tokens the grammar forces next, in order (without advancing)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+import numpy as np
 import torch
 
 from kiln.runtime import logits_processors as lp
@@ -68,6 +69,11 @@ class TokenLogprob:
     top: tuple[tuple[int, float], ...] = ()
 
 
+def _mask(logits: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+    """Logits with every token outside `allowed` at -inf (in numpy: this thread, no torch pool)."""
+    return torch.from_numpy(np.where(allowed.numpy(), logits.cpu().numpy(), np.float32(lp.NEG_INF)))
+
+
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """Logits [vocab] with every token outside the top-k / top-p (nucleus) set at -inf."""
     return lp.top_p(lp.top_k(logits, top_k), top_p)
@@ -90,7 +96,7 @@ class Sampler:
         """The next token; `allowed` (bool [vocab]) masks the rest to -inf first (a constraint),
         so top-k and the other filters pick among allowed tokens. Log-probabilities stay the model's."""
         raw = logits.detach().float().reshape(-1)
-        masked = raw if allowed is None else raw.masked_fill(~allowed, lp.NEG_INF)
+        masked = raw if allowed is None else _mask(raw, allowed)
         processed = self.process(masked, prompt, generated)
         if self.params.greedy:
             # numpy's argmax runs in this thread: torch's splits a vocab-sized reduction over its
