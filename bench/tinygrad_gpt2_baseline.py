@@ -8,7 +8,8 @@ used as stored, [in, out] (`x @ w + b`), unless --transpose stores them as nn.Li
 [out, in] (what tinygrad's own GPT-2 example does) to measure what the layout alone changes.
 The KV cache is a realized tensor written with `assign` at a bound `start_pos` Variable, as in
 tinygrad's examples. Prints one JSON line: per rep, decode tokens/s by wall clock and by this
-process's CPU time, and the cores other processes used meanwhile (bench/tinygrad_gpt2.py runs it).
+process's CPU time, and the cores other processes used meanwhile; with --serve it times one rep per
+"rep" line on stdin, so that bench/tinygrad_gpt2.py can alternate it with the other runners.
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from tinygrad.nn.state import safe_load  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from gpt2_small import gpt2_small_dir  # noqa: E402
-from tinygrad_gpt2 import timed_reps  # noqa: E402
+from tinygrad_gpt2 import serve_reps, timed_reps  # noqa: E402
 
 LAYERS, DIM, HEADS, MAX_CONTEXT = 12, 768, 12, 256
 
@@ -91,6 +92,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=32, help="decode steps per timed rep")
     parser.add_argument("--reps", type=int, default=1)
     parser.add_argument("--transpose", action="store_true", help="store Conv1D weights as [out, in]")
+    parser.add_argument("--serve", action="store_true", help="time one rep per 'rep' line on stdin (tinygrad_gpt2.py)")
     args = parser.parse_args(argv)
     model = GPT2(Path(args.model) if args.model else gpt2_small_dir(), args.transpose)
     start = UOp.variable("start_pos", 1, MAX_CONTEXT - 1)
@@ -104,7 +106,10 @@ def main(argv=None) -> int:
 
     for _ in range(3):  # eager run, JIT capture, first replay
         step()
-    print(json.dumps(timed_reps(step, args.tokens, args.reps)))
+    if args.serve:
+        serve_reps(step, args.tokens)
+    else:
+        print(json.dumps(timed_reps(step, args.tokens, args.reps)))
     return 0
 
 
