@@ -54,7 +54,8 @@ def main() -> int:
     requests = make_requests(args.requests, args.max_tokens)
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "kiln", "serve", str(artifact), "--port", str(port),
-                               "--model-name", "smollm2", "--max-queue", str(args.requests)])
+                               "--model-name", "smollm2", "--max-queue", str(args.requests),
+                               "--log-level", "warning"])
     try:
         base = f"http://127.0.0.1:{port}"
         wait_healthy(base, server)
