@@ -20,10 +20,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import fcntl
 import gc
 import json
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -101,12 +103,19 @@ def decode_rate(runner, n: int, reps: int) -> dict:
 
 
 def record(entry: dict) -> None:
+    """Merge `entry` into RESULTS, under a lock: runs over other backends may write beside this one."""
+    RESULTS.parent.mkdir(exist_ok=True)
+    with open(Path(tempfile.gettempdir()) / "kiln-bench-quantization.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _merge(entry)
+
+
+def _merge(entry: dict) -> None:
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else []
     key = (entry["scheme"], entry["backend"], entry["quantize_embeddings"])
     previous = [r for r in results if (r["scheme"], r["backend"], r["quantize_embeddings"]) == key]
     entry = {**(previous[0] if previous else {}), **entry}  # a decode-only run keeps the perplexity, and so on
     results = [r for r in results if (r["scheme"], r["backend"], r["quantize_embeddings"]) != key] + [entry]
-    RESULTS.parent.mkdir(exist_ok=True)
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")
 
 

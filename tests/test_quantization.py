@@ -236,6 +236,29 @@ def test_awq_compile_to_an_inductor_artifact_records_the_scheme_and_its_calibrat
         assert ((got - want).norm() / want.norm()).item() < tolerance
 
 
+def test_onnxruntime_runs_per_channel_int8_of_a_wide_input_as_matmulnbits_blocks_of_256():
+    """K = 1536 (SmolLM2's down projection): one int8 group per row, which MatMulNBits (blocks of
+    at most 256) takes as 6 blocks sharing the row's scale."""
+    from kiln.backends import onnxruntime as ort_backend
+    from kiln.backends import reference
+
+    torch.manual_seed(0)
+    g = Graph()
+    g.add_symbol("batch", 1, 1)
+    g.add_symbol("seq", 1, 8)
+    tokens = g.add_input("tokens", TensorType.parse("i64[batch, seq]"))
+    g.add_input("positions", TensorType.parse("i64[batch, seq]"))
+    q = quantize_weight(torch.randn(40, 1536), 8, 1536, symmetric=True)
+    x = g.call("embedding", g.add_param("embed", torch.randn(32, 1536)), tokens)
+    g.outputs = [g.call("linear_q", x, g.add_param("w.q", q.qweight), g.add_param("w.scales", q.scales), None, None,
+                        name="logits", bits=8, group_size=1536)]
+    options = BackendOptions(max_batch=1, max_seq_len=8)
+    assert "MatMulNBits" in ort_backend.graph_to_onnx(g).op_types()
+    chunk, positions = torch.randint(0, 32, (1, 5)), torch.arange(5)[None]
+    expected = reference.lower(g, options).run(chunk, positions)
+    torch.testing.assert_close(ort_backend.lower(g, options).run(chunk, positions), expected, atol=1e-3, rtol=1e-4)
+
+
 def test_compile_with_an_unknown_scheme_fails_before_loading_the_model(tmp_path, capsys):
     from kiln.cli import compile_model_main
 

@@ -4,7 +4,7 @@ The IR's quantized weight (see ir/ops/quantized.py): q [N, K] in groups of `grou
 W = (q - z) * scale per group; 4-bit q packed two per byte, element 2j in the low nibble; 8-bit q
 signed and symmetric. ORT's kernels want blocks of a power of two >= 16 along K, unsigned codes
 and packed zero points, so the weight is re-laid once at lowering:
-- block = the largest power of two >= 16 dividing group_size (an IR group is group_size / block
+- block = the largest power of two in 16..256 dividing group_size (an IR group is group_size / block
   ORT blocks sharing its scale and zero point); no such block: the weight is dequantized at
   lowering and runs as a float MatMul / Gather;
 - 8-bit codes shift to unsigned (q + 128 against ORT's default zero point 128); 4-bit codes
@@ -27,12 +27,16 @@ DEFAULT_ZERO = {4: 8, 8: 128}  # ORT's zero point when none is given, in ORT's u
 ACCURACY_LEVEL = int(os.environ.get("KILN_ORT_ACCURACY_LEVEL", "0"))
 
 
+MAX_BLOCK = 256  # MatMulNBits takes blocks of 16, 32, 64, 128 or 256
+
+
 def ort_block_size(group_size: int) -> int | None:
-    """The largest power of two >= 16 dividing group_size, else None."""
+    """The largest power of two in 16..MAX_BLOCK dividing group_size, else None (per-channel int8
+    of K = 1536 is 6 blocks of 256 sharing one scale)."""
     block = 16
     if group_size % block:
         return None
-    while group_size % (block * 2) == 0:
+    while block < MAX_BLOCK and group_size % (block * 2) == 0:
         block *= 2
     return block
 
