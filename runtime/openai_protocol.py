@@ -2,7 +2,8 @@
 
 Requests are strict: an unknown field is an error naming it, rather than a setting silently
 ignored. Kiln's extra sampling settings (top_k, min_p, typical_p, eta, repetition_penalty,
-ignore_eos, stop_token_ids) are accepted as extra body fields, as vLLM does.
+ignore_eos, stop_token_ids) and output constraints (regex, choices) are accepted as extra body
+fields, as vLLM does; `response_format` takes OpenAI's json_object / json_schema.
 """
 from __future__ import annotations
 
@@ -17,6 +18,25 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    """response_format.json_schema: the schema the output must satisfy (name/strict are accepted)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+
+    name: str = "response"
+    schema_: dict | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """{"type": "text"} | {"type": "json_object"} | {"type": "json_schema", "json_schema": {...}}."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class SamplingFields(BaseModel):
@@ -44,6 +64,10 @@ class SamplingFields(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0)
     ignore_eos: bool = False
     stop_token_ids: list[int] = Field(default_factory=list)
+    # structured output: OpenAI's response_format, or Kiln's regex / choices (extra_body)
+    response_format: ResponseFormat | None = None
+    regex: str | None = None
+    choices: list[str] | None = None
 
 
 class CompletionRequest(SamplingFields):

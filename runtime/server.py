@@ -210,7 +210,28 @@ def _sampling(llm, req: api.SamplingFields, max_tokens: int | None, logprobs: in
         stop=[s for s in ([req.stop] if isinstance(req.stop, str) else req.stop or []) if s], ignore_eos=req.ignore_eos, stop_token_ids=tuple(req.stop_token_ids),
         min_p=req.min_p, typical_p=req.typical_p, eta=req.eta, repetition_penalty=req.repetition_penalty,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-        logit_bias=_logit_bias(llm, req.logit_bias), logprobs=logprobs)
+        logit_bias=_logit_bias(llm, req.logit_bias), logprobs=logprobs, **_constraint(req))
+
+
+def _constraint(req: api.SamplingFields) -> dict:
+    """The structured-output keywords of a request (json_schema, regex or choices), if any."""
+    chosen = {}
+    fmt = req.response_format
+    if fmt is not None and fmt.type == "json_object":
+        chosen["json_schema"] = {"type": "object"}
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+            raise invalid("response_format of type json_schema needs json_schema.schema. Fix: send "
+                          '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}.', "response_format")
+        chosen["json_schema"] = fmt.json_schema.schema_
+    if req.regex is not None:
+        chosen["regex"] = req.regex
+    if req.choices is not None:
+        chosen["choices"] = req.choices
+    if len(chosen) > 1:
+        raise invalid(f"Give one output constraint, got {sorted(chosen)}. Fix: keep one of response_format, "
+                      "regex and choices.", "response_format")
+    return chosen
 
 
 def _logit_bias(llm, bias: dict[str, float] | None) -> dict[int, float]:

@@ -230,3 +230,24 @@ def test_serve_without_fastapi_says_what_to_install():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 2
     assert "pip install 'kiln[serve]'" in done.stderr
+
+
+def test_response_format_json_schema_constrains_the_output(client):
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                               "size": {"enum": ["small", "large"]}},
+              "required": ["name", "size"], "additionalProperties": False}
+    response = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Describe a cat."}], max_tokens=60, temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "cat", "schema": schema}})
+    import jsonschema
+
+    jsonschema.validate(json.loads(response.choices[0].message.content), schema)
+
+
+def test_choices_and_malformed_response_format(client):
+    response = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=0,
+                                         extra_body={"choices": ["Paris", "Rome"]})
+    assert response.choices[0].text in ("Paris", "Rome")
+    with pytest.raises(openai.BadRequestError, match="json_schema.schema"):
+        client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8,
+                                  extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}})
