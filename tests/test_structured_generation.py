@@ -13,9 +13,9 @@ import jsonschema
 import pytest
 
 import kiln
-from kiln.runtime.decode_loop import BatchGeneration, GenerationRequest
 from kiln.runtime.constraint_compiler import compile_constraint
 from kiln.runtime.constraint_spec import constraint_spec
+from kiln.runtime.decode_loop import BatchGeneration, GenerationRequest
 from kiln.runtime.errors import ConstraintError
 from kiln.runtime.sampler import SamplingParams
 
