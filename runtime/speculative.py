@@ -101,7 +101,7 @@ def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
 
 class SpeculativeGeneration:
     """One prompt generated with a drafter. Iterate for (0, text piece) pairs, then read
-    `results()`; the same interface as BatchGeneration, for a batch of one."""
+    `results()`; the same interface as EngineBatch, for a batch of one."""
 
     def __init__(self, executable, prompt: list[int], request: GenerationRequest, seed: int, drafter: Drafter,
                  decoder_factory=None):

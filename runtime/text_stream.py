@@ -3,16 +3,16 @@ from __future__ import annotations
 
 from typing import Iterator
 
-from kiln.runtime.decode_loop import BatchGeneration
 from kiln.runtime.results import GenerationResult
 
 
 class TextStream:
     """Iterate for text as it completes: str pieces for one prompt, (prompt index, piece) pairs
-    for a list. After the iteration, `results` holds the GenerationResults (as `generate`
+    for a list. `batches` are iterables of (row, piece) with `rows` and `results()`: an
+    EngineBatch, or speculative generations of one prompt each. After the iteration, `results` holds the GenerationResults (as `generate`
     would have returned them: one result, or a list)."""
 
-    def __init__(self, batches: list[BatchGeneration], single: bool):
+    def __init__(self, batches: list, single: bool):
         self._batches = batches
         self._single = single
         self._done: list[GenerationResult] = []

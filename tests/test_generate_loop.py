@@ -14,7 +14,8 @@ import torch
 from kiln.backends.executable import BackendOptions
 from kiln.backends.reference import ReferenceExecutable
 from kiln.ir import Graph, TensorType, symbol
-from kiln.runtime.decode_loop import BatchGeneration, GenerationRequest
+from kiln.runtime.decode_loop import GenerationRequest
+from kiln.runtime.engine_batch import EngineBatch
 from kiln.runtime.errors import ContextLengthError
 from kiln.runtime.generate import LLM
 from kiln.runtime.stop_strings import StopStringMatcher
@@ -130,7 +131,7 @@ def test_a_full_context_prompt_still_gets_one_token():
 def test_generation_stops_at_eos_and_keeps_it_in_the_token_ids():
     free = LLM(executable()).generate(LONG, max_new_tokens=8).token_ids
     eos = free[3]
-    run = BatchGeneration(executable(), [LONG], GenerationRequest(max_new_tokens=8, eos_ids=frozenset({eos})), [0])
+    run = EngineBatch(LLM(executable()).engine, [LONG], GenerationRequest(max_new_tokens=8, eos_ids=frozenset({eos})), [0])
     list(run)
     (result,) = run.results()
     assert result.token_ids == free[:free.index(eos) + 1] and result.finish_reason == "eos"

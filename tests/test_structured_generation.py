@@ -15,7 +15,8 @@ import pytest
 import kiln
 from kiln.runtime.constraint_compiler import compile_constraint
 from kiln.runtime.constraint_spec import constraint_spec
-from kiln.runtime.decode_loop import BatchGeneration, GenerationRequest
+from kiln.runtime.decode_loop import GenerationRequest
+from kiln.runtime.engine_batch import EngineBatch
 from kiln.runtime.errors import ConstraintError
 from kiln.runtime.sampler import SamplingParams
 
@@ -76,11 +77,11 @@ def test_constraint_masks_sampling_but_logprobs_stay_the_models(tiny_llm):
 
 
 def batch(llm, prompts, seeds, temperature=0.0, **constraint):
-    """Run a BatchGeneration (the batch loop) to the end; its results."""
+    """Run prompts through the engine to the end; their results."""
     spec = constraint_spec(**constraint)
     request = GenerationRequest(max_new_tokens=100, sampling=SamplingParams(temperature=temperature),
                                 eos_ids=llm.tokenizer.eos_ids, constraint=compile_constraint(llm.tokenizer, spec))
-    run = BatchGeneration(llm.executable, prompts, request, seeds, llm.tokenizer.incremental_decoder)
+    run = EngineBatch(llm.engine, prompts, request, seeds)
     for _ in run:
         pass
     return run.results()
@@ -98,7 +99,7 @@ def test_fast_forward_gives_the_same_tokens_in_fewer_model_steps(tiny_llm, tempe
     assert fast.stats.model_steps < slow.stats.model_steps
 
 
-def test_fast_forward_in_a_batch_matches_each_prompt_alone(tiny_llm):
+def test_constrained_rows_in_a_batch_match_each_prompt_alone(tiny_llm):
     prompts = [prompt(tiny_llm), prompt(tiny_llm, "The capital of France")]
     together = batch(tiny_llm, prompts, [1, 2], 1.0, json_schema=PERSON)
     alone = [batch(tiny_llm, [p], [s], 1.0, json_schema=PERSON, fast_forward=False)[0]
