@@ -19,7 +19,7 @@ into which segments) and rebuilds the graph with local shapes, so every type is 
 verified. Anything it cannot place raises `ShardingError` naming the op.
 
 The graph is the same on every rank; what differs per rank lives in its weights (the shards and
-`tensor_parallel.vocab_start`), so one graph.kir serves all ranks of an artifact.
+`tensor_parallel.vocab_rows`), so one graph.kir serves all ranks of an artifact.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ from kiln.ir.dims import dims_equal
 from kiln.ir.errors import KilnError
 from kiln.ir.ops.shape_rules import numel
 
-VOCAB_START = "tensor_parallel.vocab_start"
+VOCAB_ROWS = "tensor_parallel.vocab_rows"
 ELEMENTWISE = {
     "add", "sub", "mul", "div", "pow", "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge",
     "logical_and", "logical_or", "neg", "exp", "log", "sqrt", "rsqrt", "reciprocal", "abs", "tanh", "sin",
@@ -252,19 +252,26 @@ class _Sharder:
             raise ShardingError(f"embedding %{node.output.name}: its table is computed, not a parameter")
         segment = self._vocab_segment(weight)
         table = self._param(weight.name, ("rows", (segment,)))
-        if VOCAB_START not in self.out.params:
-            start = torch.tensor(segment.chunk(self.rank, self.world)[0], dtype=torch.int64)
-            self.out.add_param(VOCAB_START, start)
+        if VOCAB_ROWS not in self.out.params:
+            self.out.add_param(VOCAB_ROWS, self._vocab_rows(segment))
         ids = self._value(ids)
-        local = self._emit("sub", [ids, self.out.params[VOCAB_START]], {})
-        zero = self._emit("full", [], {"shape": (), "value": 0, "dtype": ids.type.dtype})
-        size = self._emit("full", [], {"shape": (), "value": segment.local, "dtype": ids.type.dtype})
-        inside = self._emit("logical_and", [self._emit("ge", [local, zero], {}), self._emit("lt", [local, size], {})], {})
+        local = self._emit("index", [self.out.params[VOCAB_ROWS], ids], {})
+        zero = self._emit("full", [], {"shape": (), "value": 0, "dtype": local.type.dtype})
+        inside = self._emit("ge", [local, zero], {})
         rows = self._emit("embedding", [table, self._emit("where", [inside, local, zero], {})], {})
         keep = self._emit("reshape", [inside], {"shape": (*ids.type.shape, 1)})
         nothing = self._emit("full", [], {"shape": (), "value": 0.0, "dtype": rows.type.dtype})
         masked = self._emit("where", [keep, rows, nothing], {})
         return self._emit("all_reduce", [masked], {"world_size": self.world})
+
+    def _vocab_rows(self, segment: Segment) -> torch.Tensor:
+        """Each token id's row in this rank's table, -1 where another rank holds it. A table, not
+        an offset: a compiler folds a scalar constant into the code, and the code is shared by
+        every rank (one AOTInductor package, Inductor's cache); a table stays a weight."""
+        lo, hi = segment.chunk(self.rank, self.world)
+        rows = torch.full((segment.full,), -1, dtype=torch.int64)
+        rows[lo:hi] = torch.arange(hi - lo)
+        return rows
 
     def _kv_write(self, node: Node) -> Value:
         cache, new, positions = node.inputs

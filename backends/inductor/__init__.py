@@ -4,7 +4,9 @@
 - `executable.save(directory)` writes an AOTInductor package, and `load(directory, graph, weights,
   options)` runs it without tracing or compiling (aoti_package.py);
 - a tensor-parallel graph (collectives.py) is saved without a package and compiled with
-  torch.compile when loaded in each rank: AOTInductor's CPU runtime has all_reduce but no all_gather;
+  torch.compile when loaded in each rank. A package can carry the collectives (traced under a
+  fake process group it builds, and runs right), but under gloo it intermittently deadlocks
+  inside its collectives (torch 2.13, CPU), so sharded artifacts are compiled at load;
 - lower_to_fx.py holds the one table from IR op to torch call (`FX_LOWERINGS`), and the hook for
   custom linear kernels (`register_linear_lowering`).
 """

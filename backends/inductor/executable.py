@@ -120,8 +120,8 @@ class InductorExecutable(StatefulRunner):
         named_caches = self._init_state(graph, options)
         self.module = graph_to_fx(graph, weights, state=named_caches)
         self.compile_count = 0
-        # Frozen small weights become literals in the generated code, and Inductor's FX graph cache
-        # then hands one rank's kernels (its vocab offset) to another: shards compile unfrozen.
+        # Frozen, a 0-dim weight becomes a literal in the generated code, which Inductor's FX graph
+        # cache keys by shape only: a rank's own such weight would reach another rank from the cache.
         self.freezing = freezing and tensor_parallel_size(graph) == 1
         self._dynamic_dims = dynamic_dims(graph)
         self._compiled_shapes: set[tuple[int, ...]] = set()
