@@ -237,9 +237,18 @@ def _serve(args) -> int:
     except ImportError as error:
         raise KilnError(f"`kiln serve` needs FastAPI, uvicorn and prometheus-client ({error}). "
                         "Fix: pip install 'kiln[serve]'.") from None
+    import json
+
     import kiln
     from kiln.runtime.server import serve
 
+    try:
+        ranks = json.loads((Path(args.artifact) / "manifest.json").read_text()).get("tensor_parallel", 1)
+    except (OSError, ValueError):
+        ranks = 1  # kiln.load says what is wrong with the artifact
+    if ranks > 1:
+        raise KilnError(f"{args.artifact} is sharded over {ranks} ranks, and kiln serve runs one process. "
+                        "Fix: serve an unsharded artifact (compile without --tensor-parallel).")
     llm = kiln.load(args.artifact)
     llm.engine.max_queue = args.max_queue
     name = args.model_name or Path(args.artifact).resolve().name.removesuffix(".kiln")
