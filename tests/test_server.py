@@ -251,3 +251,11 @@ def test_choices_and_malformed_response_format(client):
     with pytest.raises(openai.BadRequestError, match="json_schema.schema"):
         client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8,
                                   extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}})
+
+
+def test_serve_refuses_a_tensor_parallel_artifact(tmp_path, capsys):
+    from kiln.cli import kiln_main
+
+    (tmp_path / "manifest.json").write_text(json.dumps({"tensor_parallel": 2}))
+    assert kiln_main(["serve", str(tmp_path)]) == 2
+    assert "sharded over 2 ranks" in capsys.readouterr().err
