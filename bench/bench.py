@@ -46,7 +46,9 @@ class KilnRunner:
 
         self.llm = kiln.load(artifact)
         quantize = self.llm.manifest.get("options", {}).get("quantize")
-        self.name = f"kiln-{self.llm.manifest['backend']}" + (f"-{quantize}" if quantize else "")
+        embeddings = self.llm.manifest.get("options", {}).get("quantize_embeddings")
+        self.name = (f"kiln-{self.llm.manifest['backend']}" + (f"-{quantize}" if quantize else "")
+                     + ("-emb" if quantize and embeddings else ""))
         self.weight_bytes = sum(t.numel() * t.element_size() for t in self.llm.graph.weights.values())
         if self.llm.manifest["backend"] == "onnxruntime":  # its session sizes its own thread pool
             import dataclasses
@@ -163,6 +165,8 @@ def main(argv=None) -> int:
     parser.add_argument("--tg", type=int, default=128)
     parser.add_argument("--quantize", default="", help="also Kiln artifacts with these weight schemes "
                         "(e.g. int4-g32,int8), on each backend")
+    parser.add_argument("--quantize-embeddings", action="store_true",
+                        help="the --quantize artifacts also quantize the lm_head and token embedding")
     parser.add_argument("--skip-hf-compile", action="store_true", help="skip the slow-to-compile baseline")
     parser.add_argument("--skip-hf", action="store_true", help="skip both Hugging Face baselines")
     args = parser.parse_args(argv)
@@ -176,11 +180,13 @@ def main(argv=None) -> int:
     schemes = [None] + [q for q in args.quantize.split(",") if q]
     for scheme in schemes:
         for backend in args.backends.split(","):
-            artifact = Path(f"{args.artifact}-{backend}" + (f"-{scheme}" if scheme else "") + ".kiln")
+            embeddings = bool(scheme) and args.quantize_embeddings
+            suffix = (f"-{scheme}" if scheme else "") + ("-emb" if embeddings else "")
+            artifact = Path(f"{args.artifact}-{backend}{suffix}.kiln")
             if not (artifact / "manifest.json").exists():
                 started = time.perf_counter()
                 kiln.compile(str(model_dir), out=artifact, backend=backend, max_seq_len=512, max_batch=1,
-                             quantize=scheme)
+                             quantize=scheme, quantize_embeddings=embeddings)
                 print(f"compiled {artifact} in {time.perf_counter() - started:.0f}s", file=sys.stderr)
             artifacts.append(artifact)
     runners = [KilnRunner(artifact, args.threads) for artifact in artifacts]
