@@ -91,27 +91,25 @@ class RequestHandle:
         return wake
 
     def __iter__(self):
-        while True:
-            kind, payload = self._events.get()
-            if kind == _PIECE:
-                yield payload
-            elif kind == _ERROR:
-                raise payload
-            else:
-                return
+        while (piece := _piece(*self._events.get())) is not None:
+            yield piece
 
     async def __aiter__(self):
         wake = self._waker()
         while True:
             wake.clear()  # before looking, so a post after the look still wakes us
             try:
-                kind, payload = self._events.get_nowait()
+                event = self._events.get_nowait()
             except queue.Empty:
                 await wake.wait()
                 continue
-            if kind == _PIECE:
-                yield payload
-            elif kind == _ERROR:
-                raise payload
-            else:
+            if (piece := _piece(*event)) is None:
                 return
+            yield piece
+
+
+def _piece(kind: str, payload):
+    """An event's text piece; None at the end; raises the error that ended the request."""
+    if kind == _ERROR:
+        raise payload
+    return payload if kind == _PIECE else None
