@@ -48,6 +48,16 @@ class Sequence:
         self.ttft_s = 0.0
         self.prefill_s = 0.0
 
+    @property
+    def unfed(self) -> int:
+        """How many tokens wait to be fed (no list built: the scheduler asks every step)."""
+        return len(self.row.prompt) + len(self.row.tokens) - self.fed
+
+    def newest(self) -> int:
+        """The next token to feed (the only one, in a decode step)."""
+        prompt, fed = self.row.prompt, self.fed
+        return prompt[fed] if fed < len(prompt) else self.row.tokens[fed - len(prompt)]
+
     def pending(self) -> list[int]:
         """The tokens to feed before the next sampling: the prompt's rest, then generated tokens."""
         prompt, fed = self.row.prompt, self.fed
@@ -165,10 +175,10 @@ class Engine:
         """One scheduling step; whether any request is still waiting or running."""
         self._drop_cancelled()
         self._admit()
-        prefilling = next((s for s in self.running if len(s.pending()) > 1), None)
+        prefilling = next((s for s in self.running if s.unfed > 1), None)
         if prefilling is not None:
             self._guarded([prefilling], self._feed_chunk, prefilling)
-        decoding = [s for s in self.running if len(s.pending()) == 1]
+        decoding = [s for s in self.running if s.unfed == 1]
         if decoding:
             self._guarded(decoding, self._decode, decoding)
         return bool(self.running or self.waiting)
@@ -197,7 +207,7 @@ class Engine:
         logits = self.executable.run(torch.tensor([tokens], dtype=torch.int64), positions, first_row=seq.slot)
         self.slots.fed(seq.slot, tokens, seq.fed)
         seq.fed += len(tokens)
-        if not seq.pending():
+        if not seq.unfed:
             self._accept(seq, logits[0, -1])
         seq.prefill_s += time.perf_counter() - start
 
@@ -209,7 +219,7 @@ class Engine:
         for row in range(rows):  # placeholders where the row's next real token will go
             positions[row, 0] = min(len(self.slots.contents[row]), self.max_seq_len - 1)
         for seq in seqs:
-            tokens[seq.slot, 0], positions[seq.slot, 0] = seq.pending()[0], seq.fed
+            tokens[seq.slot, 0], positions[seq.slot, 0] = seq.newest(), seq.fed
         logits = self.executable.run(tokens, positions)
         for row in range(rows):
             self.slots.scribbled(row, int(positions[row, 0]))
