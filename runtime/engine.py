@@ -23,6 +23,7 @@ import time
 from collections import deque
 from contextlib import contextmanager
 
+import numpy as np
 import torch
 
 from kiln.backends.cache_rows import copy_prefix
@@ -214,19 +215,22 @@ class Engine:
     def _decode(self, seqs: list[Sequence]) -> None:
         start = time.perf_counter()
         rows = max(s.slot for s in seqs) + 1
-        tokens = torch.zeros(rows, 1, dtype=torch.int64)
-        positions = torch.zeros(rows, 1, dtype=torch.int64)
-        for row in range(rows):  # placeholders where the row's next real token will go
-            positions[row, 0] = min(len(self.slots.contents[row]), self.max_seq_len - 1)
+        # Python lists, one tensor each at the end: element-wise writes into a tensor cost
+        # microseconds apiece, which the engine would pay every token.
+        tokens = [0] * rows
+        positions = [min(len(self.slots.contents[row]), self.max_seq_len - 1) for row in range(rows)]  # placeholders
         for seq in seqs:
-            tokens[seq.slot, 0], positions[seq.slot, 0] = seq.newest(), seq.fed
-        logits = self.executable.run(tokens, positions)
+            tokens[seq.slot], positions[seq.slot] = seq.newest(), seq.fed
+        logits = self.executable.run(torch.from_numpy(np.array(tokens, dtype=np.int64).reshape(rows, 1)),
+                                     torch.from_numpy(np.array(positions, dtype=np.int64).reshape(rows, 1)))
+        # rows of logits through numpy views: torch indexing is dispatcher work per row per token
+        rows_logits = logits.numpy()[:, 0] if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
         for row in range(rows):
-            self.slots.scribbled(row, int(positions[row, 0]))
+            self.slots.scribbled(row, positions[row])
         for seq in seqs:
-            self.slots.fed(seq.slot, [int(tokens[seq.slot, 0])], seq.fed)
+            self.slots.fed(seq.slot, [tokens[seq.slot]], seq.fed)
             seq.fed += 1
-            self._accept(seq, logits[seq.slot, 0])
+            self._accept(seq, torch.from_numpy(rows_logits[seq.slot]) if rows_logits is not None else logits[seq.slot, 0])
         elapsed = time.perf_counter() - start
         for seq in seqs:
             seq.row.decode_s += elapsed

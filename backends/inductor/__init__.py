@@ -15,13 +15,14 @@ from __future__ import annotations
 import torch
 
 from . import fast_linear  # registers Kiln's GEMV kernel as the lowering of fp32 linears
+from . import fast_attention  # registers Kiln's cached-attention kernel for attention over KV buffers
 from kiln.ir.ops.collectives import tensor_parallel_size
 
 from .aoti_package import AOTIExecutable, PackageError
 from .aoti_package import load as load_package
 from .executable import FeedError, InductorExecutable, lower
 from .lower_to_fx import (FX_LOWERINGS, LoweringError, UnsupportedOpError, check_lowering_table, graph_to_fx,
-                          register_linear_lowering)
+                          register_attention_lowering, register_linear_lowering)
 
 NAME = "inductor"
 
@@ -42,5 +43,5 @@ def load(directory, graph, weights, options):
 __all__ = [
     "NAME", "backend_version", "lower", "load", "InductorExecutable", "AOTIExecutable", "FeedError",
     "PackageError", "FX_LOWERINGS", "LoweringError", "UnsupportedOpError", "check_lowering_table",
-    "graph_to_fx", "register_linear_lowering",
+    "graph_to_fx", "register_linear_lowering", "register_attention_lowering",
 ]

@@ -28,13 +28,23 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor |
 
 def rope(x: torch.Tensor, positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor) -> torch.Tensor:
     """The IR's `rope`: rotate-half rotary embedding of x[..., :2 * half] with table rows at positions."""
-    half = cos_table.size(-1)
-    c, s = F.embedding(positions, cos_table)[:, None], F.embedding(positions, sin_table)[:, None]
+    cos, sin = rope_rows(positions, cos_table, sin_table)
+    return rotate_half(x, cos, sin).to(x.dtype)
+
+
+def rope_rows(positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch.Tensor):
+    """The cos/sin table rows at positions, [batch, 1, seq, half]: shared by every rope of a graph."""
+    return F.embedding(positions, cos_table)[:, None], F.embedding(positions, sin_table)[:, None]
+
+
+def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x[..., :2 * half] rotated by the rows `rope_rows` gathered; the rest of x passes through."""
+    half = cos.size(-1)
     x1, x2 = x[..., :half], x[..., half:2 * half]
-    rotated = (x1 * c - x2 * s, x2 * c + x1 * s)
+    rotated = (x1 * cos - x2 * sin, x2 * cos + x1 * sin)
     if 2 * half == x.size(-1):
-        return torch.cat(rotated, dim=-1).to(x.dtype)
-    return torch.cat((*rotated, x[..., 2 * half:]), dim=-1).to(x.dtype)
+        return torch.cat(rotated, dim=-1)
+    return torch.cat((*rotated, x[..., 2 * half:]), dim=-1)
 
 
 def kv_write_inplace(cache: torch.Tensor, new: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -44,9 +54,19 @@ def kv_write_inplace(cache: torch.Tensor, new: torch.Tensor, positions: torch.Te
     scatter kernel into the buffer (as gpt-fast's `k_out[:, :, input_pos] = k_val`): no copy of
     the whole cache per step.
     """
+    return kv_write_at(cache, new, kv_write_index(new, positions))
+
+
+def kv_write_index(new: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The (row, head, slot) index of kv_write: one per graph serves every layer's k and v."""
     rows = torch.arange(new.size(0), device=new.device)[:, None, None]
     heads = torch.arange(new.size(1), device=new.device)[None, :, None]
-    cache.index_put_((rows, heads, positions[:, None, :]), new.to(cache.dtype))
+    return rows, heads, positions[:, None, :]
+
+
+def kv_write_at(cache: torch.Tensor, new: torch.Tensor, index: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """kv_write with its index from `kv_write_index`, in place."""
+    cache.index_put_(index, new if new.dtype == cache.dtype else new.to(cache.dtype))
     return cache
 
 

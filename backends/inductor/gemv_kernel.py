@@ -161,6 +161,38 @@ def _build(out: Path) -> None:
             fcntl.flock(lockf, fcntl.LOCK_UN)
 
 
+def extension_library(src: Path, kernel_define: str, name: str) -> Path:
+    """Build (once, cached under $KILN_CACHE/ext) another Kiln kernel file laid out like this one:
+    its SIMD translation unit compiled with `-D<kernel_define>`, its torch binding without.
+    Returns the shared library's path (keyed by source, flags, torch and compiler)."""
+    cxx = _compiler()
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+    digest = hashlib.sha256()
+    for part in (src.read_bytes(), " ".join(_FLAGS + _KERNEL_FLAGS).encode(), torch.__version__.encode(),
+                 cxx.encode(), version.encode(), sys.platform.encode()):
+        digest.update(part + b"\0")
+    out = _cache_dir() / f"{name}_{digest.hexdigest()[:16]}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / (out.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent processes build once
+        if out.exists():
+            return out
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        os.close(fd)
+        commands = _build_cmds(cxx, src, Path(tmp))
+        commands[0] = [a.replace("-DKILN_GEMV_KERNELS", f"-D{kernel_define}") for a in commands[0]]
+        try:
+            _run_build(commands)
+            os.replace(tmp, out)
+        finally:
+            for f in (tmp, tmp + ".kern.o", tmp + ".ops.o"):
+                if os.path.exists(f):
+                    os.unlink(f)
+    return out
+
+
 def _ops_registered() -> bool:
     try:
         return all(torch._C._dispatch_has_kernel_for_dispatch_key(f"kiln::{op}", "CPU")

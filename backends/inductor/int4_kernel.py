@@ -14,12 +14,6 @@ flags, cache directory), with a fake implementation for torch.compile / AOTInduc
 """
 from __future__ import annotations
 
-import fcntl
-import hashlib
-import os
-import subprocess
-import sys
-import tempfile
 import threading
 from pathlib import Path
 
@@ -31,36 +25,6 @@ from .gemv_kernel import KernelBuildError
 _SRC = Path(__file__).with_name("int4_kernel.cpp")
 _lock = threading.Lock()
 _loaded = False
-
-
-def library_path() -> Path:
-    """The cached shared library for this source, flags, torch and compiler."""
-    cxx = gemv_kernel._compiler()
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
-    digest = hashlib.sha256()
-    for part in (_SRC.read_bytes(), " ".join(gemv_kernel._FLAGS + gemv_kernel._KERNEL_FLAGS).encode(),
-                 torch.__version__.encode(), cxx.encode(), version.encode(), sys.platform.encode()):
-        digest.update(part + b"\0")
-    return gemv_kernel._cache_dir() / f"kiln_int4_{digest.hexdigest()[:16]}.so"
-
-
-def _build(out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / (out.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent processes build once
-        if out.exists():
-            return
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-        os.close(fd)
-        commands = gemv_kernel._build_cmds(gemv_kernel._compiler(), _SRC, Path(tmp))
-        commands[0] = [a.replace("-DKILN_GEMV_KERNELS", "-DKILN_INT4_KERNELS") for a in commands[0]]
-        try:
-            gemv_kernel._run_build(commands)
-            os.replace(tmp, out)
-        finally:
-            for f in (tmp, tmp + ".kern.o", tmp + ".ops.o"):
-                if os.path.exists(f):
-                    os.unlink(f)
 
 
 def _register_fake() -> None:
@@ -77,9 +41,7 @@ def ensure_loaded() -> None:
         if _loaded:
             return
         gemv_kernel._check_cpu()
-        path = library_path()
-        if not path.exists():
-            _build(path)
+        path = gemv_kernel.extension_library(_SRC, "KILN_INT4_KERNELS", "kiln_int4")
         try:
             torch.ops.load_library(str(path))
         except OSError as error:

@@ -47,6 +47,14 @@ class FxBuilder:
         # symbol name -> its size: an int, or (input node, axis) read on first use
         self.symbols: dict[str, int | tuple[fx.Node, int]] = {}
         self._dims: dict[sympy.Expr, fx.Node | int] = {}
+        self._shared: dict[tuple, fx.Node] = {}
+
+    def shared(self, key: tuple, make: Callable[[], fx.Node]) -> fx.Node:
+        """The node `make()` builds, built once per key: work every layer repeats (rope's table
+        rows, kv_write's index) is emitted once, which keeps the graph Inductor compiles small."""
+        if key not in self._shared:
+            self._shared[key] = make()
+        return self._shared[key]
 
     def call(self, fn: Callable, *args, **kwargs) -> fx.Node:
         return self.graph.call_function(fn, args, kwargs)
@@ -182,10 +190,39 @@ def _linear(b, node, args, attrs):
     return b.call(F.linear, *args)
 
 
+ATTENTION_LOWERINGS: list[Lowering] = []  # tried first, newest first; None declines
+
+
+def register_attention_lowering(lowering: Lowering) -> None:
+    """Try `lowering(b, node, args, attrs)` for `attention` nodes before the composite one."""
+    ATTENTION_LOWERINGS.insert(0, lowering)
+
+
+def _attention(b, node, args, attrs):
+    for lowering in ATTENTION_LOWERINGS:
+        result = lowering(b, node, args, attrs)
+        if result is not None:
+            return result
+    return b.call(composite_ops.attention, *args, **attrs)
+
+
 def _kv_write(b, node, args, attrs):
     if args[0].op == "get_attr" and args[0].target in b.buffers:  # a cache this module owns: in place
-        return b.call(composite_ops.kv_write_inplace, *args)
+        new_shape = node.inputs[1].type.shape
+        index = b.shared(("kv_write_index", new_shape[0], new_shape[1], args[2]),
+                         lambda: b.call(composite_ops.kv_write_index, args[1], args[2]))
+        return b.call(composite_ops.kv_write_at, args[0], args[1], index)
     return b.call(composite_ops.kv_write_functional, *args)
+
+
+def _rope(b, node, args, attrs):
+    x, positions, cos_table, sin_table = args
+    rows = b.shared(("rope_rows", positions, cos_table, sin_table),
+                    lambda: b.call(composite_ops.rope_rows, positions, cos_table, sin_table))
+    rotated = b.call(composite_ops.rotate_half, x, b.call(operator.getitem, rows, 0), b.call(operator.getitem, rows, 1))
+    if node.inputs[2].type.dtype == node.inputs[0].type.dtype:
+        return rotated
+    return b.method("to", rotated, to_torch(node.inputs[0].type.dtype))
 
 
 FX_LOWERINGS: dict[str, Lowering] = {
@@ -218,8 +255,8 @@ FX_LOWERINGS: dict[str, Lowering] = {
     "layer_norm": _layer_norm,
     "rms_norm": _torch_call(composite_ops.rms_norm),
     "add_rms_norm": _torch_call(composite_ops.add_rms_norm),
-    "rope": _torch_call(composite_ops.rope),
-    "attention": _torch_call(composite_ops.attention),
+    "rope": _rope,
+    "attention": _attention,
     "kv_write": _kv_write,
     **QUANTIZED_LOWERINGS,  # linear_q, embedding_q (quantized_linear.py)
     **COLLECTIVE_LOWERINGS,  # all_reduce, all_gather (collectives.py)

@@ -54,6 +54,11 @@ class OrtExecutable:
         self.max_seq_len = min([s[2] for s in shapes] + [options.max_seq_len])
         self.binding = self.session.io_binding()
         self._bound_rows: tuple[int, int] | None = None
+        # Fixed per model, looked up once: a decode step is a few milliseconds, and Python work
+        # per cache per call (60 caches for SmolLM2) would be a measurable share of it.
+        self._copied_back = [i for i, c in enumerate(self.info["caches"]) if not c["in_place"]]
+        self._logits_dtype = to_torch(self.info["logits_dtype"])
+        self._logits_numpy_dtype = _numpy_dtype(self._logits_dtype)
 
     def _allocate(self, cache: dict):
         dtype = to_torch(cache["dtype"])
@@ -91,9 +96,9 @@ class OrtExecutable:
             raise FeedError(f"tokens {list(tokens.shape)} and positions {list(positions.shape)} must both be [batch, seq]")
         if tokens.size(0) > self.max_batch:
             raise FeedError(f"batch {tokens.size(0)} exceeds max_batch {self.max_batch}; compile with a larger max_batch")
-        tokens = tokens.to(torch.int64).contiguous()
-        positions = positions.to(torch.int64).contiguous()
-        low, high = int(positions.min()), int(positions.max())
+        tokens, positions = _int64_contiguous(tokens), _int64_contiguous(positions)
+        flat = positions.numpy().reshape(-1)  # numpy: a decode step's checks cost microseconds, not tens
+        low, high = int(flat.min()), int(flat.max())
         if low < 0 or high >= self.max_seq_len:
             raise FeedError(f"positions must lie in [0, {self.max_seq_len}), got [{low}, {high}]")
         if self.info["contiguous_positions"] and positions.size(1) > 1:
@@ -112,12 +117,11 @@ class OrtExecutable:
             self.binding.bind_cpu_input(name, feeds[name])
         if self._bound_rows != (first_row, batch):
             self._bind_caches(first_row, batch)
-        scratch = self._bind_scratch(batch)
+        scratch = self._bind_scratch(batch) if self._copied_back else []
         logits = self._bind_logits(batch, seq)
         self.session.run_with_iobinding(self.binding)
-        for (cache, spec), out in zip(zip(self.caches, self.info["caches"]), scratch):
-            if out is not None:
-                cache[first_row:first_row + batch].copy_(out)
+        for index, out in zip(self._copied_back, scratch):
+            self.caches[index][first_row:first_row + batch].copy_(out)
         return logits if isinstance(logits, torch.Tensor) else torch.from_numpy(logits.numpy())  # device -> host
 
     def _bind_caches(self, first_row: int, batch: int) -> None:
@@ -131,13 +135,11 @@ class OrtExecutable:
                 self.binding.bind_output(spec["output"], self.device_type, self.device_id, dtype, shape, pointer)
         self._bound_rows = (first_row, batch)
 
-    def _bind_scratch(self, batch: int) -> list[torch.Tensor | None]:
+    def _bind_scratch(self, batch: int) -> list[torch.Tensor]:
         """Fresh tensors for the caches updated by plain ONNX (their present.* is a new tensor)."""
         out = []
-        for cache, spec in zip(self.caches, self.info["caches"]):
-            if spec["in_place"]:
-                out.append(None)
-                continue
+        for index in self._copied_back:
+            cache, spec = self.caches[index], self.info["caches"][index]
             scratch = torch.empty([batch, *cache.shape[1:]], dtype=cache.dtype)
             self.binding.bind_output(spec["output"], "cpu", 0, _numpy_dtype(cache.dtype), list(scratch.shape),
                                      scratch.data_ptr())
@@ -146,14 +148,14 @@ class OrtExecutable:
 
     def _bind_logits(self, batch: int, seq: int):
         """A fresh logits tensor bound as the output (on the CPU a torch tensor: no copy after)."""
-        dtype = to_torch(self.info["logits_dtype"])
+        dtype = self._logits_dtype
         if self.device_type != "cpu":
             logits = ort.OrtValue.ortvalue_from_shape_and_type([batch, seq, self.info["vocab"]], _numpy_dtype(dtype),
                                                                self.device_type, self.device_id)
             self.binding.bind_ortvalue_output(self.info["logits"], logits)
             return logits
         logits = torch.empty(batch, seq, self.info["vocab"], dtype=dtype)
-        self.binding.bind_output(self.info["logits"], "cpu", 0, _numpy_dtype(logits.dtype), list(logits.shape),
+        self.binding.bind_output(self.info["logits"], "cpu", 0, self._logits_numpy_dtype, list(logits.shape),
                                  logits.data_ptr())
         return logits
 
@@ -170,6 +172,13 @@ class OrtExecutable:
             except OSError:
                 shutil.copyfile(source, target)
         return [MODEL_FILE, DATA_FILE]
+
+
+def _int64_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """t as contiguous int64, without a torch op call when it already is one (the usual case)."""
+    if t.dtype != torch.int64:
+        t = t.to(torch.int64)
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def _numpy_dtype(dtype: torch.dtype):

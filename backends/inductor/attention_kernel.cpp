@@ -1,0 +1,179 @@
+// Kiln CPU attention over a static KV cache: kiln::cached_attention.
+//
+// q [B, H, T, D] f32; k, v [B' >= B, Hkv, S, D] f32 (the cache buffers: rows [0, B) are read);
+// positions [B, T] int64. Query (b, h, t) sees key slots s with
+//   max(0, p - window + 1) <= s <= p,   p = positions[b, t]   (window 0: no lower bound),
+// and query head h reads kv head h / (H / Hkv) (GQA kept grouped: no copy of k or v).
+// A query that sees no slot gets zeros (the IR's attention does the same).
+//
+// Why: decomposed, a grouped attention over a static cache expands k and v to every query
+// head and scores all S slots of every step (Inductor copied 2.4 MB per layer per decode token
+// for SmolLM2 at S = 512). Here a decode step reads only the slots up to each position, once.
+// Few queries (T <= kFewQueries: decode, speculative verification) run this file's kernel;
+// longer chunks (prefill) run ATen's scaled_dot_product_attention on the slots up to the
+// chunk's last position, with a boolean mask (GEMM-bound work belongs to BLAS).
+//
+// One file, two translation units (built like gemv_kernel.cpp):
+//   -DKILN_ATTENTION_KERNELS : the SIMD kernel (AVX2 + FMA), no torch headers;
+//   (default)                : checks, threading, the prefill path and op registration.
+#include <cstdint>
+
+extern "C" {
+// out[0:D] = softmax(scale * q . k[s] for s in [lo, hi]) @ v[lo:hi+1]; k, v rows D apart.
+// scratch holds hi - lo + 1 floats. hi < lo: out = 0.
+void kiln_attend_one_query(const float* q, const float* k, const float* v, int64_t D, int64_t lo, int64_t hi,
+                           float scale, float* scratch, float* out);
+}
+
+#ifdef KILN_ATTENTION_KERNELS
+#include <immintrin.h>
+#include <cmath>
+
+namespace {
+
+inline float hsum(__m256 a) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+  }
+  for (; i + 8 <= n; i += 8) acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+  float s = hsum(_mm256_add_ps(acc0, acc1));
+  for (; i < n; i++) s += a[i] * b[i];
+  return s;
+}
+
+// out[0:n] += w * x[0:n]
+inline void axpy(float w, const float* x, float* out, int64_t n) {
+  const __m256 wv = _mm256_set1_ps(w);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(out + i)));
+  for (; i < n; i++) out[i] += w * x[i];
+}
+
+}  // namespace
+
+extern "C" void kiln_attend_one_query(const float* q, const float* k, const float* v, int64_t D, int64_t lo,
+                                      int64_t hi, float scale, float* scratch, float* out) {
+  for (int64_t d = 0; d < D; d++) out[d] = 0.f;
+  if (hi < lo) return;
+  const int64_t n = hi - lo + 1;
+  float top = -INFINITY;
+  for (int64_t s = 0; s < n; s++) {
+    scratch[s] = scale * dot(q, k + (lo + s) * D, D);
+    top = scratch[s] > top ? scratch[s] : top;
+  }
+  float total = 0.f;
+  for (int64_t s = 0; s < n; s++) {
+    scratch[s] = std::exp(scratch[s] - top);
+    total += scratch[s];
+  }
+  for (int64_t s = 0; s < n; s++) axpy(scratch[s], v + (lo + s) * D, out, D);
+  const float inv = 1.f / total;
+  for (int64_t d = 0; d < D; d++) out[d] *= inv;
+}
+
+#else  // ---------------------------------------------------------------- torch binding TU
+
+#include <torch/library.h>
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <vector>
+
+namespace kiln_attention {
+
+constexpr int64_t kFewQueries = 8;  // more queries per row than this: ATen's SDPA (GEMM-bound)
+
+static void check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions) {
+  const char* op = "kiln::cached_attention";
+  TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), op, ": CPU tensors only");
+  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
+              op, ": q, k, v must be float32");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, op, ": q, k, v must be [batch, heads, seq, head_dim]");
+  TORCH_CHECK(k.sizes() == v.sizes(), op, ": k and v caches differ in shape");
+  TORCH_CHECK(k.size(0) >= q.size(0), op, ": the cache has ", k.size(0), " rows, fewer than the batch ", q.size(0));
+  TORCH_CHECK(q.size(1) % k.size(1) == 0, op, ": ", q.size(1), " query heads are not a multiple of ", k.size(1),
+              " kv heads");
+  TORCH_CHECK(q.size(3) == k.size(3), op, ": q and k head dims differ");
+  TORCH_CHECK(positions.scalar_type() == at::kLong && positions.dim() == 2 && positions.size(0) == q.size(0) &&
+                  positions.size(1) == q.size(2),
+              op, ": positions must be int64 [batch, seq]");
+}
+
+// The visible slots [lo, hi] of a query at position p.
+static inline std::pair<int64_t, int64_t> visible(int64_t p, int64_t window, int64_t slots) {
+  const int64_t hi = std::min(p, slots - 1);
+  const int64_t lo = window > 0 ? std::max<int64_t>(0, p - window + 1) : 0;
+  return {lo, hi};
+}
+
+static at::Tensor few_queries(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              const at::Tensor& positions, double scale, int64_t window) {
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
+  const int64_t Hkv = k.size(1), S = k.size(2), groups = H / Hkv;
+  at::Tensor out = at::empty({B, H, T, D}, q.options());
+  const float* qp = q.data_ptr<float>();
+  const float* kp = k.data_ptr<float>();
+  const float* vp = v.data_ptr<float>();
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  float* op = out.data_ptr<float>();
+  // Tasks ordered (b, kv head, group, t): the queries of one kv head are neighbours, so a thread
+  // streams that head's keys and values once and reuses them from cache.
+  at::parallel_for(0, B * H * T, 1, [&](int64_t first, int64_t last) {
+    std::vector<float> scratch(S);
+    for (int64_t task = first; task < last; task++) {
+      const int64_t b = task / (H * T), h = task / T % H, t = task % T;
+      const auto [lo, hi] = visible(pos[b * T + t], window, S);
+      const int64_t row = (b * Hkv + h / groups) * S * D;
+      kiln_attend_one_query(qp + ((b * H + h) * T + t) * D, kp + row, vp + row, D, lo, hi, (float)scale,
+                            scratch.data(), op + ((b * H + h) * T + t) * D);
+    }
+  });
+  return out;
+}
+
+// Longer chunks: SDPA over the slots [0, last position] with a boolean visibility mask.
+static at::Tensor many_queries(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                               const at::Tensor& positions, double scale, int64_t window) {
+  const int64_t B = q.size(0), S = k.size(2);
+  const int64_t used = std::min<int64_t>(positions.max().item<int64_t>() + 1, S);
+  at::Tensor keys = k.narrow(0, 0, B).narrow(2, 0, used), values = v.narrow(0, 0, B).narrow(2, 0, used);
+  at::Tensor slot = at::arange(used, positions.options()).view({1, 1, 1, used});
+  at::Tensor query_pos = positions.view({B, 1, positions.size(1), 1});
+  at::Tensor mask = slot <= query_pos;
+  if (window > 0) mask = mask & (slot > query_pos - window);
+  at::Tensor out = at::scaled_dot_product_attention(q, keys, values, mask, 0.0, false, scale,
+                                                    /*enable_gqa=*/q.size(1) != k.size(1));
+  // A query that sees no slot gets zeros, not NaN (as the IR's attention).
+  return at::nan_to_num(out, 0.0);
+}
+
+at::Tensor cached_attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
+                            const at::Tensor& positions_in, double scale, int64_t window) {
+  check(q_in, k_in, v_in, positions_in);
+  at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
+  at::Tensor positions = positions_in.contiguous();
+  if (q.numel() == 0) return at::empty(q.sizes(), q.options());
+  if (q.size(2) <= kFewQueries) return few_queries(q, k, v, positions, scale, window);
+  return many_queries(q, k, v, positions, scale, window);
+}
+
+}  // namespace kiln_attention
+
+TORCH_LIBRARY_FRAGMENT(kiln, m) {
+  m.def("cached_attention(Tensor q, Tensor k, Tensor v, Tensor positions, float scale, int window) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(kiln, CPU, m) { m.impl("cached_attention", &kiln_attention::cached_attention); }
+
+#endif  // KILN_ATTENTION_KERNELS

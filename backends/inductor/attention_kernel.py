@@ -1,0 +1,50 @@
+"""Kiln's attention over a static KV cache for the CPU: `torch.ops.kiln.cached_attention`.
+
+    from kiln.backends.inductor import attention_kernel
+    attention_kernel.ensure_loaded()
+    out = torch.ops.kiln.cached_attention(q, k_cache, v_cache, positions, scale, window)
+
+q [batch, heads, seq, head_dim], caches [max_batch, kv_heads, slots, head_dim] (rows [0, batch)
+read), positions [batch, seq]: query (b, t) sees slots in (positions[b, t] - window,
+positions[b, t]] (window 0: from slot 0), query head h reads kv head h // (heads // kv_heads).
+Why a kernel of Kiln's own: decomposed by Inductor, a grouped attention over a static cache copies
+k and v out to every query head and scores every slot of the buffer on every decode step; this one
+reads each kv head once and only the slots up to the position (attention_kernel.cpp). Built like
+gemv_kernel.py (same compiler, flags and cache directory), with a fake implementation for
+torch.compile / AOTInductor.
+"""
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import torch
+
+from . import gemv_kernel
+from .gemv_kernel import KernelBuildError
+
+_SRC = Path(__file__).with_name("attention_kernel.cpp")
+_lock = threading.Lock()
+_loaded = False
+
+
+def _register_fake() -> None:
+    @torch.library.register_fake("kiln::cached_attention")
+    def _cached_attention_fake(q, k, v, positions, scale, window):
+        return q.new_empty((*q.shape[:3], v.shape[3]))
+
+
+def ensure_loaded() -> None:
+    """Build (once, cached) and load the kernel; registers torch.ops.kiln.cached_attention. Idempotent."""
+    global _loaded
+    with _lock:
+        if _loaded:
+            return
+        gemv_kernel._check_cpu()
+        path = gemv_kernel.extension_library(_SRC, "KILN_ATTENTION_KERNELS", "kiln_attention")
+        try:
+            torch.ops.load_library(str(path))
+        except OSError as error:
+            raise KernelBuildError(f"kiln attention kernel: cannot load {path}: {error}") from error
+        _register_fake()
+        _loaded = True

@@ -1,0 +1,61 @@
+"""Route `attention` over a static KV cache to Kiln's kernel (`torch.ops.kiln.cached_attention`).
+
+Why: Inductor decomposes a grouped, position-masked attention into copies of k and v for every
+query head and scores over every slot of the buffer, each decode step (attention_kernel.py says
+what that cost). The kernel reads each kv head once, only up to each query's position.
+
+It takes the stateful form: positions given, no extra mask, no softcap, f32 q/k/v. Otherwise,
+when the CPU or compiler cannot build the kernel (warned once), or when
+`KILN_ATTENTION_KERNEL=torch` asks for the decomposed one (benchmarks comparing the two), the
+composite `scaled_dot_product_attention` lowering stays.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+import warnings
+
+import torch
+
+from . import attention_kernel
+from .gemv_kernel import KernelBuildError
+from .lower_to_fx import register_attention_lowering
+
+ENV_SWITCH = "KILN_ATTENTION_KERNEL"  # "kiln" (default) or "torch"
+
+
+@functools.cache
+def kernel_available() -> bool:
+    try:
+        attention_kernel.ensure_loaded()
+        return True
+    except KernelBuildError as error:
+        warnings.warn(f"Kiln's attention kernel is unavailable, attention runs decomposed by Inductor "
+                      f"(slower decode): {error}", stacklevel=2)
+        return False
+
+
+def wanted() -> bool:
+    choice = os.environ.get(ENV_SWITCH, "kiln").lower()
+    if choice not in ("kiln", "torch"):
+        raise ValueError(f"{ENV_SWITCH}={choice!r}: use 'kiln' (Kiln's attention kernel) or 'torch' (decomposed SDPA)")
+    return choice == "kiln"
+
+
+def lower_cached_attention(b, node, args, attrs):
+    """attention(q, k, v, positions) -> kiln.cached_attention(q, k, v, positions, scale, window)."""
+    q, k, v, mask, positions = node.inputs
+    if mask is not None or positions is None or attrs["softcap"]:
+        return None
+    if any(t.type.dtype != "f32" for t in (q, k, v)) or not isinstance(q.type.shape[3], int):
+        return None
+    if not wanted() or not kernel_available():
+        return None
+    scale = attrs["scale"] if attrs["scale"] is not None else 1.0 / math.sqrt(q.type.shape[3])
+    position_ids = args[4] if positions.type.dtype == "i64" else b.method("long", args[4])
+    return b.call(torch.ops.kiln.cached_attention, args[0], args[1], args[2], position_ids, float(scale),
+                  int(attrs["window"] or 0))
+
+
+register_attention_lowering(lower_cached_attention)

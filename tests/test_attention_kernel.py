@@ -1,0 +1,94 @@
+"""Attention over a static KV cache lowered to Kiln's kernel (backends/inductor/fast_attention.py)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from kiln.backends.inductor import composite_ops, fast_attention, graph_to_fx
+from kiln.ir import Graph, TensorType, run_graph
+from kiln.ir.ops.attention import attention_reference
+
+pytestmark = pytest.mark.skipif(not fast_attention.kernel_available(),
+                                reason="the attention kernel cannot be built here")
+
+
+def cached_attention(q, k, v, positions, window=0):
+    return torch.ops.kiln.cached_attention(q, k, v, positions, 1 / math.sqrt(q.size(-1)), window)
+
+
+def positions_for(batch: int, seq: int, slots: int, generator: torch.Generator) -> torch.Tensor:
+    """Contiguous positions per row, each row at its own offset (row 1 from slot 0)."""
+    starts = torch.randint(0, slots - seq + 1, (batch,), generator=generator)
+    if batch > 1:
+        starts[1] = 0
+    return starts[:, None] + torch.arange(seq)
+
+
+@pytest.mark.parametrize("batch,heads,kv_heads,seq,head_dim,window", [
+    (1, 9, 3, 1, 64, 0),    # SmolLM2 decode
+    (2, 4, 2, 3, 20, 0),    # a few queries (speculative verification), head dim not a multiple of 8
+    (3, 8, 2, 8, 64, 7),    # sliding window, the most queries the kernel takes
+    (2, 6, 3, 24, 32, 0),   # a prefill chunk: ATen's attention over the used slots
+    (2, 4, 4, 16, 16, 5),   # prefill with a window, no grouping
+])
+def test_the_kernel_matches_the_irs_attention(batch, heads, kv_heads, seq, head_dim, window):
+    generator = torch.Generator().manual_seed(seq * 31 + heads)
+    slots = 48
+    q = torch.randn(batch, heads, seq, head_dim, generator=generator)
+    k, v = (torch.randn(batch + 1, kv_heads, slots, head_dim, generator=generator) for _ in range(2))
+    positions = positions_for(batch, seq, slots, generator)
+    expected = attention_reference(q, k, v, None, positions, None, False, window, 0.0)
+    torch.testing.assert_close(cached_attention(q, k, v, positions, window), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_slots_past_the_position_are_never_read():
+    """NaN in the slots a query cannot see (stale rows of the buffer) stays out of the output."""
+    q = torch.randn(1, 4, 2, 16)
+    k, v = torch.randn(1, 2, 32, 16), torch.randn(1, 2, 32, 16)
+    positions = torch.tensor([[5, 6]])
+    k[:, :, 7:], v[:, :, 7:] = float("nan"), float("nan")
+    assert torch.isfinite(cached_attention(q, k, v, positions)).all()
+
+
+def test_bad_shapes_are_errors_that_name_the_problem():
+    q, cache = torch.randn(1, 6, 1, 16), torch.randn(1, 4, 8, 16)
+    with pytest.raises(RuntimeError, match="not a multiple of 4 kv heads"):
+        cached_attention(q, cache, cache, torch.zeros(1, 1, dtype=torch.long))
+    with pytest.raises(RuntimeError, match="positions must be int64"):
+        cached_attention(torch.randn(1, 4, 1, 16), cache, cache, torch.zeros(1, 2, dtype=torch.long))
+
+
+def attention_graph(window: int = 0, softcap: float = 0.0) -> Graph:
+    g = Graph()
+    q = g.add_input("q", TensorType("f32", (2, 6, 3, 16)))
+    k = g.add_input("k", TensorType("f32", (2, 2, 24, 16)))
+    v = g.add_input("v", TensorType("f32", (2, 2, 24, 16)))
+    positions = g.add_input("positions", TensorType("i64", (2, 3)))
+    g.outputs = [g.call("attention", q, k, v, None, positions, window=window, softcap=softcap)]
+    return g
+
+
+def called_functions(module) -> set:
+    return {n.target for n in module.graph.nodes if n.op == "call_function"}
+
+
+@pytest.mark.parametrize("window", [0, 4])
+def test_stateful_attention_lowers_to_the_kernel_and_matches_the_interpreter(window):
+    graph = attention_graph(window)
+    module = graph_to_fx(graph)
+    assert torch.ops.kiln.cached_attention in called_functions(module)
+    generator = torch.Generator().manual_seed(window)
+    feeds = [torch.randn(2, 6, 3, 16, generator=generator), torch.randn(2, 2, 24, 16, generator=generator),
+             torch.randn(2, 2, 24, 16, generator=generator), torch.tensor([[4, 5, 6], [20, 21, 22]])]
+    torch.testing.assert_close(module(*feeds)[0], run_graph(graph, feeds)[0], atol=1e-5, rtol=1e-5)
+
+
+def test_softcap_and_the_environment_switch_keep_the_composite_attention(monkeypatch):
+    assert composite_ops.attention in called_functions(graph_to_fx(attention_graph(softcap=30.0)))
+    monkeypatch.setenv(fast_attention.ENV_SWITCH, "torch")
+    assert composite_ops.attention in called_functions(graph_to_fx(attention_graph()))
+    monkeypatch.setenv(fast_attention.ENV_SWITCH, "fastest")
+    with pytest.raises(ValueError, match="KILN_ATTENTION_KERNEL"):
+        graph_to_fx(attention_graph())
