@@ -21,6 +21,13 @@ class RowAddressError(KilnError, ValueError):
     """A call names cache rows that do not exist or overlap the rows it must swap with."""
 
 
+def int64_contiguous(t: torch.Tensor) -> torch.Tensor:
+    """t as contiguous int64 (tokens, positions), without a torch op when it already is one."""
+    if t.dtype != torch.int64:
+        t = t.to(torch.int64)
+    return t if t.is_contiguous() else t.contiguous()
+
+
 def check_rows(first_row: int, batch: int, max_batch: int) -> None:
     if first_row < 0 or first_row + batch > max_batch:
         raise RowAddressError(f"cache rows [{first_row}, {first_row + batch}) lie outside the {max_batch} "

@@ -131,13 +131,14 @@ def measure(runners: list, test: str, n: int, reps: int) -> list[dict]:
 
 
 def table(rows: list[dict], weight_bytes: int, params: int, threads: int) -> str:
+    # size: the weights a decode step reads (f32 unless the backend name says otherwise)
     lines = ["| model | size | params | backend | threads | test | t/s | weight GB/s |",
              "| --- | ---: | ---: | --- | ---: | --- | ---: | ---: |"]
     for r in rows:
         row_bytes = r.get("weight_bytes") or weight_bytes
         gbs = f"{r['mean'] * row_bytes / 1e9:.1f}" if r["test"].startswith("tg") else ""
         flag = " *" if r["contended"] else ""
-        lines.append(f"| SmolLM2-135M f32 | {weight_bytes / 2**20:.0f} MiB | {params / 1e6:.1f} M | {r['backend']} | "
+        lines.append(f"| SmolLM2-135M | {row_bytes / 2**20:.0f} MiB | {params / 1e6:.1f} M | {r['backend']} | "
                      f"{threads} | {r['test']} | {r['mean']:.2f} ± {r['sd']:.2f}{flag} | {gbs} |")
     return "\n".join(lines)
 

@@ -23,12 +23,19 @@ from torch.export import Dim
 from kiln.backends.executable import BackendOptions
 from kiln.ir import Graph
 
-from .executable import StatefulRunner, apply_threads, dynamic_dims
+from .executable import StatefulRunner, apply_threads, dynamic_dims, without_stack_traces
 from .lower_to_fx import graph_to_fx
 
 PACKAGE_FILE = "inductor.pt2"
 PACKAGE_INFO_FILE = "inductor.json"
 PACKAGE_FORMAT = 1
+PACKAGE_CONFIGS = {
+    "aot_inductor.package_constants_in_so": False,  # the artifact's safetensors hold the weights
+    # Inductor tries to fuse each pair of kernels that share a buffer within this many of each
+    # other. Every layer reads the shared rope rows and kv_write index, so the default of 64
+    # compares kernels of different layers, which never fuse (SmolLM2: 30k checks, ~5 s of compile).
+    "max_fusion_buffer_group_pairwise_attempts": 8,
+}
 
 
 class PackageError(RuntimeError):
@@ -58,10 +65,10 @@ def write_package(graph: Graph, module: torch.fx.GraphModule, options: BackendOp
     """Export and AOT-compile `module` into `directory/inductor.pt2` (weights left out)."""
     directory.mkdir(parents=True, exist_ok=True)
     apply_threads(options)
-    program = export_module(graph, module)
-    torch._inductor.aoti_compile_and_package(
-        program, package_path=str(directory / PACKAGE_FILE),
-        inductor_configs={"aot_inductor.package_constants_in_so": False})
+    with without_stack_traces():
+        program = export_module(graph, module)
+        torch._inductor.aoti_compile_and_package(
+            program, package_path=str(directory / PACKAGE_FILE), inductor_configs=PACKAGE_CONFIGS)
     info = {"format": PACKAGE_FORMAT, "torch": torch.__version__, "threads": torch.get_num_threads()}
     (directory / PACKAGE_INFO_FILE).write_text(json.dumps(info, indent=1) + "\n")
     return [PACKAGE_FILE, PACKAGE_INFO_FILE]

@@ -23,7 +23,7 @@ import onnx
 import onnxruntime as ort
 import torch
 
-from kiln.backends.cache_rows import check_rows
+from kiln.backends.cache_rows import check_rows, int64_contiguous
 from kiln.backends.executable import BackendOptions
 from kiln.ir import to_torch
 
@@ -96,7 +96,7 @@ class OrtExecutable:
             raise FeedError(f"tokens {list(tokens.shape)} and positions {list(positions.shape)} must both be [batch, seq]")
         if tokens.size(0) > self.max_batch:
             raise FeedError(f"batch {tokens.size(0)} exceeds max_batch {self.max_batch}; compile with a larger max_batch")
-        tokens, positions = _int64_contiguous(tokens), _int64_contiguous(positions)
+        tokens, positions = int64_contiguous(tokens), int64_contiguous(positions)
         flat = positions.numpy().reshape(-1)  # numpy: a decode step's checks cost microseconds, not tens
         low, high = int(flat.min()), int(flat.max())
         if low < 0 or high >= self.max_seq_len:
@@ -172,13 +172,6 @@ class OrtExecutable:
             except OSError:
                 shutil.copyfile(source, target)
         return [MODEL_FILE, DATA_FILE]
-
-
-def _int64_contiguous(t: torch.Tensor) -> torch.Tensor:
-    """t as contiguous int64, without a torch op call when it already is one (the usual case)."""
-    if t.dtype != torch.int64:
-        t = t.to(torch.int64)
-    return t if t.is_contiguous() else t.contiguous()
 
 
 def _numpy_dtype(dtype: torch.dtype):

@@ -9,6 +9,11 @@ the provider, instead of at the first generate.
 from __future__ import annotations
 
 import functools
+import json
+import subprocess
+import sys
+import warnings
+from typing import NamedTuple
 
 import onnx
 import onnxruntime as ort
@@ -55,16 +60,49 @@ def session_options(options: BackendOptions) -> ort.SessionOptions:
 
 def provider_list(provider: str, device: str) -> list:
     if provider == "CUDAExecutionProvider":
-        return [(provider, {"device_id": device_binding(device)[1]}), "CPUExecutionProvider"]
+        # use_tf32 off: an f32 model computes in f32, as the Hugging Face oracle does (TF32 MatMuls
+        # flip greedy tokens of small random models)
+        return [(provider, {"device_id": device_binding(device)[1], "use_tf32": "0"}), "CPUExecutionProvider"]
     return [provider]
 
 
+class KernelDef(NamedTuple):
+    """What the check needs of one registered kernel."""
+
+    version_range: tuple[int, int]
+    type_constraints: dict[str, list[str]]
+
+
+_KERNELS_SCRIPT = """
+import json, sys
+from onnxruntime.capi import onnxruntime_pybind11_state as s
+print(json.dumps([[k.domain, k.op_name, list(k.version_range), {n: list(t) for n, t in k.type_constraints.items()}]
+                  for k in s.get_all_opkernel_def() if k.provider == sys.argv[1]]))
+"""
+
+
 @functools.cache
-def _kernels(provider: str) -> dict[tuple[str, str], list]:
-    index: dict[tuple[str, str], list] = {}
-    for kernel in ort_state.get_all_opkernel_def():
-        if kernel.provider == provider:
-            index.setdefault((kernel.domain, kernel.op_name), []).append(kernel)
+def _kernels(provider: str) -> dict[tuple[str, str], list[KernelDef]] | None:
+    """(domain, op) -> the provider's kernels; None when the registry cannot be read.
+
+    onnxruntime-gpu's `get_all_opkernel_def` crashes the process (segfault, whichever provider is
+    asked for; seen with 1.31.1 on an H100 machine), so a build with more than the CPU provider
+    reads the registry in a child process, where a crash costs only the check."""
+    if ort.get_available_providers() == ["CPUExecutionProvider"]:
+        listed = [(k.domain, k.op_name, k.version_range, k.type_constraints)
+                  for k in ort_state.get_all_opkernel_def() if k.provider == provider]
+    else:
+        done = subprocess.run([sys.executable, "-c", _KERNELS_SCRIPT, provider], capture_output=True, text=True,
+                              timeout=300)
+        if done.returncode != 0:
+            warnings.warn(f"could not read ONNX Runtime's kernel registry for {provider} (exit status "
+                          f"{done.returncode}: {done.stderr.strip()[-300:]}); the model's ops are not checked "
+                          "against that provider before the first run", stacklevel=3)
+            return None
+        listed = json.loads(done.stdout)
+    index: dict[tuple[str, str], list[KernelDef]] = {}
+    for domain, op, versions, constraints in listed:
+        index.setdefault((domain, op), []).append(KernelDef(tuple(versions), dict(constraints)))
     return index
 
 
@@ -114,12 +152,15 @@ def _value_types(model: onnx.ModelProto) -> dict[str, str]:
 
 def unsupported_nodes(model: onnx.ModelProto, provider: str) -> list[str]:
     """A description of each node `provider` has no kernel for (empty when it runs them all)."""
+    registry = _kernels(provider)
+    if registry is None:  # unreadable (warned): nothing to check against
+        return []
     opsets = {o.domain: o.version for o in model.opset_import}
     types = _value_types(model)
     problems = []
     for node in model.graph.node:
         schema = _schema(node.domain, node.op_type, opsets.get(node.domain, 1))
-        kernels = _kernels(provider).get((node.domain, node.op_type), [])
+        kernels = registry.get((node.domain, node.op_type), [])
         if schema is None or not kernels:
             problems.append(f"{node.op_type} ({node.domain or 'ai.onnx'}) in node {node.name}")
             continue
