@@ -55,6 +55,22 @@ def on_cuda(artifact: Path):
     return llm
 
 
+def logit_gap(artifact: Path, continuation: list[int]) -> list[float]:
+    """max |logits(CUDA) - logits(CPU)| of the same executable for the prompt, then each of the
+    first 4 tokens of `continuation` fed one by one (teacher-forced): a numeric difference stays
+    near 1e-5, a wrong cache shows up as O(1) from the first decode step."""
+    import kiln
+    from kiln.backends import onnxruntime as ort_backend
+
+    llm = kiln.load(artifact)
+    cpu = llm.executable
+    cuda = ort_backend.load(artifact, llm.graph, {}, dataclasses.replace(cpu.options, device="cuda"))
+    prompt = PROMPTS[0]
+    feeds = [(torch.tensor([prompt]), torch.arange(len(prompt))[None])]
+    feeds += [(torch.tensor([[t]]), torch.tensor([[len(prompt) + i]])) for i, t in enumerate(continuation[:4])]
+    return [float((cuda.run(*f) - cpu.run(*f)).abs().max()) for f in feeds]
+
+
 def greedy_check(directory: Path) -> dict:
     import transformers
 
@@ -75,6 +91,7 @@ def greedy_check(directory: Path) -> dict:
             return [next((i for i, (a, b) in enumerate(zip(g, e)) if a != b), None) for g, e in zip(got, expected)]
 
         results[arch] = {"provider": llm.executable.session.get_providers()[0],
+                         "logit_gap": logit_gap(directory / f"{arch}.kiln", expected[0]),
                          "batch1_equal": single == expected, "batch2_equal": batch == expected,
                          "first_difference": [first_difference(single), first_difference(batch)]}
         print(f"{arch}: {results[arch]}", flush=True)
