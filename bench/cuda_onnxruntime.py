@@ -32,7 +32,7 @@ ARCHES = ("llama", "qwen2", "mistral", "gemma3")
 PROMPTS = [[5, 17, 33, 8, 91, 2, 40], [7, 7, 12, 60, 3, 19, 25, 44, 11, 80, 4, 9, 31]]
 
 
-def prepare(directory: Path) -> None:
+def prepare(directory: Path, dtype: str) -> None:
     sys.path.insert(0, str(ROOT / "tests"))
     from tiny_models import save_tiny_checkpoint
 
@@ -41,7 +41,7 @@ def prepare(directory: Path) -> None:
     for arch in ARCHES:
         checkpoint = save_tiny_checkpoint(arch, directory / arch, seed=0)
         kiln.compile(str(checkpoint), out=directory / f"{arch}.kiln", backend="onnxruntime", max_seq_len=128,
-                     max_batch=2)
+                     max_batch=2, dtype=dtype)
         print(f"prepared {arch}")
 
 
@@ -76,10 +76,14 @@ def greedy_check(directory: Path) -> dict:
 
     results = {}
     for arch in ARCHES:
-        hf = transformers.AutoModelForCausalLM.from_pretrained(directory / arch, dtype=torch.float32).eval()
+        # the oracle runs in the artifact's dtype: f16 on the GPU, f32 on the CPU
+        dtype = json.loads((directory / f"{arch}.kiln" / "manifest.json").read_text())["options"]["dtype"]
+        device = "cuda" if dtype != "f32" else "cpu"
+        hf = transformers.AutoModelForCausalLM.from_pretrained(
+            directory / arch, dtype={"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[dtype]).to(device).eval()
         expected = []
         for prompt in PROMPTS:
-            ids = torch.tensor([prompt])
+            ids = torch.tensor([prompt], device=device)
             with torch.no_grad():
                 out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=64, min_new_tokens=64,
                                   do_sample=False, pad_token_id=0)
@@ -92,7 +96,7 @@ def greedy_check(directory: Path) -> dict:
 
         results[arch] = {"provider": llm.executable.session.get_providers()[0],
                          "logit_gap": logit_gap(directory / f"{arch}.kiln", expected[0]),
-                         "batch1_equal": single == expected, "batch2_equal": batch == expected,
+                         "dtype": dtype, "batch1_equal": single == expected, "batch2_equal": batch == expected,
                          "first_difference": [first_difference(single), first_difference(batch)]}
         print(f"{arch}: {results[arch]}", flush=True)
     return results
@@ -146,9 +150,10 @@ def main(argv=None) -> int:
                         help="artifact directories (model.onnx, model.onnx.data, manifest.json) to time on CUDA")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--tg", type=int, default=128)
+    parser.add_argument("--dtype", default="f32", help="prepare: the artifacts' dtype (f16 for CUDA's attention kernels)")
     args = parser.parse_args(argv)
     if args.action == "prepare":
-        prepare(args.directory)
+        prepare(args.directory, args.dtype)
         return 0
     import onnxruntime
 

@@ -164,6 +164,19 @@ def test_a_missing_execution_provider_is_named_with_the_fix(stateful_graph):
         ort_backend.lower(stateful_graph("llama")[0], BackendOptions(max_batch=2, max_seq_len=128, device="cuda"))
 
 
+def test_without_a_readable_registry_f32_group_query_attention_is_refused_on_cuda(stateful_graph, monkeypatch):
+    """onnxruntime-gpu's registry can crash its reader; the known CUDA constraint still holds: an
+    f32 GroupQueryAttention would be placed on the CPU, which breaks the in-place KV buffers."""
+    from kiln.backends.onnxruntime import providers
+
+    executable = ort_backend.lower(stateful_graph("llama")[0], OPTIONS)
+    model = onnx.load(str(executable.model_path), load_external_data=False)
+    monkeypatch.setattr(providers, "_kernels", lambda provider: None)
+    with pytest.raises(ort_backend.ProviderError, match=r"CUDAExecutionProvider cannot run: GroupQueryAttention.*f16"):
+        providers.check_supported(model, "CUDAExecutionProvider")
+    providers.check_supported(model, "CPUExecutionProvider")  # nothing known against the CPU
+
+
 # -- artifacts and generation ---------------------------------------------------------------
 def test_compiled_artifact_lists_the_model_and_its_data_with_hashes_and_loads_back(tiny_model_dirs, tmp_path):
     path = kiln.compile(str(tiny_model_dirs("llama")), out=tmp_path / "model.kiln", backend="onnxruntime",

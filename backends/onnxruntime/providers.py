@@ -22,6 +22,7 @@ from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 from kiln.backends.executable import BackendOptions
 
 from .errors import ProviderError
+from .onnx_builder import MS_DOMAIN
 
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "gpu": "CUDAExecutionProvider"}
 
@@ -150,11 +151,18 @@ def _value_types(model: onnx.ModelProto) -> dict[str, str]:
     return types
 
 
+# What is known without the registry (used when it cannot be read): (domain, op) -> the element
+# types the provider's kernel takes. ORT places any other node on the CPU, and a GroupQueryAttention
+# moved there breaks the KV buffers bound in place on the device (seen on an H100: the prompt's
+# logits right, every decode step wrong).
+KNOWN_TYPES = {"CUDAExecutionProvider": {(MS_DOMAIN, "GroupQueryAttention"): {"tensor(float16)", "tensor(bfloat16)"}}}
+
+
 def unsupported_nodes(model: onnx.ModelProto, provider: str) -> list[str]:
     """A description of each node `provider` has no kernel for (empty when it runs them all)."""
     registry = _kernels(provider)
-    if registry is None:  # unreadable (warned): nothing to check against
-        return []
+    if registry is None:  # unreadable (warned): only what is known without it
+        return _known_unsupported(model, provider)
     opsets = {o.domain: o.version for o in model.opset_import}
     types = _value_types(model)
     problems = []
@@ -174,10 +182,26 @@ def unsupported_nodes(model: onnx.ModelProto, provider: str) -> list[str]:
     return problems
 
 
+def _known_unsupported(model: onnx.ModelProto, provider: str) -> list[str]:
+    known = KNOWN_TYPES.get(provider, {})
+    if not known:
+        return []
+    types = _value_types(model)
+    problems = []
+    for node in model.graph.node:
+        allowed = known.get((node.domain, node.op_type))
+        fed = {types[name] for name in node.input[:1] if name in types}
+        if allowed is not None and fed - allowed:
+            problems.append(f"{node.op_type} ({node.domain}, {'/'.join(sorted(fed))}; the provider takes "
+                            f"{'/'.join(sorted(allowed))}) in node {node.name}")
+    return problems
+
+
 def check_supported(model: onnx.ModelProto, provider: str) -> None:
     """Raise ProviderError naming every op of `model` that `provider` cannot run."""
     problems = unsupported_nodes(model, provider)
     if problems:
         listed = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
         raise ProviderError(f"ONNX Runtime {ort.__version__}'s {provider} cannot run: {listed}. Fix: use another "
-                            "device (e.g. device='cpu'), another dtype, or the inductor backend.")
+                            "device (e.g. device='cpu'), another dtype (f16 or bf16 for CUDA), or the inductor "
+                            "backend.")
