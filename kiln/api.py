@@ -86,6 +86,10 @@ def compile(model=None, out: str | Path = "model.kiln", backend: str = "inductor
 
     report = progress or (lambda message: None)
     started = time.perf_counter()
+    if dtype != "f32":  # recorded in the manifest, so it must be what the artifact computes in
+        raise ValueError(f"dtype {dtype!r} is not supported yet: Kiln compiles f32 models (the CPU path; bf16 and "
+                         "f16 matmuls are slow on CPUs without native support). Fix: use dtype='f32', and "
+                         "quantize='int8' or 'int4-g32' for smaller weights.")
     quantize = None if quantize in (None, "none") else quantize
     scheme = get_scheme(quantize) if quantize else None  # an unknown name fails before the slow steps
     if scheme is not None and scheme.needs_calibration:

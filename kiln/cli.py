@@ -54,7 +54,8 @@ def _compile_model(argv) -> int:
     parser.add_argument("--backend", default="inductor", choices=sorted(BACKENDS))
     parser.add_argument("--max-seq-len", type=int, default=1024)
     parser.add_argument("--max-batch", type=int, default=1)
-    parser.add_argument("--dtype", default="f32")
+    parser.add_argument("--dtype", default="f32", choices=["f32"],
+                        help="compute dtype (f32 only so far; smaller weights: --quantize)")
     parser.add_argument("--dump-ir", metavar="DIR", help="write the IR after each pass phase into DIR")
     from kiln.passes.quant_schemes import scheme_names
 

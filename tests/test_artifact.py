@@ -204,3 +204,9 @@ def test_load_names_an_unknown_backend(artifact):
     edit_manifest(artifact, backend="abacus")
     with pytest.raises(kiln.BackendNotFoundError, match="Unknown backend 'abacus'"):
         kiln.load(artifact)
+
+
+def test_a_dtype_other_than_f32_is_refused_before_any_work(tmp_path):
+    """The manifest records the dtype, so an unsupported one is an error, not silently f32."""
+    with pytest.raises(ValueError, match=r"dtype 'bf16' is not supported yet.*Fix: use dtype='f32'"):
+        kiln.compile(str(tmp_path / "missing-model"), out=tmp_path / "m.kiln", dtype="bf16")
