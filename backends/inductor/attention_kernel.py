@@ -21,7 +21,6 @@ from pathlib import Path
 import torch
 
 from . import gemv_kernel
-from .gemv_kernel import KernelBuildError
 
 _SRC = Path(__file__).with_name("attention_kernel.cpp")
 _lock = threading.Lock()
@@ -40,11 +39,5 @@ def ensure_loaded() -> None:
     with _lock:
         if _loaded:
             return
-        gemv_kernel._check_cpu()
-        path = gemv_kernel.extension_library(_SRC, "KILN_ATTENTION_KERNELS", "kiln_attention")
-        try:
-            torch.ops.load_library(str(path))
-        except OSError as error:
-            raise KernelBuildError(f"kiln attention kernel: cannot load {path}: {error}") from error
-        _register_fake()
+        gemv_kernel.load_extension(_SRC, "KILN_ATTENTION_KERNELS", "kiln_attention", _register_fake)
         _loaded = True

@@ -140,7 +140,8 @@ def library_path() -> Path:
     return _cache_dir() / f"kiln_gemv_{h.hexdigest()[:16]}.so"
 
 
-def _build(out: Path) -> None:
+def _build(out: Path, src: Path = _SRC, kernel_define: str = "KILN_GEMV_KERNELS") -> None:
+    """Compile `src` into `out` (its SIMD unit with -D<kernel_define>), once across processes."""
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out.parent / (out.name + ".lock"), "w") as lockf:
         fcntl.flock(lockf, fcntl.LOCK_EX)  # concurrent processes (pytest -n, CI) build once
@@ -149,7 +150,8 @@ def _build(out: Path) -> None:
                 return
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
             os.close(fd)
-            cmds = _build_cmds(_compiler(), _SRC, Path(tmp))
+            cmds = _build_cmds(_compiler(), src, Path(tmp))
+            cmds[0] = [a.replace("-DKILN_GEMV_KERNELS", f"-D{kernel_define}") for a in cmds[0]]
             try:
                 _run_build(cmds)
                 os.replace(tmp, out)
@@ -161,10 +163,12 @@ def _build(out: Path) -> None:
             fcntl.flock(lockf, fcntl.LOCK_UN)
 
 
-def extension_library(src: Path, kernel_define: str, name: str) -> Path:
-    """Build (once, cached under $KILN_CACHE/ext) another Kiln kernel file laid out like this one:
-    its SIMD translation unit compiled with `-D<kernel_define>`, its torch binding without.
-    Returns the shared library's path (keyed by source, flags, torch and compiler)."""
+def load_extension(src: Path, kernel_define: str, name: str, register_fake) -> None:
+    """Build (once, cached under $KILN_CACHE/ext) and load another Kiln kernel file laid out like
+    this one (its SIMD translation unit compiled with `-D<kernel_define>`, its torch binding
+    without), then `register_fake()` its ops' fake implementations. The library is keyed by
+    source, flags, torch and compiler."""
+    _check_cpu()
     cxx = _compiler()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     digest = hashlib.sha256()
@@ -172,25 +176,13 @@ def extension_library(src: Path, kernel_define: str, name: str) -> Path:
                  cxx.encode(), version.encode(), sys.platform.encode()):
         digest.update(part + b"\0")
     out = _cache_dir() / f"{name}_{digest.hexdigest()[:16]}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out.parent / (out.name + ".lock"), "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # concurrent processes build once
-        if out.exists():
-            return out
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
-        os.close(fd)
-        commands = _build_cmds(cxx, src, Path(tmp))
-        commands[0] = [a.replace("-DKILN_GEMV_KERNELS", f"-D{kernel_define}") for a in commands[0]]
-        try:
-            _run_build(commands)
-            os.replace(tmp, out)
-        finally:
-            for f in (tmp, tmp + ".kern.o", tmp + ".ops.o"):
-                if os.path.exists(f):
-                    os.unlink(f)
-    return out
+    if not out.exists():
+        _build(out, src, kernel_define)
+    try:
+        torch.ops.load_library(str(out))
+    except OSError as error:
+        raise KernelBuildError(f"{name}: cannot load {out}: {error}") from error
+    register_fake()
 
 
 def _ops_registered() -> bool:

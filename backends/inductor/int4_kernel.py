@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 
 from . import gemv_kernel
-from .gemv_kernel import KernelBuildError
 
 _SRC = Path(__file__).with_name("int4_kernel.cpp")
 _lock = threading.Lock()
@@ -40,11 +39,5 @@ def ensure_loaded() -> None:
     with _lock:
         if _loaded:
             return
-        gemv_kernel._check_cpu()
-        path = gemv_kernel.extension_library(_SRC, "KILN_INT4_KERNELS", "kiln_int4")
-        try:
-            torch.ops.load_library(str(path))
-        except OSError as error:
-            raise KernelBuildError(f"kiln int4 kernel: cannot load {path}: {error}") from error
-        _register_fake()
+        gemv_kernel.load_extension(_SRC, "KILN_INT4_KERNELS", "kiln_int4", _register_fake)
         _loaded = True

@@ -183,11 +183,16 @@ def register_linear_lowering(lowering: Lowering) -> None:
 
 
 def _linear(b, node, args, attrs):
-    for lowering in LINEAR_LOWERINGS:
+    return _first_taken(LINEAR_LOWERINGS, b, node, args, attrs) or b.call(F.linear, *args)
+
+
+def _first_taken(lowerings: list[Lowering], b, node, args, attrs) -> fx.Node | None:
+    """The result of the first registered lowering that does not decline (return None)."""
+    for lowering in lowerings:
         result = lowering(b, node, args, attrs)
         if result is not None:
             return result
-    return b.call(F.linear, *args)
+    return None
 
 
 ATTENTION_LOWERINGS: list[Lowering] = []  # tried first, newest first; None declines
@@ -199,11 +204,8 @@ def register_attention_lowering(lowering: Lowering) -> None:
 
 
 def _attention(b, node, args, attrs):
-    for lowering in ATTENTION_LOWERINGS:
-        result = lowering(b, node, args, attrs)
-        if result is not None:
-            return result
-    return b.call(composite_ops.attention, *args, **attrs)
+    return (_first_taken(ATTENTION_LOWERINGS, b, node, args, attrs)
+            or b.call(composite_ops.attention, *args, **attrs))
 
 
 def _kv_write(b, node, args, attrs):
