@@ -15,7 +15,6 @@ torch.compile / AOTInductor.
 """
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import torch
@@ -23,8 +22,6 @@ import torch
 from . import gemv_kernel
 
 _SRC = Path(__file__).with_name("attention_kernel.cpp")
-_lock = threading.Lock()
-_loaded = False
 
 
 def _register_fake() -> None:
@@ -35,9 +32,4 @@ def _register_fake() -> None:
 
 def ensure_loaded() -> None:
     """Build (once, cached) and load the kernel; registers torch.ops.kiln.cached_attention. Idempotent."""
-    global _loaded
-    with _lock:
-        if _loaded:
-            return
-        gemv_kernel.load_extension(_SRC, "KILN_ATTENTION_KERNELS", "kiln_attention", _register_fake)
-        _loaded = True
+    gemv_kernel.load_extension(_SRC, "KILN_ATTENTION_KERNELS", "kiln_attention", _register_fake)

@@ -13,13 +13,10 @@ from __future__ import annotations
 
 import functools
 import math
-import os
-import warnings
 
 import torch
 
-from . import attention_kernel
-from .gemv_kernel import KernelBuildError
+from . import attention_kernel, gemv_kernel
 from .lower_to_fx import register_attention_lowering
 
 ENV_SWITCH = "KILN_ATTENTION_KERNEL"  # "kiln" (default) or "torch"
@@ -27,20 +24,12 @@ ENV_SWITCH = "KILN_ATTENTION_KERNEL"  # "kiln" (default) or "torch"
 
 @functools.cache
 def kernel_available() -> bool:
-    try:
-        attention_kernel.ensure_loaded()
-        return True
-    except KernelBuildError as error:
-        warnings.warn(f"Kiln's attention kernel is unavailable, attention runs decomposed by Inductor "
-                      f"(slower decode): {error}", stacklevel=2)
-        return False
+    return gemv_kernel.kernel_loads(attention_kernel.ensure_loaded, "Kiln's attention kernel is unavailable, "
+                                    "attention runs decomposed by Inductor (slower decode)")
 
 
 def wanted() -> bool:
-    choice = os.environ.get(ENV_SWITCH, "kiln").lower()
-    if choice not in ("kiln", "torch"):
-        raise ValueError(f"{ENV_SWITCH}={choice!r}: use 'kiln' (Kiln's attention kernel) or 'torch' (decomposed SDPA)")
-    return choice == "kiln"
+    return gemv_kernel.kernel_chosen(ENV_SWITCH, "Kiln's attention kernel", "decomposed SDPA")
 
 
 def lower_cached_attention(b, node, args, attrs):

@@ -15,8 +15,6 @@ CPU lacks AVX2/FMA or no C++ compiler can build the kernel (with a warning namin
 from __future__ import annotations
 
 import functools
-import os
-import warnings
 
 import torch
 
@@ -29,20 +27,12 @@ ENV_SWITCH = "KILN_LINEAR_KERNEL"  # "kiln" (default) or "torch"
 @functools.cache
 def kernel_available() -> bool:
     """Whether the GEMV kernel is built and loaded here (it builds once, then it is cached)."""
-    try:
-        gemv_kernel.ensure_loaded()
-        return True
-    except gemv_kernel.KernelBuildError as error:
-        warnings.warn(f"Kiln's GEMV kernel is unavailable, linears run on torch's F.linear (slower decode): "
-                      f"{error}", stacklevel=2)
-        return False
+    return gemv_kernel.kernel_loads(gemv_kernel.ensure_loaded, "Kiln's GEMV kernel is unavailable, linears run "
+                                    "on torch's F.linear (slower decode)")
 
 
 def wanted() -> bool:
-    choice = os.environ.get(ENV_SWITCH, "kiln").lower()
-    if choice not in ("kiln", "torch"):
-        raise ValueError(f"{ENV_SWITCH}={choice!r}: use 'kiln' (Kiln's GEMV kernel) or 'torch' (F.linear)")
-    return choice == "kiln"
+    return gemv_kernel.kernel_chosen(ENV_SWITCH, "Kiln's GEMV kernel", "F.linear")
 
 
 def lower_linear_f32(b, node, args, attrs):

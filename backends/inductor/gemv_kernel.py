@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 
 import torch
@@ -163,11 +164,21 @@ def _build(out: Path, src: Path = _SRC, kernel_define: str = "KILN_GEMV_KERNELS"
             fcntl.flock(lockf, fcntl.LOCK_UN)
 
 
+_extensions_loaded: set[str] = set()
+
+
 def load_extension(src: Path, kernel_define: str, name: str, register_fake) -> None:
     """Build (once, cached under $KILN_CACHE/ext) and load another Kiln kernel file laid out like
     this one (its SIMD translation unit compiled with `-D<kernel_define>`, its torch binding
     without), then `register_fake()` its ops' fake implementations. The library is keyed by
-    source, flags, torch and compiler."""
+    source, flags, torch and compiler. Idempotent per `name`."""
+    with _lock:
+        if name not in _extensions_loaded:
+            _load_extension(src, kernel_define, name, register_fake)
+            _extensions_loaded.add(name)
+
+
+def _load_extension(src: Path, kernel_define: str, name: str, register_fake) -> None:
     _check_cpu()
     cxx = _compiler()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
@@ -183,6 +194,25 @@ def load_extension(src: Path, kernel_define: str, name: str, register_fake) -> N
     except OSError as error:
         raise KernelBuildError(f"{name}: cannot load {out}: {error}") from error
     register_fake()
+
+
+def kernel_loads(ensure_loaded, consequence: str) -> bool:
+    """Whether `ensure_loaded()` builds and loads a kernel here; if not, warn with `consequence`
+    (what runs instead) and the reason."""
+    try:
+        ensure_loaded()
+        return True
+    except KernelBuildError as error:
+        warnings.warn(f"{consequence}: {error}", stacklevel=3)
+        return False
+
+
+def kernel_chosen(env_switch: str, kernel: str, alternative: str) -> bool:
+    """`env_switch` ("kiln", the default, or "torch") asks for Kiln's kernel or torch's ops."""
+    choice = os.environ.get(env_switch, "kiln").lower()
+    if choice not in ("kiln", "torch"):
+        raise ValueError(f"{env_switch}={choice!r}: use 'kiln' ({kernel}) or 'torch' ({alternative})")
+    return choice == "kiln"
 
 
 def _ops_registered() -> bool:

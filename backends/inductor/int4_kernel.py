@@ -14,7 +14,6 @@ flags, cache directory), with a fake implementation for torch.compile / AOTInduc
 """
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import torch
@@ -22,8 +21,6 @@ import torch
 from . import gemv_kernel
 
 _SRC = Path(__file__).with_name("int4_kernel.cpp")
-_lock = threading.Lock()
-_loaded = False
 
 
 def _register_fake() -> None:
@@ -35,9 +32,4 @@ def _register_fake() -> None:
 
 def ensure_loaded() -> None:
     """Build (once, cached) and load the kernel; registers torch.ops.kiln.linear_q4. Idempotent."""
-    global _loaded
-    with _lock:
-        if _loaded:
-            return
-        gemv_kernel.load_extension(_SRC, "KILN_INT4_KERNELS", "kiln_int4", _register_fake)
-        _loaded = True
+    gemv_kernel.load_extension(_SRC, "KILN_INT4_KERNELS", "kiln_int4", _register_fake)

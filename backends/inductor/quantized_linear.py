@@ -15,7 +15,6 @@ weight as a module constant that `load` rebuilds from the artifact's weights.
 from __future__ import annotations
 
 import functools
-import warnings
 
 import torch
 
@@ -25,16 +24,10 @@ from kiln.ir.ops.quantized import embedding_q_reference, linear_q_reference
 @functools.cache
 def int4_kernel_available() -> bool:
     """Whether Kiln's int4 kernel is built and loaded here (built once, then cached)."""
-    from . import int4_kernel
-    from .gemv_kernel import KernelBuildError
+    from . import gemv_kernel, int4_kernel
 
-    try:
-        int4_kernel.ensure_loaded()
-        return True
-    except KernelBuildError as error:
-        warnings.warn(f"Kiln's int4 kernel is unavailable; 4-bit linears dequantize in torch ops (slower): {error}",
-                      stacklevel=2)
-        return False
+    return gemv_kernel.kernel_loads(int4_kernel.ensure_loaded, "Kiln's int4 kernel is unavailable; 4-bit "
+                                    "linears dequantize in torch ops (slower)")
 
 
 def _kernels_wanted() -> bool:
