@@ -23,7 +23,7 @@ import torch
 import torch.fx.config
 from torch._inductor.compile_fx import compile_fx
 
-from kiln.backends.cache_rows import check_rows, int64_contiguous, run_at_rows
+from kiln.backends.cache_rows import check_rows, checked_feeds, run_at_rows
 from kiln.backends.executable import BackendOptions, cache_inputs
 from kiln.ir import Graph, evaluate, to_torch, verify
 from kiln.ir.ops.collectives import check_world, tensor_parallel_size
@@ -96,16 +96,8 @@ class StatefulRunner:
 
     def check_feeds(self, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """int64 tokens/positions of equal shape [batch, seq], batch and positions within the buffers."""
-        if tokens.dim() != 2 or tokens.shape != positions.shape:
-            raise FeedError(f"tokens {list(tokens.shape)} and positions {list(positions.shape)} must both be [batch, seq]")
-        if tokens.size(0) > self.max_batch:
-            raise FeedError(f"batch {tokens.size(0)} exceeds max_batch {self.max_batch}; lower with a larger max_batch")
-        tokens, positions = int64_contiguous(tokens), int64_contiguous(positions)  # compiled graphs guard on strides
-        flat = positions.numpy().reshape(-1)  # numpy: torch ops here cost ~0.1 ms per decode step (cold dispatcher)
-        low, high = int(flat.min()), int(flat.max())
-        if low < 0 or high >= self.max_seq_len:
-            raise FeedError(f"positions must lie in [0, {self.max_seq_len}), got [{low}, {high}]")
-        return tokens, positions
+        # contiguous: compiled graphs also guard on strides
+        return checked_feeds(tokens, positions, self.max_batch, self.max_seq_len, FeedError)
 
     def reset(self) -> None:
         """Forget all cached keys and values (zero the buffers in place)."""

@@ -23,7 +23,7 @@ import onnx
 import onnxruntime as ort
 import torch
 
-from kiln.backends.cache_rows import check_rows, int64_contiguous
+from kiln.backends.cache_rows import check_rows, checked_feeds
 from kiln.backends.executable import BackendOptions
 from kiln.ir import to_torch
 
@@ -92,15 +92,7 @@ class OrtExecutable:
         return self.caches
 
     def _check_feeds(self, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if tokens.dim() != 2 or tokens.shape != positions.shape:
-            raise FeedError(f"tokens {list(tokens.shape)} and positions {list(positions.shape)} must both be [batch, seq]")
-        if tokens.size(0) > self.max_batch:
-            raise FeedError(f"batch {tokens.size(0)} exceeds max_batch {self.max_batch}; compile with a larger max_batch")
-        tokens, positions = int64_contiguous(tokens), int64_contiguous(positions)
-        flat = positions.numpy().reshape(-1)  # numpy: a decode step's checks cost microseconds, not tens
-        low, high = int(flat.min()), int(flat.max())
-        if low < 0 or high >= self.max_seq_len:
-            raise FeedError(f"positions must lie in [0, {self.max_seq_len}), got [{low}, {high}]")
+        tokens, positions = checked_feeds(tokens, positions, self.max_batch, self.max_seq_len, FeedError)
         if self.info["contiguous_positions"] and positions.size(1) > 1:
             expected = positions[:, :1] + torch.arange(positions.size(1))
             if not torch.equal(positions, expected):
