@@ -45,6 +45,10 @@ class Executable(Protocol):
         """Logits f32[batch, seq, vocab] for int64 tokens/positions [batch, seq]; writes the caches
         of rows [first_row, first_row + batch)."""
 
+    # Optional: `logits_buffer(batch, seq)` returns a tensor that `run(..., out=buffer)` writes the
+    # logits into instead of allocating them (the ONNX Runtime executable; the engine reuses one
+    # per decode batch size, so a step binds and allocates nothing).
+
     def cache_views(self) -> list[torch.Tensor]:
         """Zero-copy CPU torch views of the KV buffers (for copying rows between requests)."""
 

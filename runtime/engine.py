@@ -96,6 +96,7 @@ class Engine:
         self._work = threading.Event()
         self._stepping = threading.RLock()  # held during a step; `exclusive()` holds it too
         self._thread: threading.Thread | None = None
+        self._decode_logits: dict[int, dict] = {}  # rows -> run()'s `out=` for decode steps, if any
 
     # -- any thread ----------------------------------------------------------------------
     @property
@@ -222,7 +223,8 @@ class Engine:
         for seq in seqs:
             tokens[seq.slot], positions[seq.slot] = seq.newest(), seq.fed
         logits = self.executable.run(torch.from_numpy(np.array(tokens, dtype=np.int64).reshape(rows, 1)),
-                                     torch.from_numpy(np.array(positions, dtype=np.int64).reshape(rows, 1)))
+                                     torch.from_numpy(np.array(positions, dtype=np.int64).reshape(rows, 1)),
+                                     **self._logits_out(rows))
         # rows of logits through numpy views: torch indexing is dispatcher work per row per token
         rows_logits = logits.numpy()[:, 0] if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
         for row in range(rows):
@@ -234,6 +236,17 @@ class Engine:
         elapsed = time.perf_counter() - start
         for seq in seqs:
             seq.row.decode_s += elapsed
+
+    def _logits_out(self, rows: int) -> dict:
+        """`out=` for a decode call of `rows` rows when the executable can write logits into a
+        buffer it made (`logits_buffer`): one per row count, reused every step (a step's logits
+        are consumed before the next)."""
+        keywords = self._decode_logits.get(rows)
+        if keywords is None:
+            make = getattr(self.executable, "logits_buffer", None)
+            buffer = make(rows, 1) if make is not None else None
+            keywords = self._decode_logits[rows] = {} if buffer is None else {"out": buffer}
+        return keywords
 
     def _accept(self, seq: Sequence, logits: torch.Tensor) -> None:
         piece = seq.row.accept(logits)

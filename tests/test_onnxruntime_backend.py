@@ -139,6 +139,22 @@ def test_one_session_updates_the_kv_buffers_in_place(stateful_graph):
     assert all(not c.any() for c in executable.caches)
 
 
+def test_logits_written_into_a_reused_buffer_equal_fresh_ones(stateful_graph):
+    """Decode steps write into one buffer (`out=`), bound once; feeds alternate shapes in between."""
+    graph, _ = stateful_graph("llama")
+    executable = ort_backend.lower(graph, OPTIONS)
+    oracle = reference.lower(graph, OPTIONS)
+    buffers = {}
+    for tokens, positions in feeds_in_steps():
+        expected = oracle.run(tokens, positions)
+        out = buffers.setdefault(tuple(tokens.shape), executable.logits_buffer(*tokens.shape))
+        logits = executable.run(tokens, positions, out=out)
+        assert logits.data_ptr() == out.data_ptr()
+        torch.testing.assert_close(logits, expected, atol=1e-4, rtol=1e-4)
+    with pytest.raises(ort_backend.FeedError, match="out must be"):
+        executable.run(torch.ones(1, 1, dtype=torch.int64), torch.tensor([[20]]), out=torch.empty(1, 1, 3))
+
+
 def test_positions_that_are_not_contiguous_are_refused(stateful_graph):
     executable = ort_backend.lower(stateful_graph("llama")[0], OPTIONS)
     with pytest.raises(ort_backend.FeedError, match="contiguous"):

@@ -54,6 +54,9 @@ class OrtExecutable:
         self.max_seq_len = min([s[2] for s in shapes] + [options.max_seq_len])
         self.binding = self.session.io_binding()
         self._bound_rows: tuple[int, int] | None = None
+        self._feed_arrays: dict[tuple[int, int], dict[str, np.ndarray]] = {}
+        self._bound_feed_shape: tuple[int, int] | None = None
+        self._bound_logits: tuple[int, int, int] | None = None  # (pointer, batch, seq) of a bound `out`
         # Fixed per model, looked up once: a decode step is a few milliseconds, and Python work
         # per cache per call (60 caches for SmolLM2) would be a measurable share of it.
         self._copied_back = [i for i, c in enumerate(self.info["caches"]) if not c["in_place"]]
@@ -75,15 +78,20 @@ class OrtExecutable:
             else:
                 cache.update_inplace(np.zeros(spec["shape"], _numpy_dtype(to_torch(spec["dtype"]))))
 
-    def run(self, tokens: torch.Tensor, positions: torch.Tensor, first_row: int = 0) -> torch.Tensor:
+    def run(self, tokens: torch.Tensor, positions: torch.Tensor, first_row: int = 0,
+            out: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [batch, seq, vocab] for int64 tokens/positions [batch, seq]; writes the caches of
-        rows [first_row, first_row + batch) (bound by pointer: any row costs the same)."""
+        rows [first_row, first_row + batch) (bound by pointer: any row costs the same). `out`, a
+        contiguous CPU tensor of that shape and the logits dtype, receives the logits instead of
+        a new tensor (the engine's decode steps: no allocation, no rebinding per token)."""
         tokens, positions = self._check_feeds(tokens, positions)
         batch, seq = tokens.shape
         check_rows(first_row, batch, self.max_batch)
+        out = self._checked_out(out, batch, seq)
         if seq > 1 and batch > 1 and self.info["contiguous_positions"] and bool(positions[:, 0].any()):
-            return torch.cat([self._run_rows(tokens[r:r + 1], positions[r:r + 1], first_row + r) for r in range(batch)])
-        return self._run_rows(tokens, positions, first_row)
+            rows = [self._run_rows(tokens[r:r + 1], positions[r:r + 1], first_row + r) for r in range(batch)]
+            return torch.cat(rows, out=out) if out is not None else torch.cat(rows)
+        return self._run_rows(tokens, positions, first_row, out)
 
     def cache_views(self) -> list[torch.Tensor]:
         if self.device_type != "cpu":
@@ -101,20 +109,34 @@ class OrtExecutable:
                                 "last position. Fix: feed contiguous positions, or use another backend.")
         return tokens, positions
 
-    def _run_rows(self, tokens: torch.Tensor, positions: torch.Tensor, first_row: int) -> torch.Tensor:
+    def _run_rows(self, tokens: torch.Tensor, positions: torch.Tensor, first_row: int,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
         """One session run over cache rows [first_row, first_row + batch)."""
         batch, seq = tokens.shape
-        feeds = {"tokens": tokens.numpy(), "positions": positions.numpy()}
-        for name in self.info["inputs"]:
-            self.binding.bind_cpu_input(name, feeds[name])
+        self._bind_feeds(tokens, positions)
         if self._bound_rows != (first_row, batch):
             self._bind_caches(first_row, batch)
         scratch = self._bind_scratch(batch) if self._copied_back else []
-        logits = self._bind_logits(batch, seq)
+        logits = self._bind_logits(batch, seq, out)
         self.session.run_with_iobinding(self.binding)
-        for index, out in zip(self._copied_back, scratch):
-            self.caches[index][first_row:first_row + batch].copy_(out)
+        for index, out_cache in zip(self._copied_back, scratch):
+            self.caches[index][first_row:first_row + batch].copy_(out_cache)
         return logits if isinstance(logits, torch.Tensor) else torch.from_numpy(logits.numpy())  # device -> host
+
+    def _bind_feeds(self, tokens: torch.Tensor, positions: torch.Tensor) -> None:
+        """Copy tokens and positions into this shape's own int64 arrays, bound once by pointer:
+        binding fresh arrays costs more per decode step than the copy."""
+        shape = tuple(tokens.shape)
+        arrays = self._feed_arrays.get(shape)
+        if arrays is None:
+            arrays = self._feed_arrays[shape] = {name: np.empty(shape, np.int64) for name in self.info["inputs"]}
+        feeds = {"tokens": tokens.numpy(), "positions": positions.numpy()}
+        for name, array in arrays.items():
+            array[...] = feeds[name]
+        if self._bound_feed_shape != shape:
+            for name, array in arrays.items():
+                self.binding.bind_input(name, "cpu", 0, np.int64, list(shape), array.ctypes.data)
+            self._bound_feed_shape = shape
 
     def _bind_caches(self, first_row: int, batch: int) -> None:
         """Bind rows [first_row, first_row + batch) of each buffer by pointer (no copy)."""
@@ -138,17 +160,37 @@ class OrtExecutable:
             out.append(scratch)
         return out
 
-    def _bind_logits(self, batch: int, seq: int):
-        """A fresh logits tensor bound as the output (on the CPU a torch tensor: no copy after)."""
+    def logits_buffer(self, batch: int, seq: int) -> torch.Tensor | None:
+        """A tensor `run` can write logits [batch, seq, vocab] into (`out=`); None off the CPU."""
+        if self.device_type != "cpu":
+            return None
+        return torch.empty(batch, seq, self.info["vocab"], dtype=self._logits_dtype)
+
+    def _checked_out(self, out: torch.Tensor | None, batch: int, seq: int) -> torch.Tensor | None:
+        if out is None:
+            return None
+        shape = (batch, seq, self.info["vocab"])
+        if self.device_type != "cpu" or tuple(out.shape) != shape or out.dtype != self._logits_dtype or \
+                not out.is_contiguous() or out.device.type != "cpu":
+            raise FeedError(f"out must be a contiguous CPU {self._logits_dtype} tensor {list(shape)} on a CPU "
+                            f"session, got {out.dtype} {list(out.shape)} on {out.device}")
+        return out
+
+    def _bind_logits(self, batch: int, seq: int, out: torch.Tensor | None = None):
+        """The logits output: `out` (bound again only when it is another buffer) or a fresh tensor
+        (on the CPU a torch tensor: no copy after)."""
         dtype = self._logits_dtype
         if self.device_type != "cpu":
             logits = ort.OrtValue.ortvalue_from_shape_and_type([batch, seq, self.info["vocab"]], _numpy_dtype(dtype),
                                                                self.device_type, self.device_id)
             self.binding.bind_ortvalue_output(self.info["logits"], logits)
             return logits
-        logits = torch.empty(batch, seq, self.info["vocab"], dtype=dtype)
-        self.binding.bind_output(self.info["logits"], "cpu", 0, self._logits_numpy_dtype, list(logits.shape),
-                                 logits.data_ptr())
+        logits = out if out is not None else torch.empty(batch, seq, self.info["vocab"], dtype=dtype)
+        key = (logits.data_ptr(), batch, seq)
+        if out is None or self._bound_logits != key:
+            self.binding.bind_output(self.info["logits"], "cpu", 0, self._logits_numpy_dtype, list(logits.shape),
+                                     logits.data_ptr())
+            self._bound_logits = key if out is not None else None
         return logits
 
     def save(self, directory: Path) -> list[str]:
