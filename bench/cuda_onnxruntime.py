@@ -1,16 +1,24 @@
 """Kiln-ORT on CUDA (onnxruntime-gpu): greedy equality with Hugging Face, and decode/prefill speed.
 
-    python bench/cuda_onnxruntime.py prepare DIR                      # here: artifacts + checkpoints
+    python bench/cuda_onnxruntime.py prepare DIR --dtype f16          # here: artifacts + checkpoints
     python bench/cuda_onnxruntime.py check DIR [--speed ART ...]      # on the GPU machine
+    python bench/cuda_onnxruntime.py fill ART                         # there: weights for a skeleton
 
-Artifacts are compiled where Kiln's pinned torch runs (`prepare`): ONNX models are
-provider-neutral, so the GPU machine only loads them (`kiln.load` never imports the frontend)
-with `device="cuda"` and runs them with onnxruntime-gpu's CUDAExecutionProvider.
+Artifacts are compiled where Kiln's pinned torch runs (`prepare`; f16 artifacts compile for
+device="cuda" on a machine without one), and the GPU machine only loads them (`kiln.load` never
+imports the frontend) with `device="cuda"` and runs them with onnxruntime-gpu's
+CUDAExecutionProvider.
+
+Speed depends on shapes, not weight values: `fill` writes random weights of the recorded
+dtypes, shapes and offsets into an artifact's model.onnx.data, so SmolLM2's exact ONNX graph
+can be timed on a machine its 270 MB of f16 weights cannot be copied to.
 
 `check`:
 1. Greedy: for each tiny random-weight model in DIR (tests/tiny_models.py), 64 new tokens at
    batch 1 and batch 2 (prompts of different lengths) from Kiln-ORT on CUDA against Hugging
-   Face eager (fp32) on the same checkpoint, token for token.
+   Face eager in the artifact's dtype (on the GPU for f16) on the same checkpoint, token for
+   token; and the largest logit difference from Hugging Face's, teacher-forced, for the prompt
+   and 4 decode steps (f16 rounding is ~1e-2; a wrong cache is O(1)).
 2. Speed, for each `--speed` artifact (e.g. SmolLM2 fp32 and int4): pp64 and pp512 (one
    prefill call) and tg128 (decode steps after a 1-token prompt), tokens/s mean ± sd.
 """
@@ -41,34 +49,32 @@ def prepare(directory: Path, dtype: str) -> None:
     for arch in ARCHES:
         checkpoint = save_tiny_checkpoint(arch, directory / arch, seed=0)
         kiln.compile(str(checkpoint), out=directory / f"{arch}.kiln", backend="onnxruntime", max_seq_len=128,
-                     max_batch=2, dtype=dtype)
+                     max_batch=2, dtype=dtype, device="cpu" if dtype == "f32" else "cuda")
         print(f"prepared {arch}")
 
 
 def on_cuda(artifact: Path):
     import kiln
-    from kiln.backends import onnxruntime as ort_backend
 
-    llm = kiln.load(artifact)
-    options = dataclasses.replace(llm.executable.options, device=os.environ.get("KILN_CHECK_DEVICE", "cuda"))
-    llm.executable = ort_backend.load(artifact, llm.graph, {}, options)
-    return llm
+    return kiln.load(artifact, device=os.environ.get("KILN_CHECK_DEVICE", "cuda"))
 
 
-def logit_gap(artifact: Path, continuation: list[int]) -> list[float]:
-    """max |logits(CUDA) - logits(CPU)| of the same executable for the prompt, then each of the
-    first 4 tokens of `continuation` fed one by one (teacher-forced): a numeric difference stays
-    near 1e-5, a wrong cache shows up as O(1) from the first decode step."""
-    import kiln
-    from kiln.backends import onnxruntime as ort_backend
-
-    llm = kiln.load(artifact)
-    cpu = llm.executable
-    cuda = ort_backend.load(artifact, llm.graph, {}, dataclasses.replace(cpu.options, device="cuda"))
+def logit_gap(llm, hf, device: str, continuation: list[int]) -> list[float]:
+    """max |logits(Kiln) - logits(Hugging Face)| for the prompt, then for each of the first 4
+    tokens of `continuation` fed one by one (teacher-forced, through the KV cache)."""
     prompt = PROMPTS[0]
+    sequence = prompt + continuation[:4]
+    with torch.no_grad():
+        expected = hf(torch.tensor([sequence], device=device)).logits[0].float().cpu()
+    llm.executable.reset()
     feeds = [(torch.tensor([prompt]), torch.arange(len(prompt))[None])]
     feeds += [(torch.tensor([[t]]), torch.tensor([[len(prompt) + i]])) for i, t in enumerate(continuation[:4])]
-    return [float((cuda.run(*f) - cpu.run(*f)).abs().max()) for f in feeds]
+    gaps, position = [], 0
+    for tokens, positions in feeds:
+        got = llm.executable.run(tokens, positions)[0].float()
+        position += tokens.size(1)
+        gaps.append(float((got - expected[position - tokens.size(1):position]).abs().max()))
+    return gaps
 
 
 def greedy_check(directory: Path) -> dict:
@@ -95,7 +101,7 @@ def greedy_check(directory: Path) -> dict:
             return [next((i for i, (a, b) in enumerate(zip(g, e)) if a != b), None) for g, e in zip(got, expected)]
 
         results[arch] = {"provider": llm.executable.session.get_providers()[0],
-                         "logit_gap": logit_gap(directory / f"{arch}.kiln", expected[0]),
+                         "logit_gap": logit_gap(llm, hf, device, expected[0]),
                          "dtype": dtype, "batch1_equal": single == expected, "batch2_equal": batch == expected,
                          "first_difference": [first_difference(single), first_difference(batch)]}
         print(f"{arch}: {results[arch]}", flush=True)
@@ -142,9 +148,31 @@ def speed(model_dir: Path, reps: int, tg: int) -> list[tuple[str, str]]:
     return rows
 
 
+def fill(artifact: Path, seed: int = 0) -> None:
+    """Write random weights into `artifact`/model.onnx.data at the offsets model.onnx records:
+    floats small and finite (N(0, 0.02)), integer packs random bytes."""
+    import numpy as np
+    import onnx
+
+    model = onnx.load(str(artifact / "model.onnx"), load_external_data=False)
+    rng = np.random.default_rng(seed)
+    with open(artifact / "model.onnx.data", "wb") as data:
+        for tensor in model.graph.initializer:
+            if tensor.data_location != onnx.TensorProto.EXTERNAL:
+                continue
+            where = {e.key: e.value for e in tensor.external_data}
+            dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
+            count = int(where["length"]) // np.dtype(dtype).itemsize
+            values = (rng.normal(0, 0.02, count).astype(dtype) if np.issubdtype(dtype, np.floating)
+                      else rng.integers(0, 256, int(where["length"]), dtype=np.uint8))
+            data.seek(int(where["offset"]))
+            data.write(values.tobytes())
+    print(f"filled {artifact / 'model.onnx.data'} ({(artifact / 'model.onnx.data').stat().st_size / 1e6:.0f} MB)")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("action", choices=["prepare", "check"])
+    parser.add_argument("action", choices=["prepare", "check", "fill"])
     parser.add_argument("directory", type=Path)
     parser.add_argument("--speed", nargs="*", default=[], type=Path,
                         help="artifact directories (model.onnx, model.onnx.data, manifest.json) to time on CUDA")
@@ -154,6 +182,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.action == "prepare":
         prepare(args.directory, args.dtype)
+        return 0
+    if args.action == "fill":
+        fill(args.directory)
         return 0
     import onnxruntime
 

@@ -23,14 +23,15 @@ EXAMPLE_BATCH, EXAMPLE_SEQ = 2, 17  # not 0/1: torch.export would specialize tho
 
 
 class StatelessForward(torch.nn.Module):
-    """`(tokens, positions) -> logits` around a Hugging Face causal LM, no KV cache."""
+    """`(tokens, positions) -> logits` (f32) around a Hugging Face causal LM, no KV cache."""
 
     def __init__(self, lm: torch.nn.Module):
         super().__init__()
         self.lm = lm
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.lm(input_ids=tokens, position_ids=positions, use_cache=False).logits
+        # f32 logits whatever the model's dtype (the runtime's contract; exact for f16/bf16)
+        return self.lm(input_ids=tokens, position_ids=positions, use_cache=False).logits.float()
 
 
 def decompositions() -> dict:
@@ -76,9 +77,13 @@ def capture_module(module: torch.nn.Module, example_inputs: Sequence[torch.Tenso
     return graph
 
 
-def capture_causal_lm(lm: torch.nn.Module, max_batch: int = 8, max_seq_len: int = 2048) -> Graph:
-    """The stateless forward of a causal LM: tokens i64[batch, seq], positions -> logits."""
-    lm = lm.eval().float()
+def capture_causal_lm(lm: torch.nn.Module, max_batch: int = 8, max_seq_len: int = 2048,
+                      dtype: torch.dtype = torch.float32) -> Graph:
+    """The stateless forward of a causal LM: tokens i64[batch, seq], positions -> logits, with
+    the model's floating-point weights in `dtype` (converted in place). The trace runs on fake
+    tensors, so an f16/bf16 capture costs no slow CPU half-precision math; it records the casts
+    the model itself makes (norms and softmax in f32), as Hugging Face runs it in that dtype."""
+    lm = lm.eval().to(dtype)
     tokens = torch.randint(0, lm.config.vocab_size, (EXAMPLE_BATCH, EXAMPLE_SEQ))
     positions = torch.arange(EXAMPLE_SEQ).expand(EXAMPLE_BATCH, EXAMPLE_SEQ).contiguous()
     batch = ("batch", 1, max(max_batch, EXAMPLE_BATCH))

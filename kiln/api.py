@@ -16,6 +16,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from kiln.backends.executable import BackendOptions
 from kiln.backends.registry import backend_version, get_backend
 from kiln.runtime.artifact import read_artifact, save_artifact
@@ -25,11 +27,14 @@ from kiln.runtime.tokenizer import Tokenizer
 Progress = Callable[[str], None]
 
 
-def load(path: str | Path, check_hashes: bool = True) -> LLM:
-    """Open the artifact at `path` (checked: versions, sizes, hashes) and ready it to generate."""
+def load(path: str | Path, check_hashes: bool = True, device: str | None = None) -> LLM:
+    """Open the artifact at `path` (checked: versions, sizes, hashes) and ready it to generate,
+    on the device it was compiled for, or on `device` ("cpu", "cuda", "cuda:1") if given."""
     contents = _read_rank(Path(path), check_hashes)
     backend = get_backend(contents.backend)
     options = backend_options(contents.options)
+    if device is not None:
+        options = dataclasses.replace(options, device=device)
     executable = backend.load(contents.directory, contents.graph, contents.graph.weights, options)
     tokenizer = Tokenizer.from_dir(contents.tokenizer_dir) if contents.tokenizer_dir else None
     return LLM(executable, tokenizer, contents.manifest, contents.graph)
@@ -58,7 +63,7 @@ def backend_options(options: dict) -> BackendOptions:
 def compile(model=None, out: str | Path = "model.kiln", backend: str = "inductor", max_seq_len: int = 1024,
             max_batch: int = 1, dtype: str = "f32", dump_ir: str | Path | None = None,
             progress: Progress | None = None, quantize: str | None = None, quantize_embeddings: bool = False,
-            calibration=None, tensor_parallel: int = 1) -> Path:
+            calibration=None, tensor_parallel: int = 1, device: str = "cpu") -> Path:
     """Compile `model` (a local Hugging Face directory or .gguf file; None = the bundled default,
     SmolLM2-135M-Instruct) into an artifact directory at `out`; returns its path.
 
@@ -74,6 +79,11 @@ def compile(model=None, out: str | Path = "model.kiln", backend: str = "inductor
     token embedding. Data-aware schemes (-awq) run the model on `calibration`: a text file, token
     ids, or None for the bundled Moby-Dick chapters.
 
+    `dtype` is what the weights and activations are computed in: "f32" (every backend; the CPU
+    path), or "f16" for GPUs, lowered by the onnxruntime backend for `device="cuda"` (the model
+    is captured in f16 as Hugging Face runs it: norms in f32; logits come out in f32). `device`
+    is where the artifact runs; an artifact for CUDA compiles on a machine without one.
+
     `tensor_parallel` N > 1 shards the graph over N ranks (kiln.passes.shard_tensor_parallel) and
     writes one artifact with every rank's weights; run it with `torchrun --nproc-per-node N`.
     """
@@ -86,18 +96,15 @@ def compile(model=None, out: str | Path = "model.kiln", backend: str = "inductor
 
     report = progress or (lambda message: None)
     started = time.perf_counter()
-    if dtype != "f32":  # recorded in the manifest, so it must be what the artifact computes in
-        raise ValueError(f"dtype {dtype!r} is not supported yet: Kiln compiles f32 models (the CPU path; bf16 and "
-                         "f16 matmuls are slow on CPUs without native support). Fix: use dtype='f32', and "
-                         "quantize='int8' or 'int4-g32' for smaller weights.")
     quantize = None if quantize in (None, "none") else quantize
+    _check_dtype(dtype, backend, device, quantize)
     scheme = get_scheme(quantize) if quantize else None  # an unknown name fails before the slow steps
     if scheme is not None and scheme.needs_calibration:
         from kiln.calibration import check_source
 
         check_source(calibration)
     options = BackendOptions(max_batch=max_batch, max_seq_len=max_seq_len, dtype=dtype, quantize=quantize,
-                             quantize_embeddings=quantize_embeddings)
+                             quantize_embeddings=quantize_embeddings, device=device)
     backend_module = get_backend(backend)  # fail before the slow steps if the backend is unusable
     _check_tensor_parallel(tensor_parallel, backend, quantize)
     if model is None:
@@ -119,7 +126,8 @@ def compile(model=None, out: str | Path = "model.kiln", backend: str = "inductor
 
     def capture_and_lower():
         with _step(report, "capture the forward into IR"):
-            graph = capture_causal_lm(loaded.model, max_batch=max_batch, max_seq_len=max_seq_len)
+            graph = capture_causal_lm(loaded.model, max_batch=max_batch, max_seq_len=max_seq_len,
+                                      dtype=COMPUTE_DTYPES[dtype])
         with _step(report, "run the pass pipeline"):
             graph = run_pipeline(graph, options, dump_dir=dump_ir, calibration=tokens)
         if tensor_parallel > 1:
@@ -162,6 +170,24 @@ def compile(model=None, out: str | Path = "model.kiln", backend: str = "inductor
             "graph_breaks": breaks.counts,
         })
     return path
+
+
+COMPUTE_DTYPES = {"f32": torch.float32, "f16": torch.float16}
+
+
+def _check_dtype(dtype: str, backend: str, device: str, quantize: str | None) -> None:
+    """Fail before the slow steps on a dtype the target cannot run (the manifest records it)."""
+    if dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one Kiln compiles. Fix: use one of {sorted(COMPUTE_DTYPES)} "
+                         "(and quantize='int8' or 'int4-g32' for smaller weights).")
+    if dtype != "f32" and (backend != "onnxruntime" or device.split(":")[0] == "cpu"):
+        raise ValueError(f"dtype {dtype!r} is for GPUs: Kiln lowers it with backend='onnxruntime' for "
+                         f"device='cuda' (got backend={backend!r}, device={device!r}); CPUs without native half "
+                         "precision run f16 matmuls far slower than f32. Fix: dtype='f32' on the CPU (with "
+                         "quantize='int8' or 'int4-g32' for smaller weights), or backend='onnxruntime', device='cuda'.")
+    if dtype != "f32" and quantize is not None:  # the quantizer reads f32 weights only
+        raise ValueError(f"quantize={quantize!r} with dtype {dtype!r} is not supported yet: Kiln quantizes f32 "
+                         "weights. Fix: dtype='f32' with quantize, or dtype='f16' without it.")
 
 
 def _check_tensor_parallel(ranks: int, backend: str, quantize: str | None) -> None:

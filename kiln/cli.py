@@ -54,8 +54,11 @@ def _compile_model(argv) -> int:
     parser.add_argument("--backend", default="inductor", choices=sorted(BACKENDS))
     parser.add_argument("--max-seq-len", type=int, default=1024)
     parser.add_argument("--max-batch", type=int, default=1)
-    parser.add_argument("--dtype", default="f32", choices=["f32"],
-                        help="compute dtype (f32 only so far; smaller weights: --quantize)")
+    parser.add_argument("--dtype", default="f32", choices=["f32", "f16"],
+                        help="compute dtype: f32 (the CPU path; smaller weights: --quantize), or f16 for GPUs "
+                             "(--backend onnxruntime --device cuda)")
+    parser.add_argument("--device", default="cpu", help="where the artifact runs: cpu (default) or cuda[:N] "
+                        "(it compiles on a machine without one)")
     parser.add_argument("--dump-ir", metavar="DIR", help="write the IR after each pass phase into DIR")
     from kiln.passes.quant_schemes import scheme_names
 
@@ -77,7 +80,7 @@ def _compile_model(argv) -> int:
     path = kiln.compile(args.model, out=args.out, backend=args.backend, max_seq_len=args.max_seq_len,
                         max_batch=args.max_batch, dtype=args.dtype, dump_ir=args.dump_ir, quantize=args.quantize,
                         quantize_embeddings=args.quantize_embeddings, calibration=args.calibration,
-                        tensor_parallel=args.tensor_parallel,
+                        tensor_parallel=args.tensor_parallel, device=args.device,
                         progress=lambda line: print(f"[compile-model] {line}", file=sys.stderr, flush=True))
     manifest = json.loads((Path(path) / "manifest.json").read_text())
     stats = manifest.get("graph_stats", {})
@@ -90,7 +93,7 @@ def _compile_model(argv) -> int:
         from kiln.frontend.report_model import summary_line
 
         print(f"breaks     {summary_line(manifest['graph_breaks'])} (report.md in the artifact)")
-    print(f"options    max_seq_len={args.max_seq_len} max_batch={args.max_batch} dtype={args.dtype} "
+    print(f"options    max_seq_len={args.max_seq_len} max_batch={args.max_batch} dtype={args.dtype} device={args.device} "
           f"quantize={args.quantize}{' (with embeddings)' if args.quantize_embeddings else ''}")
     print(f"time       {time.perf_counter() - started:.1f}s")
     return 0

@@ -15,6 +15,7 @@ from .constant_fold import fold_constants
 from .cse import eliminate_common_subexpressions
 from .dce import eliminate_dead_code
 from .fold_linear_reshapes import fold_linear_reshapes
+from .fold_norm_casts import fold_norm_casts
 from .fold_transposes import fold_transposes
 from .fuse_add_rms_norm import fuse_add_rms_norm
 from .fuse_attention_pattern import fuse_attention_pattern
@@ -54,6 +55,7 @@ def fusion_passes() -> list[Pass]:
         # layer_norm before rms_norm: LayerNorm's variance is an RMS of the centered input.
         Pass("fuse_layer_norm", fuse_layer_norm),
         Pass("fuse_rms_norm", fuse_rms_norm),
+        Pass("fold_norm_casts", fold_norm_casts),  # f16/bf16 models: the norm's f32 casts go inside it
         Pass("fuse_add_rms_norm", fuse_add_rms_norm),
         Pass("fuse_projections", fuse_projections),
     ]

@@ -206,7 +206,14 @@ def test_load_names_an_unknown_backend(artifact):
         kiln.load(artifact)
 
 
-def test_a_dtype_other_than_f32_is_refused_before_any_work(tmp_path):
+def test_a_dtype_the_target_cannot_run_is_refused_before_any_work(tmp_path):
     """The manifest records the dtype, so an unsupported one is an error, not silently f32."""
-    with pytest.raises(ValueError, match=r"dtype 'bf16' is not supported yet.*Fix: use dtype='f32'"):
+    with pytest.raises(ValueError, match=r"dtype 'bf16' is not one Kiln compiles.*Fix: use one of"):
         kiln.compile(str(tmp_path / "missing-model"), out=tmp_path / "m.kiln", dtype="bf16")
+    with pytest.raises(ValueError, match=r"dtype 'f16' is for GPUs.*device='cpu'.*Fix: dtype='f32'"):
+        kiln.compile(str(tmp_path / "missing-model"), out=tmp_path / "m.kiln", dtype="f16", backend="onnxruntime")
+    with pytest.raises(ValueError, match=r"dtype 'f16' is for GPUs.*backend='inductor'"):
+        kiln.compile(str(tmp_path / "missing-model"), out=tmp_path / "m.kiln", dtype="f16", device="cuda")
+    with pytest.raises(ValueError, match=r"quantize='int8' with dtype 'f16' is not supported yet"):
+        kiln.compile(str(tmp_path / "missing-model"), out=tmp_path / "m.kiln", dtype="f16", device="cuda",
+                     backend="onnxruntime", quantize="int8")

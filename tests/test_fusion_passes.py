@@ -46,6 +46,7 @@ REWRITTEN = {
     "fuse_rope": lambda a, b: count(b, "rope"),
     "fuse_layer_norm": lambda a, b: count(b, "layer_norm") - count(a, "layer_norm"),
     "fuse_rms_norm": lambda a, b: count(b, "rms_norm"),
+    "fold_norm_casts": lambda a, b: count(a, "cast") - count(b, "cast"),
     "fuse_add_rms_norm": lambda a, b: count(b, "add_rms_norm"),
     "fuse_projections": lambda a, b: count(a, "linear") - count(b, "linear"),
 }
@@ -62,6 +63,7 @@ EXPECTED = {
     "fuse_rope": {"llama": 4, "qwen2": 4, "mistral": 4, "gemma3": 8, "llama-eager": 4},
     "fuse_layer_norm": {},  # torch.export keeps nn.LayerNorm whole: see the hand-written test below
     "fuse_rms_norm": {"llama": 5, "qwen2": 5, "mistral": 5, "gemma3": 25, "llama-eager": 5},
+    "fold_norm_casts": {},  # f32 models have no casts around their norms: see the f16 test below
     "fuse_add_rms_norm": {"llama": 4, "qwen2": 4, "mistral": 4, "gemma3": 8, "llama-eager": 4},
     "fuse_projections": {"llama": 6, "qwen2": 6, "mistral": 6, "gemma3": 12, "llama-eager": 6},
 }
@@ -143,6 +145,33 @@ def test_fusion_pass_keeps_results_and_rewrites_its_pattern(before_pass, model, 
         assert print_graph(graph) == print_graph(untouched)
     else:
         assert_same_outputs(run_graph(untouched, sample_feeds()), run_graph(graph, sample_feeds()))
+
+
+@pytest.mark.parametrize("arch, norms, residual_adds", [("llama", 5, 4), ("gemma3", 25, 8)])
+def test_half_precision_norms_lose_their_f32_casts_and_then_take_the_residual_add(tiny_model_dirs, arch, norms,
+                                                                                   residual_adds):
+    """An f16 capture computes each norm between casts to f32 and back (Llama: weight multiplied
+    after; Gemma: weight cast to f32 inside): fold_norm_casts makes each one f16 rms_norm."""
+    graph = capture_causal_lm(load_model(tiny_model_dirs(arch)).model, max_batch=2, max_seq_len=MAX_SEQ,
+                              dtype=torch.float16)
+    for cleanup in (canonicalize, fold_constants, eliminate_dead_code):
+        graph = cleanup(graph)
+    passes = {p.name: p for p in fusion_passes()}
+    for p in fusion_passes():
+        if p.name == "fold_norm_casts":
+            break
+        graph = p(graph)
+    untouched = copy_graph(graph)
+    graph = passes["fold_norm_casts"](graph)
+    verify(graph)
+    assert count(untouched, "rms_norm") == count(graph, "rms_norm") == norms
+    half_norms = [n for n in graph.nodes if n.op == "rms_norm" and n.inputs[0].type.dtype == "f16"]
+    assert len(half_norms) == norms and all(n.inputs[1].type.dtype == "f16" for n in half_norms)
+    assert count(graph, "cast") == 1  # only the logits' cast to f32 is left
+    before, after = run_graph(untouched, sample_feeds()), run_graph(graph, sample_feeds())
+    torch.testing.assert_close(after[0], before[0], atol=0.05, rtol=0.01)  # f16: one rounding may differ
+    assert before[0].dtype == after[0].dtype == torch.float32
+    assert count(passes["fuse_add_rms_norm"](graph), "add_rms_norm") == residual_adds
 
 
 @pytest.mark.parametrize("model", ["llama", "gemma3", "gpt2-eager"])

@@ -193,6 +193,49 @@ def test_without_a_readable_registry_f32_group_query_attention_is_refused_on_cud
     providers.check_supported(model, "CPUExecutionProvider")  # nothing known against the CPU
 
 
+def test_an_f16_model_for_cuda_compiles_on_a_machine_without_one(tiny_model_dirs, tmp_path):
+    """f16 is the GPU path: the artifact compiles here (checked against what is known of CUDA's
+    kernels), loads where onnxruntime-gpu is, and is refused on this CPU with the reason."""
+    path = kiln.compile(str(tiny_model_dirs("llama")), out=tmp_path / "f16.kiln", backend="onnxruntime",
+                        max_seq_len=OPTIONS.max_seq_len, max_batch=OPTIONS.max_batch, dtype="f16", device="cuda")
+    options = json.loads((path / "manifest.json").read_text())["options"]
+    assert (options["dtype"], options["device"]) == ("f16", "cuda")
+    model = onnx.load(str(path / "model.onnx"), load_external_data=False)
+    inferred = onnx.shape_inference.infer_shapes(model)
+    types = {v.name: v.type.tensor_type.elem_type for v in [*inferred.graph.input, *inferred.graph.output,
+                                                            *inferred.graph.value_info]}
+    types.update({t.name: t.data_type for t in model.graph.initializer})
+    f16, f32 = onnx.TensorProto.FLOAT16, onnx.TensorProto.FLOAT
+    attention = [n for n in model.graph.node if n.op_type == "GroupQueryAttention"]
+    assert len(attention) == 2 and all(types[n.input[0]] == f16 and types[n.input[3]] == f16 for n in attention)
+    assert {types[n.input[1]] for n in model.graph.node if n.op_type == "MatMul"} == {f16}
+    assert sum(n.op_type == "SkipSimplifiedLayerNormalization" for n in model.graph.node) == 4
+    assert types["logits"] == f32  # the runtime's contract, whatever the compute dtype
+    with pytest.raises(ort_backend.ProviderError, match=r"CUDAExecutionProvider is not available.*gpu extra"):
+        kiln.load(path)
+    with pytest.raises(ort_backend.ProviderError, match=r"CPUExecutionProvider cannot run: .*MatMul.*float16"):
+        kiln.load(path, device="cpu")
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_the_f16_graph_follows_hugging_face_in_f16_through_the_kv_cache(tiny_model_dirs, arch):
+    """What an f16 artifact computes (its stateful graph, run by the reference interpreter) against
+    Hugging Face running the same checkpoint in f16: prompt, then decode steps teacher-forced."""
+    options = BackendOptions(max_batch=1, max_seq_len=OPTIONS.max_seq_len, dtype="f16")
+    graph = run_pipeline(capture_causal_lm(load_model(tiny_model_dirs(arch)).model, max_batch=1,
+                                           max_seq_len=options.max_seq_len, dtype=torch.float16), options)
+    hf = load_model(tiny_model_dirs(arch)).model.to(torch.float16)
+    sequence = prompts([20])[0]
+    with torch.no_grad():
+        expected = hf(torch.tensor([sequence])).logits[0].float()
+    executable = reference.lower(graph, options)
+    got = [executable.run(torch.tensor([sequence[:12]]), torch.arange(12)[None])[0]]
+    got += [executable.run(torch.tensor([[t]]), torch.tensor([[12 + i]]))[0] for i, t in enumerate(sequence[12:])]
+    # f16 rounds to ~3 significant digits; logits here are O(1-10)
+    torch.testing.assert_close(torch.cat(got), expected, atol=0.06, rtol=0.01)
+    assert torch.equal(torch.cat(got).argmax(-1), expected.argmax(-1))
+
+
 # -- artifacts and generation ---------------------------------------------------------------
 def test_compiled_artifact_lists_the_model_and_its_data_with_hashes_and_loads_back(tiny_model_dirs, tmp_path):
     path = kiln.compile(str(tiny_model_dirs("llama")), out=tmp_path / "model.kiln", backend="onnxruntime",

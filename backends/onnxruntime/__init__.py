@@ -13,6 +13,7 @@ from __future__ import annotations
 import tempfile
 from pathlib import Path
 
+import onnx
 import onnxruntime as ort
 import torch
 
@@ -20,10 +21,10 @@ from kiln.backends.executable import BackendOptions
 from kiln.ir import Graph, verify
 
 from .errors import FeedError, OnnxLoweringError, ProviderError
-from .executable import OrtExecutable
+from .executable import OrtExecutable, OrtModelForAnotherMachine
 from .model_files import DATA_FILE, MODEL_FILE, check_model, write_model
 from .op_lowerings import ONNX_LOWERINGS, check_lowering_table
-from .providers import check_supported, choose_provider
+from .providers import check_supported, choose_provider, target_provider
 from .to_onnx import OnnxProgram, graph_to_onnx
 
 NAME = "onnxruntime"
@@ -37,13 +38,20 @@ def backend_version() -> str:
 def lower(graph: Graph, options: BackendOptions, contrib_ops: bool = True) -> OrtExecutable:
     """Lower a stateful graph (weights attached) to ONNX and open an InferenceSession on it.
 
-    `contrib_ops=False` keeps to standard ONNX ops (slower; for comparison and testing)."""
+    `contrib_ops=False` keeps to standard ONNX ops (slower; for comparison and testing).
+    A device whose provider this onnxruntime lacks (compiling here for CUDA, say) gets the model
+    checked against what is known of that provider and an `OrtModelForAnotherMachine`, which
+    only saves: the artifact runs where `kiln.load` finds the provider."""
     verify(graph)
-    choose_provider(options.device)  # fail before the slow steps if the provider is missing
+    provider = target_provider(options.device)
     program = graph_to_onnx(graph, contrib_ops=contrib_ops)
     workdir = tempfile.TemporaryDirectory(prefix="kiln-onnx-")
     write_model(program, Path(workdir.name))
-    return OrtExecutable(Path(workdir.name) / MODEL_FILE, options, workdir)
+    path = Path(workdir.name) / MODEL_FILE
+    if provider not in ort.get_available_providers():
+        check_supported(onnx.load(str(path), load_external_data=False), provider)
+        return OrtModelForAnotherMachine(path, options, provider, workdir)
+    return OrtExecutable(path, options, workdir)
 
 
 def load(directory: Path, graph: Graph, weights: dict[str, torch.Tensor], options: BackendOptions) -> OrtExecutable:

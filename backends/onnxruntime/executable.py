@@ -194,18 +194,47 @@ class OrtExecutable:
         return logits
 
     def save(self, directory: Path) -> list[str]:
-        """Put model.onnx and model.onnx.data into `directory` (hard links where the file system
-        allows, else copies); returns their names."""
-        import os
-        import shutil
+        return save_model_files(self.model_path, directory)
 
-        for name in (MODEL_FILE, DATA_FILE):
-            source, target = self.model_path.parent / name, Path(directory) / name
-            try:
-                os.link(source, target)
-            except OSError:
-                shutil.copyfile(source, target)
-        return [MODEL_FILE, DATA_FILE]
+
+class OrtModelForAnotherMachine:
+    """A lowered model for an execution provider this machine lacks (e.g. an f16 model for CUDA
+    compiled on a CPU-only machine): checked, saved into the artifact, run where kiln.load finds
+    the provider."""
+
+    def __init__(self, model_path: Path, options: BackendOptions, provider: str, workdir=None):
+        self.options, self.model_path, self.provider = options, Path(model_path), provider
+        self._workdir = workdir
+        self.info = read_info(self.model_path)
+
+    def run(self, tokens, positions, first_row: int = 0):
+        raise ProviderError(f"this model was lowered for {self.provider}, which this onnxruntime {ort.__version__} "
+                            f"lacks. Fix: save it (kiln.compile does) and kiln.load it on a machine with the provider "
+                            "(onnxruntime-gpu for CUDA).")
+
+    def cache_views(self):
+        return self.run(None, None)
+
+    def reset(self) -> None:
+        pass
+
+    def save(self, directory: Path) -> list[str]:
+        return save_model_files(self.model_path, directory)
+
+
+def save_model_files(model_path: Path, directory: Path) -> list[str]:
+    """Put model.onnx and model.onnx.data into `directory` (hard links where the file system
+    allows, else copies); returns their names."""
+    import os
+    import shutil
+
+    for name in (MODEL_FILE, DATA_FILE):
+        source, target = Path(model_path).parent / name, Path(directory) / name
+        try:
+            os.link(source, target)
+        except OSError:
+            shutil.copyfile(source, target)
+    return [MODEL_FILE, DATA_FILE]
 
 
 def _numpy_dtype(dtype: torch.dtype):

@@ -27,13 +27,18 @@ from .onnx_builder import MS_DOMAIN
 PROVIDERS = {"cpu": "CPUExecutionProvider", "cuda": "CUDAExecutionProvider", "gpu": "CUDAExecutionProvider"}
 
 
-def choose_provider(device: str) -> str:
-    """The execution provider for a device name ("cpu", "cuda", "cuda:1"); it must be installed."""
+def target_provider(device: str) -> str:
+    """The execution provider for a device name ("cpu", "cuda", "cuda:1"), installed or not."""
     kind = device.split(":")[0]
     if kind not in PROVIDERS:
         raise ProviderError(f"device {device!r} has no ONNX Runtime execution provider here. "
                             f"Fix: use one of {', '.join(sorted(PROVIDERS))}.")
-    provider = PROVIDERS[kind]
+    return PROVIDERS[kind]
+
+
+def choose_provider(device: str) -> str:
+    """The execution provider for a device name ("cpu", "cuda", "cuda:1"); it must be installed."""
+    provider = target_provider(device)
     if provider not in ort.get_available_providers():
         raise ProviderError(f"{provider} is not available in this onnxruntime {ort.__version__} (it has "
                             f"{', '.join(ort.get_available_providers())}). Fix: install the gpu extra "
@@ -160,8 +165,9 @@ KNOWN_TYPES = {"CUDAExecutionProvider": {(MS_DOMAIN, "GroupQueryAttention"): {"t
 
 def unsupported_nodes(model: onnx.ModelProto, provider: str) -> list[str]:
     """A description of each node `provider` has no kernel for (empty when it runs them all)."""
-    registry = _kernels(provider)
-    if registry is None:  # unreadable (warned): only what is known without it
+    # a provider this build lacks has no registry here (compiling for CUDA on a CPU machine)
+    registry = _kernels(provider) if provider in ort.get_available_providers() else None
+    if registry is None:  # unreadable (warned) or absent: only what is known without it
         return _known_unsupported(model, provider)
     opsets = {o.domain: o.version for o in model.opset_import}
     types = _value_types(model)

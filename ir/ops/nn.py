@@ -30,8 +30,12 @@ def _embedding_infer(weight, ids):
 
 
 def _rms_norm_ref(x, weight, eps, offset):
-    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return y * (weight + offset) if weight is not None else y
+    """In f32 whatever the input's precision (half inputs are upcast, the result cast back), as
+    the models write it for f16/bf16 and as ONNX Runtime's fused norm kernels compute it."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    y = y * (weight.float() + offset) if weight is not None else y
+    return y.to(x.dtype)
 
 
 register(OpDef("linear", ("x", "weight", "bias?"), _linear_infer, F.linear,
@@ -51,5 +55,6 @@ register(OpDef(
     lambda x, w, eps, offset: x,
     _rms_norm_ref,
     attrs={"eps": REQUIRED, "offset": 0.0},
-    doc="x / rms(x) * (weight + offset); offset 1.0 is Gemma's form",
+    doc="x / rms(x) * (weight + offset); offset 1.0 is Gemma's form. Computed in f32 for f16/bf16 x "
+        "(the weight may be either)",
 ))
