@@ -54,8 +54,15 @@ class GenaiRunner:
         return lambda: self._generator(prompt, 1)
 
     def generate(self, n: int):
+        """Decode n tokens into text, as its users stream it (Kiln's tg rows detokenize too)."""
+        tokenizer = self.og.Tokenizer(self.model)
+
         def run():
             generator = self._generator([1], n)
+            stream = tokenizer.create_stream()
+            text = []
             while not generator.is_done():
                 generator.generate_next_token()
+                text.append(stream.decode(generator.get_next_tokens()[0]))
+            return "".join(text)
         return run
