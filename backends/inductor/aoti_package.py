@@ -35,6 +35,12 @@ PACKAGE_CONFIGS = {
     # other. Every layer reads the shared rope rows and kv_write index, so the default of 64
     # compares kernels of different layers, which never fuse (SmolLM2: 30k checks, ~5 s of compile).
     "max_fusion_buffer_group_pairwise_attempts": 8,
+    # Trust the CPU's flags (/proc/cpuinfo) for the vector ISA instead of proving each one by
+    # building and dlopen-ing a probe against ATen's vector headers: with a cold Inductor cache
+    # those four g++ builds cost 15-20 s of every compile (the small AVX-512-BF16/VNNI/AMX
+    # probes still run). A compiler that lacks a flag the CPU has then fails the kernel build
+    # loudly instead of falling back to a narrower ISA.
+    "cpp.vec_isa_ok": True,
 }
 
 
