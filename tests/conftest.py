@@ -49,3 +49,12 @@ def smollm2_dir() -> Path:
     except ModelNotFoundError as error:
         pytest.skip(f"the default model is not installed: {error}")
     return default_model_dir()
+
+
+@pytest.fixture
+def exact_activations(monkeypatch):
+    """ONNX Runtime's MatMulNBits at accuracy level 0 (f32 activations): the interpreter's exact
+    arithmetic, for tests that compare the two closely (the default, 4, rounds them to int8)."""
+    from kiln.backends.onnxruntime import quantized_lowerings
+
+    monkeypatch.setattr(quantized_lowerings, "ACCURACY_LEVEL", 0)

@@ -316,7 +316,8 @@ def quantized_graph(bits: int, group_size: int, with_zeros: bool) -> Graph:
 @pytest.mark.parametrize("bits, group_size, with_zeros", [
     (4, 32, True), (4, 48, False), (8, 96, False), (4, 6, True)], ids=["int4-g32-zeros", "int4-g48", "int8-per-channel",
                                                                        "int4-g6-dequantized"])
-def test_quantized_weights_run_as_matmulnbits_and_equal_the_interpreter(bits, group_size, with_zeros):
+def test_quantized_weights_run_as_matmulnbits_and_equal_the_interpreter(bits, group_size, with_zeros,
+                                                                        exact_activations):
     graph = quantized_graph(bits, group_size, with_zeros)
     options = BackendOptions(max_batch=2, max_seq_len=8)
     ops = ort_backend.graph_to_onnx(graph).op_types()
@@ -327,7 +328,22 @@ def test_quantized_weights_run_as_matmulnbits_and_equal_the_interpreter(bits, gr
     torch.testing.assert_close(ort_backend.lower(graph, options).run(tokens, positions), expected, atol=1e-4, rtol=1e-4)
 
 
-def test_int4_pipeline_runs_as_matmulnbits_and_gatherblockquantized(stateful_graph):
+def test_matmulnbits_rounds_activations_to_int8_by_default_and_stays_close_to_the_interpreter():
+    """Accuracy level 4 (the default, ORT's fast CPU path): an approximation of the exact result."""
+    graph = quantized_graph(4, 32, False)
+    options = BackendOptions(max_batch=2, max_seq_len=8)
+    model = ort_backend.graph_to_onnx(graph).model
+    levels = {a.i for n in model.graph.node if n.op_type == "MatMulNBits" for a in n.attribute
+              if a.name == "accuracy_level"}
+    assert levels == {4}
+    tokens, positions = torch.randint(0, 32, (2, 5)), torch.arange(5).expand(2, 5)
+    expected = reference.lower(graph, options).run(tokens, positions)
+    got = ort_backend.lower(graph, options).run(tokens, positions)
+    assert not torch.equal(got, expected)  # the activations were rounded
+    assert float((got - expected).norm() / expected.norm()) < 0.05
+
+
+def test_int4_pipeline_runs_as_matmulnbits_and_gatherblockquantized(stateful_graph, exact_activations):
     _, model = stateful_graph("llama")
     options = BackendOptions(max_batch=2, max_seq_len=128, quantize="int4-g32", quantize_embeddings=True)
     graph = run_pipeline(capture_causal_lm(model, max_batch=2, max_seq_len=128), options)

@@ -236,7 +236,7 @@ def test_awq_compile_to_an_inductor_artifact_records_the_scheme_and_its_calibrat
         assert ((got - want).norm() / want.norm()).item() < tolerance
 
 
-def test_onnxruntime_runs_per_channel_int8_of_a_wide_input_as_matmulnbits_blocks_of_256():
+def test_onnxruntime_runs_per_channel_int8_of_a_wide_input_as_matmulnbits_blocks_of_256(exact_activations):
     """K = 1536 (SmolLM2's down projection): one int8 group per row, which MatMulNBits (blocks of
     at most 256) takes as 6 blocks sharing the row's scale."""
     from kiln.backends import onnxruntime as ort_backend

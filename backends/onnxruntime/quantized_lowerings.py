@@ -9,7 +9,9 @@ and packed zero points, so the weight is re-laid once at lowering:
   lowering and runs as a float MatMul / Gather;
 - 8-bit codes shift to unsigned (q + 128 against ORT's default zero point 128); 4-bit codes
   keep ORT's default zero point 8, the IR's symmetric one.
-`KILN_ORT_ACCURACY_LEVEL=4` lets MatMulNBits quantize activations to int8 (approximate, faster).
+MatMulNBits runs at accuracy level 4 by default (activations rounded to int8 per block for an
+integer dot product: ORT's fast CPU path); `KILN_ORT_ACCURACY_LEVEL=0` keeps them f32 (the IR's
+exact result, slower), read when the lowering module is imported and written into each node.
 """
 from __future__ import annotations
 
@@ -22,9 +24,10 @@ from kiln.ir import Node
 from .onnx_builder import MS_DOMAIN, OnnxBuilder
 
 DEFAULT_ZERO = {4: 8, 8: 128}  # ORT's zero point when none is given, in ORT's unsigned codes
-# MatMulNBits' accuracy_level: 0 computes in f32 (the IR's exact result); 4 quantizes activations
-# to int8 per block (faster on CPUs with int8 dot products; what genai's builder picks for CPU int4)
-ACCURACY_LEVEL = int(os.environ.get("KILN_ORT_ACCURACY_LEVEL", "0"))
+# MatMulNBits' accuracy_level: 4 quantizes activations to int8 per block (faster on CPUs with int8
+# dot products; what genai's builder picks for CPU int4, and what Kiln's Inductor int4 decode
+# kernel does); 0 computes in f32 (the IR's exact result). CUDA ignores it.
+ACCURACY_LEVEL = int(os.environ.get("KILN_ORT_ACCURACY_LEVEL", "4"))
 
 
 MAX_BLOCK = 256  # MatMulNBits takes blocks of 16, 32, 64, 128 or 256
