@@ -97,7 +97,7 @@ def compile(model=None, out: str | Path = "model.kiln", backend: str = "inductor
     report = progress or (lambda message: None)
     started = time.perf_counter()
     quantize = None if quantize in (None, "none") else quantize
-    _check_dtype(dtype, backend, device, quantize)
+    _check_target(dtype, backend, device, quantize)
     scheme = get_scheme(quantize) if quantize else None  # an unknown name fails before the slow steps
     if scheme is not None and scheme.needs_calibration:
         from kiln.calibration import check_source
@@ -175,8 +175,8 @@ def compile(model=None, out: str | Path = "model.kiln", backend: str = "inductor
 COMPUTE_DTYPES = {"f32": torch.float32, "f16": torch.float16}
 
 
-def _check_dtype(dtype: str, backend: str, device: str, quantize: str | None) -> None:
-    """Fail before the slow steps on a dtype the target cannot run (the manifest records it)."""
+def _check_target(dtype: str, backend: str, device: str, quantize: str | None) -> None:
+    """Fail before the slow steps on a dtype or device the target cannot run (the manifest records them)."""
     if dtype not in COMPUTE_DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one Kiln compiles. Fix: use one of {sorted(COMPUTE_DTYPES)} "
                          "(and quantize='int8' or 'int4-g32' for smaller weights).")
@@ -185,6 +185,9 @@ def _check_dtype(dtype: str, backend: str, device: str, quantize: str | None) ->
                          f"device='cuda' (got backend={backend!r}, device={device!r}); CPUs without native half "
                          "precision run f16 matmuls far slower than f32. Fix: dtype='f32' on the CPU (with "
                          "quantize='int8' or 'int4-g32' for smaller weights), or backend='onnxruntime', device='cuda'.")
+    if device.split(":")[0] != "cpu" and backend != "onnxruntime":
+        raise ValueError(f"device {device!r}: the {backend} backend runs on the CPU only so far. Fix: "
+                         "device='cpu', or backend='onnxruntime' (CUDA through onnxruntime-gpu).")
     if dtype != "f32" and quantize is not None:  # the quantizer reads f32 weights only
         raise ValueError(f"quantize={quantize!r} with dtype {dtype!r} is not supported yet: Kiln quantizes f32 "
                          "weights. Fix: dtype='f32' with quantize, or dtype='f16' without it.")
