@@ -28,14 +28,6 @@ def _upcast_from_half(value: Value | None) -> Value | None:
     return cast.inputs[0]
 
 
-def _half_weight(weight: Value | None, dtype: str) -> Value | None:
-    """The norm's weight in the input's dtype: a cast(w, f32) of such a w gives w back."""
-    if weight is None:
-        return None
-    source = _upcast_from_half(weight)
-    return source if source is not None and source.type.dtype == dtype else False
-
-
 def _downcast(users, norm: Node, dtype: str) -> Node | None:
     """The sole reader of the norm when it casts the result back to `dtype`."""
     cast = sole_user(users, norm.output)
@@ -62,8 +54,12 @@ def fold_norm_casts(graph: Graph) -> Graph:
         if x is None:
             continue
         cast = _downcast(users, norm, x.type.dtype)
-        weight = _half_weight(norm.inputs[1], x.type.dtype)
-        if cast is None or weight is False:
+        weight = norm.inputs[1]
+        if weight is not None:  # Gemma's form: the weight comes in as cast(w, f32) of a half w
+            weight = _upcast_from_half(weight)
+            if weight is None or weight.type.dtype != x.type.dtype:
+                continue
+        if cast is None:
             continue
         last = cast
         if weight is None:  # Llama's form: the weight multiplies after the cast back

@@ -87,10 +87,9 @@ class OrtExecutable:
         tokens, positions = self._check_feeds(tokens, positions)
         batch, seq = tokens.shape
         check_rows(first_row, batch, self.max_batch)
-        out = self._checked_out(out, batch, seq)
         if seq > 1 and batch > 1 and self.info["contiguous_positions"] and bool(positions[:, 0].any()):
             rows = [self._run_rows(tokens[r:r + 1], positions[r:r + 1], first_row + r) for r in range(batch)]
-            return torch.cat(rows, out=out) if out is not None else torch.cat(rows)
+            return torch.cat(rows) if out is None else torch.cat(rows, out=self._checked_out(out, batch, seq))
         return self._run_rows(tokens, positions, first_row, out)
 
     def cache_views(self) -> list[torch.Tensor]:
@@ -166,9 +165,7 @@ class OrtExecutable:
             return None
         return torch.empty(batch, seq, self.info["vocab"], dtype=self._logits_dtype)
 
-    def _checked_out(self, out: torch.Tensor | None, batch: int, seq: int) -> torch.Tensor | None:
-        if out is None:
-            return None
+    def _checked_out(self, out: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
         shape = (batch, seq, self.info["vocab"])
         if self.device_type != "cpu" or tuple(out.shape) != shape or out.dtype != self._logits_dtype or \
                 not out.is_contiguous() or out.device.type != "cpu":
@@ -177,10 +174,12 @@ class OrtExecutable:
         return out
 
     def _bind_logits(self, batch: int, seq: int, out: torch.Tensor | None = None):
-        """The logits output: `out` (bound again only when it is another buffer) or a fresh tensor
-        (on the CPU a torch tensor: no copy after)."""
+        """The logits output: `out` (checked and bound only when it is another buffer than the one
+        bound: not per decode step) or a fresh tensor (on the CPU a torch tensor: no copy after)."""
         dtype = self._logits_dtype
         if self.device_type != "cpu":
+            if out is not None:
+                self._checked_out(out, batch, seq)  # raises: `out` is for CPU sessions
             logits = ort.OrtValue.ortvalue_from_shape_and_type([batch, seq, self.info["vocab"]], _numpy_dtype(dtype),
                                                                self.device_type, self.device_id)
             self.binding.bind_ortvalue_output(self.info["logits"], logits)
@@ -188,6 +187,8 @@ class OrtExecutable:
         logits = out if out is not None else torch.empty(batch, seq, self.info["vocab"], dtype=dtype)
         key = (logits.data_ptr(), batch, seq)
         if out is None or self._bound_logits != key:
+            if out is not None:
+                self._checked_out(out, batch, seq)
             self.binding.bind_output(self.info["logits"], "cpu", 0, self._logits_numpy_dtype, list(logits.shape),
                                      logits.data_ptr())
             self._bound_logits = key if out is not None else None
@@ -208,12 +209,15 @@ class OrtModelForAnotherMachine:
         self.info = read_info(self.model_path)
 
     def run(self, tokens, positions, first_row: int = 0):
-        raise ProviderError(f"this model was lowered for {self.provider}, which this onnxruntime {ort.__version__} "
-                            f"lacks. Fix: save it (kiln.compile does) and kiln.load it on a machine with the provider "
-                            "(onnxruntime-gpu for CUDA).")
+        raise self._not_here()
 
     def cache_views(self):
-        return self.run(None, None)
+        raise self._not_here()
+
+    def _not_here(self) -> ProviderError:
+        return ProviderError(f"this model was lowered for {self.provider}, which this onnxruntime {ort.__version__} "
+                             "lacks. Fix: save it (kiln.compile does) and kiln.load it on a machine with the provider "
+                             "(onnxruntime-gpu for CUDA).")
 
     def reset(self) -> None:
         pass
