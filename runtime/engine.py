@@ -88,7 +88,7 @@ class Engine:
         self.decoder_factory = decoder_factory
         self.prefill_chunk = max(2, prefill_chunk)
         self.max_queue = max_queue
-        self.slots = KvSlots(self.max_batch, prefix_caching)
+        self.slots = KvSlots(self.max_batch, prefix_caching, getattr(executable, "copies_rows", True))
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._next_id = 0

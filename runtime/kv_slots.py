@@ -34,10 +34,11 @@ class Placement:
 class KvSlots:
     """The rows of the KV buffers: their occupants and cached contents."""
 
-    def __init__(self, rows: int, prefix_caching: bool = True):
+    def __init__(self, rows: int, prefix_caching: bool = True, row_copies: bool = True):
         self.occupant: list[object | None] = [None] * rows
         self.contents: list[list[int]] = [[] for _ in range(rows)]
         self.prefix_caching = prefix_caching
+        self.row_copies = row_copies  # False: a prefix is reused only in the row that holds it
 
     @property
     def in_use(self) -> int:
@@ -57,7 +58,7 @@ class KvSlots:
         shared = {r: min(common_prefix_length(self.contents[r], prompt), usable) for r in range(len(self.occupant))}
         row = max(free, key=lambda r: (shared[r], -r))
         donor = max(range(len(self.occupant)), key=lambda r: (shared[r], r == row))
-        if shared[donor] > shared[row]:
+        if shared[donor] > shared[row] and self.row_copies:
             return Placement(row, shared[donor], copy_from=donor)
         return Placement(row, shared[row])
 

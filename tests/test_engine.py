@@ -135,6 +135,32 @@ def test_a_shared_system_prefix_is_copied_from_a_busy_row():
     assert other.token_ids == alone(system + [2, 3], max_new_tokens=5).token_ids
 
 
+class NoRowCopies(CallLog):
+    """An executable whose KV rows cannot be copied (ORT's buffers on a device torch cannot address)."""
+
+    copies_rows = False
+
+    def cache_views(self):
+        raise AssertionError("the engine asked for cache views of an executable that cannot copy rows")
+
+
+def test_without_row_copies_a_shared_prefix_is_fed_again_and_the_output_is_unchanged():
+    llm = LLM(NoRowCopies(executable()))
+    system = [40, 41, 42, 43, 44, 45, 46, 47, 48]
+    with llm.engine.exclusive():
+        busy = llm.submit(system + [1], max_new_tokens=8)
+    busy.result(timeout=60)
+    llm.engine.slots.occupant[0] = "held"
+    try:
+        other = llm.generate(system + [2, 3], max_new_tokens=5)
+    finally:
+        llm.engine.slots.release(0)
+    assert other.stats.cached_tokens == 0
+    assert other.token_ids == alone(system + [2, 3], max_new_tokens=5).token_ids
+    again = llm.generate(system + [1], max_new_tokens=8)  # row 0 holds it: reused in place
+    assert again.stats.cached_tokens == len(system) and again.token_ids == busy.result().token_ids  # all but the last
+
+
 def test_cancel_frees_the_row_and_reports_cancelled():
     llm = LLM(executable(1))
     with llm.engine.exclusive():

@@ -44,7 +44,7 @@ def lower(graph: Graph, options: BackendOptions, contrib_ops: bool = True) -> Or
     only saves: the artifact runs where `kiln.load` finds the provider."""
     verify(graph)
     provider = target_provider(options.device)
-    program = graph_to_onnx(graph, contrib_ops=contrib_ops)
+    program = graph_to_onnx(graph, contrib_ops=contrib_ops, provider=provider)
     workdir = tempfile.TemporaryDirectory(prefix="kiln-onnx-")
     write_model(program, Path(workdir.name))
     path = Path(workdir.name) / MODEL_FILE

@@ -49,6 +49,10 @@ class OrtExecutable:
             raise ProviderError(f"this model updates some KV caches with plain ONNX ops, which the executable "
                                 f"copies back on the CPU only, not on {options.device}. Fix: use device='cpu'.")
         self.caches = [self._allocate(c) for c in self.info["caches"]]
+        # torch writes these buffers (zeroing, prefix copies) on its own CUDA stream, ORT on another
+        self._torch_stream = (torch.cuda.current_stream(self.caches[0].device)
+                              if self.caches and isinstance(self.caches[0], torch.Tensor) and self.caches[0].is_cuda
+                              else None)
         shapes = [c["shape"] for c in self.info["caches"]]
         self.max_batch = min([s[0] for s in shapes] + [options.max_batch])
         self.max_seq_len = min([s[2] for s in shapes] + [options.max_seq_len])
@@ -64,11 +68,22 @@ class OrtExecutable:
         self._logits_numpy_dtype = _numpy_dtype(self._logits_dtype)
 
     def _allocate(self, cache: dict):
+        """A zeroed buffer: a torch tensor where torch can address the device (so the engine can
+        copy cached prefixes between rows), else an ORT value on the device."""
         dtype = to_torch(cache["dtype"])
         if self.device_type == "cpu":
             return torch.zeros(cache["shape"], dtype=dtype)
-        return ort.OrtValue.ortvalue_from_shape_and_type(cache["shape"], _numpy_dtype(dtype), self.device_type,
-                                                         self.device_id)
+        if self.device_type == "cuda" and torch.cuda.is_available():
+            return torch.zeros(cache["shape"], dtype=dtype, device=f"cuda:{self.device_id}")
+        buffer = ort.OrtValue.ortvalue_from_shape_and_type(cache["shape"], _numpy_dtype(dtype), self.device_type,
+                                                           self.device_id)
+        buffer.update_inplace(np.zeros(cache["shape"], _numpy_dtype(dtype)))
+        return buffer
+
+    @property
+    def copies_rows(self) -> bool:
+        """Whether `cache_views` can be had (the engine copies shared prefixes between rows)."""
+        return all(isinstance(c, torch.Tensor) for c in self.caches)
 
     def reset(self) -> None:
         """Forget all cached keys and values (zero the buffers)."""
@@ -93,9 +108,9 @@ class OrtExecutable:
         return self._run_rows(tokens, positions, first_row, out)
 
     def cache_views(self) -> list[torch.Tensor]:
-        if self.device_type != "cpu":
-            raise ProviderError(f"KV rows on {self.options.device} are not addressable from the CPU; "
-                                "prefix copies need device='cpu'")
+        if not self.copies_rows:
+            raise ProviderError(f"KV rows on {self.options.device} are not addressable here (torch has no "
+                                f"{self.device_type} support); prefix copies need a torch build for that device")
         return self.caches
 
     def _check_feeds(self, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,24 +132,34 @@ class OrtExecutable:
             self._bind_caches(first_row, batch)
         scratch = self._bind_scratch(batch) if self._copied_back else []
         logits = self._bind_logits(batch, seq, out)
+        if self._torch_stream is not None:
+            self._torch_stream.synchronize()
         self.session.run_with_iobinding(self.binding)
         for index, out_cache in zip(self._copied_back, scratch):
             self.caches[index][first_row:first_row + batch].copy_(out_cache)
         return logits if isinstance(logits, torch.Tensor) else torch.from_numpy(logits.numpy())  # device -> host
 
     def _bind_feeds(self, tokens: torch.Tensor, positions: torch.Tensor) -> None:
-        """Copy tokens and positions into this shape's own int64 arrays, bound once by pointer:
-        binding fresh arrays costs more per decode step than the copy."""
+        """Copy the feeds into this shape's own arrays, bound once by pointer: binding fresh
+        arrays costs more per decode step than the copy."""
         shape = tuple(tokens.shape)
         arrays = self._feed_arrays.get(shape)
         if arrays is None:
-            arrays = self._feed_arrays[shape] = {name: np.empty(shape, np.int64) for name in self.info["inputs"]}
-        feeds = {"tokens": tokens.numpy(), "positions": positions.numpy()}
+            arrays = self._feed_arrays[shape] = {name: np.empty(*_feed_spec(name, shape)) for name in self.info["inputs"]}
+        position_array = positions.numpy()
         for name, array in arrays.items():
-            array[...] = feeds[name]
-        if self._bound_feed_shape != shape:
+            if name == "tokens":
+                array[...] = tokens.numpy()
+            elif name == "positions":
+                array[...] = position_array
+            elif name == "seqlens_k":  # each row's last position
+                np.max(position_array, axis=1, out=array, initial=0)
+            else:  # total_sequence_length: the largest position + 1
+                array[...] = position_array.max() + 1
+        # binding copies a CPU input to a device at once (ORT's IOBinding): there, bind every step
+        if self._bound_feed_shape != shape or self.device_type != "cpu":
             for name, array in arrays.items():
-                self.binding.bind_input(name, "cpu", 0, np.int64, list(shape), array.ctypes.data)
+                self.binding.bind_input(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
             self._bound_feed_shape = shape
 
     def _bind_caches(self, first_row: int, batch: int) -> None:
@@ -239,6 +264,15 @@ def save_model_files(model_path: Path, directory: Path) -> list[str]:
         except OSError:
             shutil.copyfile(source, target)
     return [MODEL_FILE, DATA_FILE]
+
+
+def _feed_spec(name: str, shape: tuple[int, int]) -> tuple[tuple[int, ...], type]:
+    """(shape, dtype) of a fed input for tokens of `shape` [batch, seq]."""
+    if name == "seqlens_k":
+        return (shape[0],), np.int32
+    if name == "total_sequence_length":
+        return (), np.int32
+    return shape, np.int64
 
 
 def _numpy_dtype(dtype: torch.dtype):

@@ -163,6 +163,17 @@ def _value_types(model: onnx.ModelProto) -> dict[str, str]:
 KNOWN_TYPES = {"CUDAExecutionProvider": {(MS_DOMAIN, "GroupQueryAttention"): {"tensor(float16)", "tensor(bfloat16)"}}}
 
 
+# The dtypes in which GroupQueryAttention, as Kiln feeds it (packed QKV, KV buffers shared in
+# place, sequence lengths fed from the host), was checked against Hugging Face on each provider;
+# other dtypes and providers get attention in plain ONNX ops. CUDA's kernel takes no f32.
+GQA_CHECKED = {"CPUExecutionProvider": frozenset({"f32", "f16"}), "CUDAExecutionProvider": frozenset({"f16"})}
+
+
+def attention_dtypes(provider: str) -> frozenset[str]:
+    """The IR dtypes whose attention goes to GroupQueryAttention on `provider` (others: plain ops)."""
+    return GQA_CHECKED.get(provider, frozenset())
+
+
 def unsupported_nodes(model: onnx.ModelProto, provider: str) -> list[str]:
     """A description of each node `provider` has no kernel for (empty when it runs them all)."""
     # a provider this build lacks has no registry here (compiling for CUDA on a CPU machine)

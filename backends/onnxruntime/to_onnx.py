@@ -9,8 +9,9 @@ The model's signature follows the IR's:
 Nodes are lowered in IR order, each by its entry in `ONNX_LOWERINGS`, except the groups
 `contrib_patterns.plan_contrib_ops` hands to ORT's fused kernels. Then names are resolved, nodes
 that nothing reads are pruned, the rest sorted topologically, and `program.info` says how the
-executable binds the caches: in place (GroupQueryAttention updates the buffer it reads) or
-copied back (a plain ScatterND returns a new tensor).
+executable binds the caches: in place (GroupQueryAttention updates the buffer it reads; so does a
+plain ScatterND whose output is bound to its data input's buffer: ORT skips the copy when the
+two are one buffer) or copied back (a cache something else also reads).
 """
 from __future__ import annotations
 
@@ -24,10 +25,11 @@ from onnx import helper
 from kiln.backends.executable import cache_inputs
 from kiln.ir import Graph
 
-from .contrib_patterns import Plan, plan_contrib_ops
+from .contrib_patterns import SEQLENS_K, TOTAL_LENGTH, Plan, plan_contrib_ops
 from .errors import OnnxLoweringError
 from .onnx_builder import MS_DOMAIN, OnnxBuilder, elem_type, layer_scopes, node_label, onnx_dims
 from .op_lowerings import ONNX_LOWERINGS, check_lowering_table
+from .providers import attention_dtypes
 
 OPSET = 23  # RMSNormalization is standard ONNX from opset 23
 IR_VERSION = 10
@@ -51,12 +53,14 @@ def present_name(cache_name: str) -> str:
     return "present." + cache_name.removeprefix("cache.")
 
 
-def graph_to_onnx(graph: Graph, weights=None, contrib_ops: bool = True) -> OnnxProgram:
-    """Lower a stateful graph (weights from `weights` or `graph.weights`) to ONNX."""
+def graph_to_onnx(graph: Graph, weights=None, contrib_ops: bool = True,
+                  provider: str = "CPUExecutionProvider") -> OnnxProgram:
+    """Lower a stateful graph (weights from `weights` or `graph.weights`) to ONNX for `provider`
+    (whose kernels decide which attention dtypes go to GroupQueryAttention)."""
     check_lowering_table()
     b = OnnxBuilder(graph, graph.weights if weights is None else weights)
     inputs = _declare_inputs(graph, b)
-    plan = plan_contrib_ops(graph) if contrib_ops else Plan()
+    plan = plan_contrib_ops(graph, attention_dtypes(provider)) if contrib_ops else Plan()
     _lower_nodes(graph, b, plan)
     outputs = _name_outputs(graph, b)
     nodes = _resolve_and_prune(b.nodes, b.renames, [o.name for o in outputs])
@@ -67,7 +71,7 @@ def graph_to_onnx(graph: Graph, weights=None, contrib_ops: bool = True) -> OnnxP
                                     value_info=value_infos)
     opsets = [helper.make_opsetid("", OPSET)] + [helper.make_opsetid(MS_DOMAIN, 1)] * (MS_DOMAIN in b.opsets)
     model = helper.make_model(graph_proto, opset_imports=opsets, producer_name="kiln", ir_version=IR_VERSION)
-    info = _program_info(graph, plan, used)
+    info = _program_info(graph, plan, used, nodes)
     return OnnxProgram(model, initializers, info)
 
 
@@ -79,6 +83,8 @@ def _declare_inputs(graph: Graph, b: OnnxBuilder) -> list[onnx.ValueInfoProto]:
         b.define(v, v.name)
         b.bind_symbols(v.name, v.type.shape)
         inputs.append(helper.make_tensor_value_info(v.name, elem_type(v.type.dtype), onnx_dims(v.type.shape)))
+    inputs.append(helper.make_tensor_value_info(SEQLENS_K, onnx.TensorProto.INT32, onnx_dims((batch,))))
+    inputs.append(helper.make_tensor_value_info(TOTAL_LENGTH, onnx.TensorProto.INT32, []))
     for v in cache_inputs(graph):
         b.define(v, v.name)  # a cache is fed as its first `batch` rows: the symbol of tokens' batch
         inputs.append(helper.make_tensor_value_info(v.name, elem_type(v.type.dtype),
@@ -169,12 +175,16 @@ def _resolve_and_prune(nodes: list[onnx.NodeProto], renames: dict[str, str], out
     return [nodes[i] for i in order]
 
 
-def _program_info(graph: Graph, plan: Plan, used: set[str]) -> dict:
-    caches = [{"input": c.name, "output": present_name(c.name), "in_place": c.name in plan.in_place_caches,
+def _program_info(graph: Graph, plan: Plan, used: set[str], nodes: list[onnx.NodeProto]) -> dict:
+    scattered = _scattered_in_place(nodes)
+    caches = [{"input": c.name, "output": present_name(c.name),
+               "in_place": c.name in plan.in_place_caches or c.name in scattered,
                "shape": [int(d) for d in c.type.shape], "dtype": c.type.dtype} for c in cache_inputs(graph)]
     return {
         "format": 1,
-        "inputs": [v.name for v in graph.inputs[:2] if v.name in used],
+        # fed by the executable: tokens, positions, and GroupQueryAttention's lengths (from positions)
+        "inputs": [name for name in (graph.inputs[0].name, graph.inputs[1].name, SEQLENS_K, TOTAL_LENGTH)
+                   if name in used],
         "caches": caches,
         "logits": "logits",
         "vocab": graph.outputs[0].type.shape[-1],
@@ -182,3 +192,16 @@ def _program_info(graph: Graph, plan: Plan, used: set[str]) -> dict:
         # GroupQueryAttention derives each token's position from the row's last one
         "contiguous_positions": bool(plan.in_place_caches),
     }
+
+
+def _scattered_in_place(nodes: list[onnx.NodeProto]) -> set[str]:
+    """Caches whose present.* is a ScatterND of the cache itself and nothing else reads the cache:
+    binding both to one buffer updates it in place (the kernel copies data to output only when
+    they differ), so no copy of the cache per step, on any device."""
+    readers: dict[str, int] = {}
+    for node in nodes:
+        for name in node.input:
+            readers[name] = readers.get(name, 0) + 1
+    return {node.input[0] for node in nodes
+            if node.op_type == "ScatterND" and node.input[0].startswith("cache.")
+            and node.output[0] == present_name(node.input[0]) and readers[node.input[0]] == 1}
