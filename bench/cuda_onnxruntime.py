@@ -20,7 +20,7 @@ can be timed on a machine its 270 MB of f16 weights cannot be copied to.
 `check`:
 1. Greedy: for each tiny random-weight model in DIR (tests/tiny_models.py), 64 new tokens at
    batch 1 and batch 2 (prompts of different lengths) from Kiln-ORT on CUDA against Hugging
-   Face eager in the artifact's dtype (on the GPU for f16) on the same checkpoint, token for
+   Face eager on the GPU in the artifact's dtype on the same checkpoint, token for
    token; and the largest logit difference from Hugging Face's, teacher-forced, for the prompt
    and 4 decode steps (f16 rounding is ~1e-2; a wrong cache is O(1)).
    f32 artifacts for CUDA keep attention in plain ONNX ops (CUDA's GroupQueryAttention is f16/bf16
@@ -35,7 +35,6 @@ can be timed on a machine its 270 MB of f16 weights cannot be copied to.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -107,18 +106,18 @@ def greedy_check(directory: Path) -> dict:
 def greedy_one(directory: Path, arch: str) -> dict:
     import transformers
 
-    if True:  # the oracle runs on the GPU in the artifact's dtype
-        dtype = json.loads((directory / f"{arch}.kiln" / "manifest.json").read_text())["options"]["dtype"]
-        device = DEVICE
-        hf = transformers.AutoModelForCausalLM.from_pretrained(directory / arch, dtype=TORCH_DTYPES[dtype]).to(device).eval()
-        expected = hf_greedy(hf, PROMPTS, 64)
-        llm = on_cuda(directory / f"{arch}.kiln")
-        single = [llm.generate(p, max_new_tokens=64, temperature=0, ignore_eos=True).token_ids for p in PROMPTS]
-        batch = [r.token_ids for r in llm.generate(PROMPTS, max_new_tokens=64, temperature=0, ignore_eos=True)]
-        return {"provider": llm.executable.session.get_providers()[0],
-                "logit_gap": logit_gap(llm, hf, device, expected[0]),
-                "dtype": dtype, "batch1_equal": single == expected, "batch2_equal": batch == expected,
-                "first_difference": [first_difference(single, expected), first_difference(batch, expected)]}
+    # the oracle runs on the GPU in the artifact's dtype
+    dtype = json.loads((directory / f"{arch}.kiln" / "manifest.json").read_text())["options"]["dtype"]
+    device = DEVICE
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory / arch, dtype=TORCH_DTYPES[dtype]).to(device).eval()
+    expected = hf_greedy(hf, PROMPTS, 64)
+    llm = on_cuda(directory / f"{arch}.kiln")
+    single = [llm.generate(p, max_new_tokens=64, temperature=0, ignore_eos=True).token_ids for p in PROMPTS]
+    batch = [r.token_ids for r in llm.generate(PROMPTS, max_new_tokens=64, temperature=0, ignore_eos=True)]
+    return {"provider": llm.executable.session.get_providers()[0],
+            "logit_gap": logit_gap(llm, hf, device, expected[0]),
+            "dtype": dtype, "batch1_equal": single == expected, "batch2_equal": batch == expected,
+            "first_difference": [first_difference(single, expected), first_difference(batch, expected)]}
 
 
 TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
@@ -174,32 +173,31 @@ def hf_decode_speed(hf, prompt: list[int], new_tokens: int, reps: int) -> str:
 def real_model_check(artifacts: list[Path], checkpoint: Path, reps: int) -> dict:
     """Greedy equality with Hugging Face on the GPU (64 new tokens, batch 1 and 2, two chat prompts
     of different lengths), then decode tokens/s of Kiln's `generate` and of Hugging Face eager."""
-    return {a.name: r for a, r in zip(artifacts, each(artifacts, lambda a: real_one(a, checkpoint, reps)).values())}
+    return {a.name: r for a, r in each(artifacts, lambda a: real_one(a, checkpoint, reps)).items()}
 
 
 def real_one(artifact: Path, checkpoint: Path, reps: int) -> dict:
     import transformers
 
-    if True:
-        llm = on_cuda(artifact)
-        dtype = json.loads((artifact / "manifest.json").read_text())["options"]["dtype"]
-        hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=TORCH_DTYPES[dtype]).to(DEVICE).eval()
-        prompts = [llm.encode_chat([{"role": "user", "content": c}]) for c in CHATS]
-        expected = hf_greedy(hf, prompts, 64)
-        single = [llm.generate(p, max_new_tokens=64, temperature=0, ignore_eos=True).token_ids for p in prompts]
-        batch = [r.token_ids for r in llm.generate(prompts, max_new_tokens=64, temperature=0, ignore_eos=True)]
-        stats = [llm.generate(prompts[0], max_new_tokens=128, temperature=0, ignore_eos=True).stats
-                 for _ in range(reps + 1)][1:]
-        return {
-            "provider": llm.executable.session.get_providers()[0], "dtype": dtype,
-            "prompt_tokens": [len(p) for p in prompts], "new_tokens": [len(e) for e in expected],
-            "batch1_equal": single == expected, "batch2_equal": batch == expected,
-            "first_difference": [first_difference(single, expected), first_difference(batch, expected)],
-            "text": llm.tokenizer.decode(single[0]),
-            "kiln_decode_tok_s": f"{statistics.mean(s.decode_tokens_per_s for s in stats):.1f}",
-            "kiln_ttft_ms": f"{statistics.mean(s.ttft_s for s in stats) * 1000:.1f}",
-            "hf_eager_decode_tok_s": hf_decode_speed(hf, prompts[0], 128, reps),
-        }
+    llm = on_cuda(artifact)
+    dtype = json.loads((artifact / "manifest.json").read_text())["options"]["dtype"]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=TORCH_DTYPES[dtype]).to(DEVICE).eval()
+    prompts = [llm.encode_chat([{"role": "user", "content": c}]) for c in CHATS]
+    expected = hf_greedy(hf, prompts, 64)
+    single = [llm.generate(p, max_new_tokens=64, temperature=0, ignore_eos=True).token_ids for p in prompts]
+    batch = [r.token_ids for r in llm.generate(prompts, max_new_tokens=64, temperature=0, ignore_eos=True)]
+    stats = [llm.generate(prompts[0], max_new_tokens=128, temperature=0, ignore_eos=True).stats
+             for _ in range(reps + 1)][1:]
+    return {
+        "provider": llm.executable.session.get_providers()[0], "dtype": dtype,
+        "prompt_tokens": [len(p) for p in prompts], "new_tokens": [len(e) for e in expected],
+        "batch1_equal": single == expected, "batch2_equal": batch == expected,
+        "first_difference": [first_difference(single, expected), first_difference(batch, expected)],
+        "text": llm.tokenizer.decode(single[0]),
+        "kiln_decode_tok_s": f"{statistics.mean(s.decode_tokens_per_s for s in stats):.1f}",
+        "kiln_ttft_ms": f"{statistics.mean(s.ttft_s for s in stats) * 1000:.1f}",
+        "hf_eager_decode_tok_s": hf_decode_speed(hf, prompts[0], 128, reps),
+    }
 
 
 def rates(n: int, seconds: list[float]) -> str:
