@@ -66,9 +66,12 @@ class KilnRunner:
             self.llm.executable = tinygrad_backend.load(artifact, self.llm.graph, self.llm.graph.weights, options)
 
     def prefill(self, n: int):
+        """A prompt as the engine feeds it: the last position's logits only, where the backend
+        can skip the others (as llama.cpp does; genai and Hugging Face compute all n)."""
         tokens = torch.randint(100, 1000, (1, n))
         positions = torch.arange(n)[None]
-        return lambda: self.llm.executable.run(tokens, positions)
+        last_only = {"last_only": True} if getattr(self.llm.executable, "selects_logits", False) else {}
+        return lambda: self.llm.executable.run(tokens, positions, **last_only)
 
     def generate(self, n: int):
         return lambda: self.llm.generate([1], max_new_tokens=n, ignore_eos=True)

@@ -89,6 +89,8 @@ class Engine:
         self.prefill_chunk = max(2, prefill_chunk)
         self.max_queue = max_queue
         self.slots = KvSlots(self.max_batch, prefix_caching, getattr(executable, "copies_rows", True))
+        # a prompt chunk needs its last position's logits only, where the executable can skip the rest
+        self._last_only = {"last_only": True} if getattr(executable, "selects_logits", False) else {}
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._next_id = 0
@@ -206,7 +208,8 @@ class Engine:
         start = time.perf_counter()
         tokens = seq.pending()[:self.prefill_chunk]
         positions = torch.arange(seq.fed, seq.fed + len(tokens), dtype=torch.int64)[None]
-        logits = self.executable.run(torch.tensor([tokens], dtype=torch.int64), positions, first_row=seq.slot)
+        logits = self.executable.run(torch.tensor([tokens], dtype=torch.int64), positions, first_row=seq.slot,
+                                     **self._last_only)
         self.slots.fed(seq.slot, tokens, seq.fed)
         seq.fed += len(tokens)
         if not seq.unfed:

@@ -378,3 +378,33 @@ def test_int4_pipeline_runs_as_matmulnbits_and_gatherblockquantized(stateful_gra
     for tokens, positions in feeds_in_steps()[:3]:
         expected = oracle.run(tokens, positions)
         torch.testing.assert_close(executable.run(tokens, positions), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "gemma3"])  # plain attention; GQA; softcapped logits
+def test_last_only_logits_equal_the_last_position_of_the_full_ones(stateful_graph, arch):
+    """The lm_head runs on the selected positions only (a Gather before it): a prompt's last
+    logits, as the engine asks for them, equal those the full run computes."""
+    graph, _ = stateful_graph(arch)
+    full, last = ort_backend.lower(graph, OPTIONS), ort_backend.lower(graph, OPTIONS)
+    assert last.selects_logits
+    for tokens, positions in feeds_in_steps():
+        expected = full.run(tokens, positions)
+        got = last.run(tokens, positions, last_only=True)
+        assert got.shape == (tokens.size(0), 1, expected.size(-1))
+        torch.testing.assert_close(got, expected[:, -1:], atol=1e-5, rtol=1e-5)
+
+
+def test_the_engine_asks_for_a_prompts_last_logits_only(stateful_graph):
+    graph, _ = stateful_graph("llama")
+    executable = ort_backend.lower(graph, OPTIONS)
+    calls = []
+    run = executable.run
+
+    def recording_run(tokens, positions, *args, **kwargs):
+        calls.append((tokens.size(1), kwargs.get("last_only", False)))
+        return run(tokens, positions, *args, **kwargs)
+
+    executable.run = recording_run
+    reference_tokens = LLM(reference.lower(graph, OPTIONS)).generate([5, 6, 7, 8, 9], max_new_tokens=4).token_ids
+    assert LLM(executable).generate([5, 6, 7, 8, 9], max_new_tokens=4).token_ids == reference_tokens
+    assert calls[0] == (5, True) and all(seq == 1 for seq, _ in calls[1:])

@@ -58,8 +58,8 @@ class OrtExecutable:
         self.max_seq_len = min([s[2] for s in shapes] + [options.max_seq_len])
         self.binding = self.session.io_binding()
         self._bound_rows: tuple[int, int] | None = None
-        self._feed_arrays: dict[tuple[int, int], dict[str, np.ndarray]] = {}
-        self._bound_feed_shape: tuple[int, int] | None = None
+        self._feed_arrays: dict[tuple[int, int, bool], dict[str, np.ndarray]] = {}  # (batch, seq, last_only)
+        self._bound_feed_shape: tuple[int, int, bool] | None = None
         self._bound_logits: tuple[int, int, int] | None = None  # (pointer, batch, seq) of a bound `out`
         # Fixed per model, looked up once: a decode step is a few milliseconds, and Python work
         # per cache per call (60 caches for SmolLM2) would be a measurable share of it.
@@ -93,19 +93,28 @@ class OrtExecutable:
             else:
                 cache.update_inplace(np.zeros(spec["shape"], _numpy_dtype(to_torch(spec["dtype"]))))
 
+    @property
+    def selects_logits(self) -> bool:
+        """Whether `run(..., last_only=True)` computes the last position's logits alone."""
+        return "logit_positions" in self.info["inputs"]
+
     def run(self, tokens: torch.Tensor, positions: torch.Tensor, first_row: int = 0,
-            out: torch.Tensor | None = None) -> torch.Tensor:
-        """Logits [batch, seq, vocab] for int64 tokens/positions [batch, seq]; writes the caches of
-        rows [first_row, first_row + batch) (bound by pointer: any row costs the same). `out`, a
-        contiguous CPU tensor of that shape and the logits dtype, receives the logits instead of
+            out: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
+        """Logits [batch, seq, vocab] for int64 tokens/positions [batch, seq] ([batch, 1, vocab]
+        of the last position with `last_only`, where the model can select them); writes the caches
+        of rows [first_row, first_row + batch) (bound by pointer: any row costs the same). `out`,
+        a contiguous CPU tensor of that shape and the logits dtype, receives the logits instead of
         a new tensor (the engine's decode steps: no allocation, no rebinding per token)."""
         tokens, positions = self._check_feeds(tokens, positions)
         batch, seq = tokens.shape
         check_rows(first_row, batch, self.max_batch)
+        last_only = last_only and self.selects_logits
         if seq > 1 and batch > 1 and self.info["contiguous_positions"] and bool(positions[:, 0].any()):
-            rows = [self._run_rows(tokens[r:r + 1], positions[r:r + 1], first_row + r) for r in range(batch)]
-            return torch.cat(rows) if out is None else torch.cat(rows, out=self._checked_out(out, batch, seq))
-        return self._run_rows(tokens, positions, first_row, out)
+            rows = [self._run_rows(tokens[r:r + 1], positions[r:r + 1], first_row + r, last_only=last_only)
+                    for r in range(batch)]
+            kept = 1 if last_only else seq
+            return torch.cat(rows) if out is None else torch.cat(rows, out=self._checked_out(out, batch, kept))
+        return self._run_rows(tokens, positions, first_row, out, last_only)
 
     def cache_views(self) -> list[torch.Tensor]:
         if not self.copies_rows:
@@ -124,14 +133,14 @@ class OrtExecutable:
         return tokens, positions
 
     def _run_rows(self, tokens: torch.Tensor, positions: torch.Tensor, first_row: int,
-                  out: torch.Tensor | None = None) -> torch.Tensor:
+                  out: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
         """One session run over cache rows [first_row, first_row + batch)."""
         batch, seq = tokens.shape
-        self._bind_feeds(tokens, positions)
+        self._bind_feeds(tokens, positions, last_only)
         if self._bound_rows != (first_row, batch):
             self._bind_caches(first_row, batch)
         scratch = self._bind_scratch(batch) if self._copied_back else []
-        logits = self._bind_logits(batch, seq, out)
+        logits = self._bind_logits(batch, 1 if last_only else seq, out)
         if self._torch_stream is not None:
             self._torch_stream.synchronize()
         self.session.run_with_iobinding(self.binding)
@@ -139,15 +148,17 @@ class OrtExecutable:
             self.caches[index][first_row:first_row + batch].copy_(out_cache)
         return logits if isinstance(logits, torch.Tensor) else torch.from_numpy(logits.numpy())  # device -> host
 
-    def _bind_feeds(self, tokens: torch.Tensor, positions: torch.Tensor) -> None:
+    def _bind_feeds(self, tokens: torch.Tensor, positions: torch.Tensor, last_only: bool = False) -> None:
         """Copy the feeds into this shape's own arrays, bound once by pointer: binding fresh
         arrays costs more per decode step than the copy."""
-        shape = tuple(tokens.shape)
+        shape = (*tokens.shape, last_only)
         arrays = self._feed_arrays.get(shape)
         if arrays is None:
-            arrays = self._feed_arrays[shape] = {name: np.empty(*_feed_spec(name, shape)) for name in self.info["inputs"]}
+            arrays = self._feed_arrays[shape] = {name: _feed_array(name, shape) for name in self.info["inputs"]}
         position_array = positions.numpy()
         for name, array in arrays.items():
+            if name == "logit_positions":  # fixed per shape
+                continue
             if name == "tokens":
                 array[...] = tokens.numpy()
             elif name == "positions":
@@ -266,13 +277,17 @@ def save_model_files(model_path: Path, directory: Path) -> list[str]:
     return [MODEL_FILE, DATA_FILE]
 
 
-def _feed_spec(name: str, shape: tuple[int, int]) -> tuple[tuple[int, ...], type]:
-    """(shape, dtype) of a fed input for tokens of `shape` [batch, seq]."""
+def _feed_array(name: str, shape: tuple[int, int, bool]) -> np.ndarray:
+    """The array an input is fed from, for tokens [batch, seq] (and whether only the last
+    position's logits are wanted)."""
+    batch, seq, last_only = shape
+    if name == "logit_positions":
+        return np.array([seq - 1], np.int64) if last_only else np.arange(seq, dtype=np.int64)
     if name == "seqlens_k":
-        return (shape[0],), np.int32
+        return np.empty(batch, np.int32)
     if name == "total_sequence_length":
-        return (), np.int32
-    return shape, np.int64
+        return np.empty((), np.int32)
+    return np.empty((batch, seq), np.int64)
 
 
 def _numpy_dtype(dtype: torch.dtype):

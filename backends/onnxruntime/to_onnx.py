@@ -23,7 +23,7 @@ import onnx
 from onnx import helper
 
 from kiln.backends.executable import cache_inputs
-from kiln.ir import Graph
+from kiln.ir import Graph, Node
 
 from .contrib_patterns import SEQLENS_K, TOTAL_LENGTH, Plan, plan_contrib_ops
 from .errors import OnnxLoweringError
@@ -32,6 +32,11 @@ from .op_lowerings import ONNX_LOWERINGS, check_lowering_table
 from .providers import attention_dtypes
 
 OPSET = 23  # RMSNormalization is standard ONNX from opset 23
+# The sequence positions whose logits the model computes (i64 [k]): every position, or only the
+# last for a prompt whose next token is all that is wanted (the lm_head of a 49k vocabulary is a
+# fifth of a 512-token prefill's work).
+LOGIT_POSITIONS = "logit_positions"
+ELEMENTWISE_ON_LOGITS = {"mul", "div", "tanh", "cast", "add", "sub"}
 IR_VERSION = 10
 INFO_KEY = "kiln.program"
 
@@ -61,8 +66,9 @@ def graph_to_onnx(graph: Graph, weights=None, contrib_ops: bool = True,
     b = OnnxBuilder(graph, graph.weights if weights is None else weights)
     inputs = _declare_inputs(graph, b)
     plan = plan_contrib_ops(graph, attention_dtypes(provider)) if contrib_ops else Plan()
-    _lower_nodes(graph, b, plan)
-    outputs = _name_outputs(graph, b)
+    head = logits_head(graph)
+    _lower_nodes(graph, b, plan, head)
+    outputs = _name_outputs(graph, b, selected=head is not None)
     nodes = _resolve_and_prune(b.nodes, b.renames, [o.name for o in outputs])
     used = {name for n in nodes for name in n.input}
     initializers = {k: v for k, v in b.initializers.items() if k in used}
@@ -83,6 +89,7 @@ def _declare_inputs(graph: Graph, b: OnnxBuilder) -> list[onnx.ValueInfoProto]:
         b.define(v, v.name)
         b.bind_symbols(v.name, v.type.shape)
         inputs.append(helper.make_tensor_value_info(v.name, elem_type(v.type.dtype), onnx_dims(v.type.shape)))
+    inputs.append(helper.make_tensor_value_info(LOGIT_POSITIONS, onnx.TensorProto.INT64, ["logit_count"]))
     inputs.append(helper.make_tensor_value_info(SEQLENS_K, onnx.TensorProto.INT32, onnx_dims((batch,))))
     inputs.append(helper.make_tensor_value_info(TOTAL_LENGTH, onnx.TensorProto.INT32, []))
     for v in cache_inputs(graph):
@@ -92,7 +99,24 @@ def _declare_inputs(graph: Graph, b: OnnxBuilder) -> list[onnx.ValueInfoProto]:
     return inputs
 
 
-def _lower_nodes(graph: Graph, b: OnnxBuilder, plan: Plan) -> None:
+def logits_head(graph: Graph) -> Node | None:
+    """The linear that makes the logits (only elementwise ops with constants after it, as Gemma's
+    softcap), when its input [batch, seq, hidden] feeds nothing else: the lowering gathers that
+    input at LOGIT_POSITIONS, so the projection runs for those positions only."""
+    value = graph.outputs[0]
+    while value.producer is not None and value.producer.op in ELEMENTWISE_ON_LOGITS:
+        node = value.producer
+        if any(i is not None and i is not node.inputs[0] and i.type.rank > 0 and
+               any(d != 1 for d in i.type.shape) for i in node.inputs[1:]):
+            return None
+        value = node.inputs[0]
+    node = value.producer
+    if node is None or node.op not in ("linear", "linear_q") or node.inputs[0].type.rank != 3:
+        return None
+    return node if len(graph.users().get(node.inputs[0], [])) == 1 else None
+
+
+def _lower_nodes(graph: Graph, b: OnnxBuilder, plan: Plan, head: Node | None = None) -> None:
     scopes = layer_scopes(graph)
     for node in graph.nodes:
         if id(node) in plan.skipped:  # produced by a group's kernel, under its IR name
@@ -102,6 +126,8 @@ def _lower_nodes(graph: Graph, b: OnnxBuilder, plan: Plan) -> None:
         if id(node) in plan.skipped:
             continue
         b.scope, b.label = scopes[id(node)], node_label(graph, node)
+        if node is head:  # the hidden states of the selected positions only
+            b.define(node.inputs[0], b.op("Gather", b.value(node.inputs[0]), LOGIT_POSITIONS, axis=1))
         lower = plan.emitters.get(id(node)) or (lambda b, node=node: _lower_one(b, node))
         names = lower(b)
         names = [names] if isinstance(names, str) else names
@@ -116,10 +142,13 @@ def _lower_one(b: OnnxBuilder, node) -> str | list[str]:
     return ONNX_LOWERINGS[node.op](b, node)
 
 
-def _name_outputs(graph: Graph, b: OnnxBuilder) -> list[onnx.ValueInfoProto]:
-    """Graph outputs under fixed names: `logits`, then `present.<cache>` per cache input."""
+def _name_outputs(graph: Graph, b: OnnxBuilder, selected: bool = False) -> list[onnx.ValueInfoProto]:
+    """Graph outputs under fixed names: `logits` ([batch, logit_count, vocab] when `selected`),
+    then `present.<cache>` per cache input."""
     batch = graph.inputs[0].type.shape[0]
-    named = [("logits", graph.outputs[0], graph.outputs[0].type.shape)]
+    logits_shape = graph.outputs[0].type.shape
+    named = [("logits", graph.outputs[0], (logits_shape[0], "logit_count", logits_shape[2]) if selected
+              else logits_shape)]
     for cache, out in zip(cache_inputs(graph), graph.outputs[1:]):
         named.append((present_name(cache.name), out, (batch, *out.type.shape[1:])))
     outputs = []
@@ -183,8 +212,8 @@ def _program_info(graph: Graph, plan: Plan, used: set[str], nodes: list[onnx.Nod
     return {
         "format": 1,
         # fed by the executable: tokens, positions, and GroupQueryAttention's lengths (from positions)
-        "inputs": [name for name in (graph.inputs[0].name, graph.inputs[1].name, SEQLENS_K, TOTAL_LENGTH)
-                   if name in used],
+        "inputs": [name for name in (graph.inputs[0].name, graph.inputs[1].name, LOGIT_POSITIONS, SEQLENS_K,
+                                     TOTAL_LENGTH) if name in used],
         "caches": caches,
         "logits": "logits",
         "vocab": graph.outputs[0].type.shape[-1],
