@@ -40,6 +40,14 @@ def timed(fn, retries: int = 3):
     return m.wall_s, m.contended, m.other_cores
 
 
+def compiled_before_sources(artifact: Path) -> bool:
+    """Whether Kiln's sources changed since `artifact` was compiled (then it is compiled again:
+    a bench must not time what older code made)."""
+    root = Path(__file__).resolve().parent.parent
+    sources = [f for d in ("kiln", "frontend", "ir", "passes", "backends", "runtime") for f in (root / d).rglob("*.py")]
+    return max(f.stat().st_mtime for f in sources) > (artifact / "manifest.json").stat().st_mtime
+
+
 class KilnRunner:
     def __init__(self, artifact: Path, threads: int):
         import kiln
@@ -187,7 +195,7 @@ def main(argv=None) -> int:
             embeddings = bool(scheme) and args.quantize_embeddings
             suffix = (f"-{scheme}" if scheme else "") + ("-emb" if embeddings else "")
             artifact = Path(f"{args.artifact}-{backend}{suffix}.kiln")
-            if not (artifact / "manifest.json").exists():
+            if not (artifact / "manifest.json").exists() or compiled_before_sources(artifact):
                 started = time.perf_counter()
                 kiln.compile(str(model_dir), out=artifact, backend=backend, max_seq_len=512, max_batch=1,
                              quantize=scheme, quantize_embeddings=embeddings)
