@@ -45,12 +45,16 @@ class Executable(Protocol):
         """Logits f32[batch, seq, vocab] for int64 tokens/positions [batch, seq]; writes the caches
         of rows [first_row, first_row + batch)."""
 
-    # Optional: `logits_buffer(batch, seq)` returns a tensor that `run(..., out=buffer)` writes the
-    # logits into instead of allocating them (the ONNX Runtime executable; the engine reuses one
-    # per decode batch size, so a step binds and allocates nothing).
+    # Optional (the ONNX Runtime executable; the engine asks with getattr, others need nothing):
+    # - `logits_buffer(batch, seq)` returns a tensor that `run(..., out=buffer)` writes the logits
+    #   into instead of allocating them (the engine reuses one per decode batch size);
+    # - `selects_logits` True: `run(..., last_only=True)` returns [batch, 1, vocab], the last
+    #   position's logits alone, and skips the lm_head elsewhere (the engine's prompt chunks);
+    # - `copies_rows` False: `cache_views` cannot be had (KV buffers on a device torch cannot
+    #   address), so the engine reuses a cached prefix only in the row that holds it.
 
     def cache_views(self) -> list[torch.Tensor]:
-        """Zero-copy CPU torch views of the KV buffers (for copying rows between requests)."""
+        """Zero-copy torch views of the KV buffers (for copying rows between requests)."""
 
     def reset(self) -> None:
         """Forget all cached keys and values (zero the buffers)."""
