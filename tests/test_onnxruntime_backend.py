@@ -408,3 +408,16 @@ def test_the_engine_asks_for_a_prompts_last_logits_only(stateful_graph):
     reference_tokens = LLM(reference.lower(graph, OPTIONS)).generate([5, 6, 7, 8, 9], max_new_tokens=4).token_ids
     assert LLM(executable).generate([5, 6, 7, 8, 9], max_new_tokens=4).token_ids == reference_tokens
     assert calls[0] == (5, True) and all(seq == 1 for seq, _ in calls[1:])
+
+
+def test_a_model_computing_attention_lengths_in_the_graph_is_refused_off_the_cpu(stateful_graph):
+    """Artifacts from before the lengths were inputs: right on the CPU, wrong on CUDA, so refused there."""
+    from kiln.backends.onnxruntime import providers
+
+    executable = ort_backend.lower(stateful_graph("llama")[0], OPTIONS)
+    model = onnx.load(str(executable.model_path), load_external_data=False)
+    old_info = {**executable.info, "inputs": ["tokens", "positions"]}
+    providers.check_lengths_fed(model, executable.info, "CUDAExecutionProvider")  # lengths fed: fine
+    providers.check_lengths_fed(model, old_info, "CPUExecutionProvider")
+    with pytest.raises(ort_backend.ProviderError, match="sequence lengths in the graph.*compile it again"):
+        providers.check_lengths_fed(model, old_info, "CUDAExecutionProvider")

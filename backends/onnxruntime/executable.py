@@ -29,7 +29,8 @@ from kiln.ir import to_torch
 
 from .errors import FeedError, ProviderError
 from .model_files import DATA_FILE, MODEL_FILE, read_info
-from .providers import check_supported, choose_provider, device_binding, provider_list, session_options
+from .providers import (check_lengths_fed, check_supported, choose_provider, device_binding, provider_list,
+                        session_options)
 
 
 class OrtExecutable:
@@ -41,7 +42,9 @@ class OrtExecutable:
         self._workdir = workdir  # the lowered model's files live as long as the executable
         self.info = read_info(self.model_path)
         self.provider = choose_provider(options.device)
-        check_supported(onnx.load(str(self.model_path), load_external_data=False), self.provider)
+        model = onnx.load(str(self.model_path), load_external_data=False)
+        check_supported(model, self.provider)
+        check_lengths_fed(model, self.info, self.provider)
         self.session = ort.InferenceSession(str(self.model_path), session_options(options),
                                             providers=provider_list(self.provider, options.device))
         self.device_type, self.device_id = device_binding(options.device)

@@ -222,3 +222,14 @@ def check_supported(model: onnx.ModelProto, provider: str) -> None:
         raise ProviderError(f"ONNX Runtime {ort.__version__}'s {provider} cannot run: {listed}. Fix: use another "
                             "device (e.g. device='cpu'), another dtype (f16 or bf16 for CUDA), or the inductor "
                             "backend.")
+
+
+def check_lengths_fed(model: onnx.ModelProto, info: dict, provider: str) -> None:
+    """Refuse, off the CPU, a model whose GroupQueryAttention computes its sequence lengths in the
+    graph (artifacts compiled before they became inputs): CUDA's kernel attends wrongly then."""
+    if provider == "CPUExecutionProvider" or "seqlens_k" in info["inputs"]:
+        return
+    if any(n.op_type == "GroupQueryAttention" for n in model.graph.node):
+        raise ProviderError(f"this model computes GroupQueryAttention's sequence lengths in the graph, which "
+                            f"{provider} gets wrong (an artifact compiled by an older Kiln). Fix: compile it "
+                            "again with this version.")
