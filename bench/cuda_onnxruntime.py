@@ -216,13 +216,13 @@ def speed(model_dir: Path, reps: int, tg: int) -> list[tuple[str, str]]:
     executable = OrtExecutable(model_dir / "model.onnx", BackendOptions(
         max_seq_len=manifest["max_seq_len"], max_batch=manifest["max_batch"], device=DEVICE))
     rows = []
-    for n in (64, 512):
+    for n in (64, 512):  # a prompt as the engine feeds it: its last position's logits
         tokens, positions = torch.randint(100, 1000, (1, n)), torch.arange(n)[None]
-        executable.run(tokens, positions)
+        executable.run(tokens, positions, last_only=True)
         seconds = []
         for _ in range(reps):
             start = time.perf_counter()
-            executable.run(tokens, positions)
+            executable.run(tokens, positions, last_only=True)
             seconds.append(time.perf_counter() - start)
         rows.append((f"pp{n}", rates(n, seconds)))
 
