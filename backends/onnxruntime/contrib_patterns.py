@@ -10,7 +10,8 @@ usual; what nothing reads is pruned when the model is built.
   they are slices of one fused projection), rope folded in (`do_rotary`) when both q and k go
   through a `rope` with the same tables, and the KV buffer bound as both past and present so
   the kernel writes the new keys/values in place. `seqlens_k` and `total_sequence_length`
-  come from positions, which must then be contiguous per row (the executable checks).
+  are inputs the executable computes from the positions, which must then be contiguous per row
+  (it checks).
 - add followed by rms_norm (or the decomposed x * rsqrt(mean(x^2) + eps) * w the capture
   produces before fusion passes run) -> SkipSimplifiedLayerNormalization / RMSNormalization;
   add followed by layer_norm -> SkipLayerNormalization. Their sum output is the residual.
@@ -179,29 +180,23 @@ def _packed_source(sources: list[Value], widths: list[int]) -> Value | None:
     return whole if whole.type.shape[-1] == start else None
 
 
-# GroupQueryAttention's sequence lengths, fed by the executable from the positions it holds on the
-# host. Computed in the graph from `positions` instead, CUDA's kernel attends wrongly (ORT 1.31,
-# H100: max error 2.9 against 7e-4 fed, the kernel alone) while the CPU's is right.
+# GroupQueryAttention's sequence lengths, graph inputs the executable fills from the positions it
+# holds on the host: seqlens_k (i32 [batch]: each row's last position) and total_sequence_length
+# (i32 scalar: the largest position + 1). Computed in the graph from `positions` instead, CUDA's
+# kernel attends wrongly (ORT 1.31, H100: max error 2.9 against 7e-4 fed, the kernel alone).
 SEQLENS_K, TOTAL_LENGTH = "seqlens_k", "total_sequence_length"
-
-
-def sequence_lengths(b: OnnxBuilder, positions: Value) -> tuple[str, str]:
-    """GQA's seqlens_k (i32 [batch]: each row's last position) and total_sequence_length (i32
-    scalar: the largest position + 1), graph inputs next to `positions`."""
-    return SEQLENS_K, TOTAL_LENGTH
 
 
 def _emit_gqa(b: OnnxBuilder, node: Node, writes: list[Node], inputs: tuple, rotary, out_reshape: Node | None) -> str:
     """`inputs`: (packed qkv [b, s, (h + 2 kv) d],) or (q, k, v) each [b, h, s, d]."""
-    q, _, v_written, _, positions = node.inputs
+    q, _, v_written, _, _ = node.inputs
     q_heads, head_dim = q.type.shape[1], q.type.shape[3]
     kv_heads = v_written.type.shape[1]
     query, key, value = (b.value(inputs[0]), "", "") if len(inputs) == 1 else tuple(_bsh(b, x) for x in inputs)
-    seqlens_k, total = sequence_lengths(b, positions)
     cos, sin = (b.value(rotary[2]), b.value(rotary[3])) if rotary is not None else ("", "")
     past = [b.value(w.inputs[0]) for w in writes]
     attrs = node.attrs
-    out, _, _ = b.node("GroupQueryAttention", [query, key, value, *past, seqlens_k, total, cos, sin],
+    out, _, _ = b.node("GroupQueryAttention", [query, key, value, *past, SEQLENS_K, TOTAL_LENGTH, cos, sin],
                        [None, b.value(writes[0].output), b.value(writes[1].output)],
                        domain=MS_DOMAIN, label="attn", num_heads=q_heads, kv_num_heads=kv_heads,
                        scale=float(attrs["scale"] if attrs["scale"] is not None else head_dim ** -0.5),

@@ -32,13 +32,13 @@ from .op_lowerings import ONNX_LOWERINGS, check_lowering_table
 from .providers import attention_dtypes
 
 OPSET = 23  # RMSNormalization is standard ONNX from opset 23
+IR_VERSION = 10
+INFO_KEY = "kiln.program"
 # The sequence positions whose logits the model computes (i64 [k]): every position, or only the
 # last for a prompt whose next token is all that is wanted (the lm_head of a 49k vocabulary is a
 # fifth of a 512-token prefill's work).
 LOGIT_POSITIONS = "logit_positions"
 ELEMENTWISE_ON_LOGITS = {"mul", "div", "tanh", "cast", "add", "sub"}
-IR_VERSION = 10
-INFO_KEY = "kiln.program"
 
 
 @dataclass
