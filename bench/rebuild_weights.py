@@ -41,7 +41,7 @@ def checkpoint_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
 
 def parts_of(name: str, checkpoint: dict[str, torch.Tensor]) -> list[str] | None:
     """The checkpoint tensors `name` concatenates (dim 0), or None when it is not made of them."""
-    match = re.fullmatch(r"(.*\.)([\w]+(?:-[\w]+)+)(\.\w+)", name)
+    match = re.fullmatch(r"(.*\.)(\w+(?:-\w+)+)(\.\w+)", name)
     parts = [match[1] + p + match[3] for p in match[2].split("-")] if match else [name]
     if parts == ["lm_head.weight"] and "lm_head.weight" not in checkpoint:
         parts = ["model.embed_tokens.weight"]  # tied

@@ -52,6 +52,9 @@ class OrtExecutable:
             raise ProviderError(f"this model updates some KV caches with plain ONNX ops, which the executable "
                                 f"copies back on the CPU only, not on {options.device}. Fix: use device='cpu'.")
         self.caches = [self._allocate(c) for c in self.info["caches"]]
+        # optional Executable capabilities (backends/executable.py), fixed per model
+        self.copies_rows = all(isinstance(c, torch.Tensor) for c in self.caches)  # cache_views can be had
+        self.selects_logits = "logit_positions" in self.info["inputs"]  # run(..., last_only=True) skips the rest
         # torch writes these buffers (zeroing, prefix copies) on its own CUDA stream, ORT on another
         self._torch_stream = (torch.cuda.current_stream(self.caches[0].device)
                               if self.caches and isinstance(self.caches[0], torch.Tensor) and self.caches[0].is_cuda
@@ -83,11 +86,6 @@ class OrtExecutable:
         buffer.update_inplace(np.zeros(cache["shape"], _numpy_dtype(dtype)))
         return buffer
 
-    @property
-    def copies_rows(self) -> bool:
-        """Whether `cache_views` can be had (the engine copies shared prefixes between rows)."""
-        return all(isinstance(c, torch.Tensor) for c in self.caches)
-
     def reset(self) -> None:
         """Forget all cached keys and values (zero the buffers)."""
         for cache, spec in zip(self.caches, self.info["caches"]):
@@ -95,11 +93,6 @@ class OrtExecutable:
                 cache.zero_()
             else:
                 cache.update_inplace(np.zeros(spec["shape"], _numpy_dtype(to_torch(spec["dtype"]))))
-
-    @property
-    def selects_logits(self) -> bool:
-        """Whether `run(..., last_only=True)` computes the last position's logits alone."""
-        return "logit_positions" in self.info["inputs"]
 
     def run(self, tokens: torch.Tensor, positions: torch.Tensor, first_row: int = 0,
             out: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
