@@ -6,8 +6,8 @@ streams them near it. The op is a torch custom op with a fake implementation, so
 and AOTInductor call it like any extern kernel (AOTI through its proxy executor), and prefill
 (more than 8 rows) still runs one MKL GEMM inside the op.
 
-The lowering packs each weight once, at lowering time (`pack_linear_weight`: a [K, N] copy for
-wide outputs, a transposed view otherwise); the artifact keeps the original [N, K] weight and a
+The lowering packs each weight once, at lowering time (`pack_linear_weight`: a [K, N] copy the
+kernel streams in eight slabs side by side); the artifact keeps the original [N, K] weight and a
 load packs again. It declines (F.linear stays) when the weight is not an fp32 parameter, when the
 CPU lacks AVX2/FMA or no C++ compiler can build the kernel (with a warning naming why), or when
 `KILN_LINEAR_KERNEL=torch` asks for torch's own linear (for benchmarks comparing the two).
