@@ -214,6 +214,27 @@ def test_inductor_lowering_of_linear_q_matches_the_interpreter(bits, group_size,
         assert ((got - want).norm() / want.norm()).item() < 0.012
 
 
+@pytest.mark.parametrize("group_size, k", [(32, 576), (64, 1536), (128, 576)])
+def test_int4_kernel_symmetric_path_equals_its_zero_point_path_at_eight(group_size, k):
+    """The symmetric kernel folds zero point 8 into each block's step; the general one subtracts
+    the zero points per group after the dot. Same rounding of x, same sums: equal to fp32 noise."""
+    from kiln.backends.inductor.quantized_linear import int4_kernel_available
+
+    if not int4_kernel_available():
+        pytest.skip("Kiln's int4 kernel does not build here")
+    torch.manual_seed(3)
+    q = quantize_weight(torch.randn(200, k), 4, group_size, symmetric=True)
+    eights = torch.full(q.scales.shape, 8, dtype=torch.uint8)
+    bias = torch.randn(200)
+    for rows in (1, 3):
+        x = torch.randn(rows, k)
+        folded = torch.ops.kiln.linear_q4(x, q.qweight, q.scales, None, bias, group_size)
+        general = torch.ops.kiln.linear_q4(x, q.qweight, q.scales, eights, bias, group_size)
+        exact = torch.nn.functional.linear(x, dequantize(q.qweight, q.scales, None, 4, group_size), bias)
+        assert torch.allclose(folded, general, atol=1e-4, rtol=1e-5)
+        assert ((folded - exact).norm() / exact.norm()).item() < 0.012
+
+
 def test_awq_compile_to_an_inductor_artifact_records_the_scheme_and_its_calibration(tiny_model_dirs, tmp_path):
     import kiln
     from kiln.backends import reference

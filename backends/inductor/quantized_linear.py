@@ -2,7 +2,7 @@
 
 - 8-bit per output channel -> `torch.ops.kiln.linear_i8` (gemv_kernel.py): the int8 weight repacked
   once at lowering to [K, N], with its [N] scales.
-- 4-bit, K % 64 == 0 and group_size % 32 == 0 -> `torch.ops.kiln.linear_q4` (int4_kernel.py),
+- 4-bit, K % 64 == 0 and group_size 32 or a multiple of 64 -> `torch.ops.kiln.linear_q4` (int4_kernel.py),
   reading the IR's packed u8 [N, K/2] weight, scales and zero points as they are.
 - anything else (other group sizes, no AVX2/compiler, or KILN_LINEAR_KERNEL=torch) -> dequantize
   + F.linear in torch ops, which Inductor compiles like the rest of the graph.
@@ -49,7 +49,8 @@ def _int8_kernel(b, node, args, attrs):
 
 def _int4_kernel(b, node, args, attrs):
     k = node.inputs[0].type.shape[-1]
-    if not isinstance(k, int) or k % 64 or attrs["group_size"] % 32 or not int4_kernel_available():
+    group_size = attrs["group_size"]
+    if not isinstance(k, int) or k % 64 or (group_size != 32 and group_size % 64) or not int4_kernel_available():
         return None
     return b.call(torch.ops.kiln.linear_q4, args[0], args[1], args[2], args[3], args[4], attrs["group_size"])
 
