@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/bench.py [--model DIR] [--threads 2] [--reps 5] [--skip-hf-compile]
         [--backends inductor,onnxruntime,tinygrad] [--genai fp32,int4 | --genai none] [--quantize int4-g32,int8]
+        [--llamacpp f32,q8_0,q4_0]
 
 Prints a llama-bench style table (pp64: prompt processing of 64 tokens; tg128: generating 128
 tokens, batch 1) with tokens/s as mean ± sd, the weight bandwidth decode reached, and the
@@ -9,7 +10,8 @@ ratios of Kiln to the baselines. Runs during which other processes took more tha
 core are repeated (up to 3 times) and flagged with `*` if they stay contended. The repetitions
 of a test alternate between runners (kiln, genai, kiln, genai, ...) so that contention that
 comes and goes hits them alike. onnxruntime-genai (the `bench` extra) runs the model its own
-builder makes from the same checkpoint.
+builder makes from the same checkpoint; llama.cpp (llamacpp_baseline.py) runs llama-bench on the
+default model's GGUF requantized.
 """
 from __future__ import annotations
 
@@ -25,19 +27,23 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 from cpu_contention import CpuMeter  # noqa: E402
 from genai_baseline import GenaiRunner, build_genai_model  # noqa: E402
+from llamacpp_baseline import LlamaCppRunner, quantized_gguf  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
+BASELINES = ("hf-eager", "hf-static+compile", "ort-genai-fp32", "ort-genai-int4", "llama.cpp-f32", "llama.cpp-q8_0",
+             "llama.cpp-q4_0")
 
 
 def timed(fn, retries: int = 3):
-    """Run fn under a CpuMeter; retry while contended. Returns (seconds, contended, others' cores)."""
+    """Run fn under a CpuMeter; retry while contended. Returns (seconds, contended, others' cores).
+    The seconds are the call's wall time, or what fn returns when it times itself (llama-bench)."""
     for _ in range(retries):
         with CpuMeter() as meter:
-            fn()
+            own_seconds = fn()
         if not meter.result.contended:
             break
     m = meter.result
-    return m.wall_s, m.contended, m.other_cores
+    return own_seconds if isinstance(own_seconds, float) else m.wall_s, m.contended, m.other_cores
 
 
 def compiled_before_sources(artifact: Path) -> bool:
@@ -159,7 +165,7 @@ def ratios(rows: list[dict]) -> list[str]:
     out = []
     for (backend, test), rate in by.items():
         if backend.startswith("kiln"):
-            for base in ("hf-eager", "hf-static+compile", "ort-genai-fp32", "ort-genai-int4"):
+            for base in BASELINES:
                 if (base, test) in by:
                     out.append(f"{backend} {test}: {rate / by[(base, test)]:.2f}x {base}")
     return out
@@ -171,6 +177,8 @@ def main(argv=None) -> int:
     parser.add_argument("--artifact", default="out/bench-smollm2", help="artifact path prefix (+ -BACKEND.kiln)")
     parser.add_argument("--backends", default="inductor,onnxruntime,tinygrad", help="Kiln backends, comma-separated")
     parser.add_argument("--genai", default="fp32", help="onnxruntime-genai builder precisions (fp32,int4) or none")
+    parser.add_argument("--llamacpp", default="none", help="llama.cpp types beside Kiln (f32,q8_0,q4_0) or none; "
+                        "needs `python bench/llamacpp_baseline.py build` first")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--pp", type=int, default=64)
@@ -205,6 +213,12 @@ def main(argv=None) -> int:
     for precision in [p for p in args.genai.split(",") if p != "none"]:
         genai_dir = build_genai_model(model_dir, Path(f"{args.artifact}-genai-{precision}"), precision)
         runners.append(GenaiRunner(genai_dir, args.threads, precision))
+    if args.llamacpp != "none":
+        from kiln.frontend.default_model import default_gguf_path
+
+        for quant in args.llamacpp.split(","):
+            gguf = quantized_gguf(default_gguf_path(), quant, Path(f"{args.artifact}-llamacpp"))
+            runners.append(LlamaCppRunner(gguf, args.threads, quant))
     if not args.skip_hf:
         runners.append(HFRunner(model_dir, compiled=False))
     if not (args.skip_hf or args.skip_hf_compile):
