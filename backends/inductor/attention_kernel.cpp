@@ -130,7 +130,8 @@ static at::Tensor few_queries(const at::Tensor& q, const at::Tensor& k, const at
   // Tasks ordered (b, kv head, group, t): the queries of one kv head are neighbours, so a thread
   // streams that head's keys and values once and reuses them from cache.
   at::parallel_for(0, B * H * T, 1, [&](int64_t first, int64_t last) {
-    std::vector<float> scratch(S);
+    thread_local std::vector<float> scratch;  // per thread, kept: no allocation per call
+    scratch.resize(S);
     for (int64_t task = first; task < last; task++) {
       const int64_t b = task / (H * T), h = task / T % H, t = task % T;
       const auto [lo, hi] = visible(pos[b * T + t], window, S);

@@ -257,7 +257,6 @@ void kiln_gemv_panel_i8(const float* x, int64_t ldx, int64_t M, const int8_t* Wt
 #include <ATen/ops/addmm.h>
 #include <c10/util/Exception.h>
 #include <algorithm>
-#include <memory>
 #include <vector>
 
 namespace kiln_gemv {
@@ -314,18 +313,22 @@ static void small_m_linear(const float* x, int64_t M, int64_t K, const T* Wt, in
     });
     return;
   }
-  std::unique_ptr<float[]> part(new float[(size_t)(nt - 1) * M * N]);  // fully overwritten
+  // Partial sums of threads 1.. (fully overwritten), kept per calling thread: a decode step makes
+  // ~120 of these calls and allocations were a good part of a small call's cost.
+  thread_local std::vector<float> part_buffer;
+  part_buffer.resize((size_t)(nt - 1) * M * N);
+  float* part = part_buffer.data();  // a lambda naming the thread_local would get each worker's own
   at::parallel_for(0, nt, 1, [&](int64_t a, int64_t b) {
     for (int64_t t = a; t < b; t++) {
       int64_t k0 = K * t / nt, k1 = K * (t + 1) / nt;
-      float* yt = t == 0 ? y : part.get() + (size_t)(t - 1) * M * N;
+      float* yt = t == 0 ? y : part + (size_t)(t - 1) * M * N;
       Panel<T>::run(x, K, M, Wt, N, k0, k1, 0, N, yt, N, t == 0 ? init_row : nullptr);
     }
   });
   const int64_t total = M * N;
   auto reduce = [&](int64_t i0, int64_t i1) {
     for (int64_t t = 1; t < nt; t++) {
-      const float* p = part.get() + (size_t)(t - 1) * total;
+      const float* p = part + (size_t)(t - 1) * total;
       for (int64_t i = i0; i < i1; i++) y[i] += p[i];
     }
   };
@@ -369,18 +372,19 @@ at::Tensor linear_f32(const at::Tensor& x_in, const at::Tensor& wt, const std::o
   const bool nk = wt.stride(0) == 1 && wt.stride(1) == std::max<int64_t>(K, 1);
   TORCH_CHECK(kn || nk, "kiln::linear_f32: packed weight must be contiguous [K, N] or W.t() of a "
               "contiguous [N, K] W (use pack_linear_weight); got strides ", wt.strides());
-  at::Tensor x = x_in.contiguous().view({-1, K});
-  const int64_t M = x.size(0);
+  const at::Tensor x = x_in.contiguous();
+  const int64_t M = K ? x.numel() / K : 0;
   if (!kn || M > kSmallM) {
-    at::Tensor y = bias_in ? at::addmm(*bias_in, x, wt) : at::mm(x, wt);
+    at::Tensor x2 = x.view({-1, K});
+    at::Tensor y = bias_in ? at::addmm(*bias_in, x2, wt) : at::mm(x2, wt);
     return y.view(out_shape(x_in, N));
   }
   at::Tensor bias = bias_in ? bias_in->contiguous() : at::Tensor();
-  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor y = at::empty(out_shape(x_in, N), x.options());
   if (M > 0 && N > 0)
     small_m_linear<float>(x.data_ptr<float>(), M, K, wt.data_ptr<float>(), N, nullptr,
                           bias.defined() ? bias.data_ptr<float>() : nullptr, y.data_ptr<float>());
-  return y.view(out_shape(x_in, N));
+  return y;
 }
 
 at::Tensor linear_i8(const at::Tensor& x_in, const at::Tensor& wq, const at::Tensor& scales_in,
@@ -392,20 +396,21 @@ at::Tensor linear_i8(const at::Tensor& x_in, const at::Tensor& wq, const at::Ten
   const int64_t K = wq.size(0), N = wq.size(1);
   TORCH_CHECK(scales_in.scalar_type() == at::kFloat && scales_in.numel() == N,
               "kiln::linear_i8: scales must be float32 [N]");
-  at::Tensor x = x_in.contiguous().view({-1, K});
+  const at::Tensor x = x_in.contiguous();
   at::Tensor scales = scales_in.contiguous();
-  const int64_t M = x.size(0);
+  const int64_t M = K ? x.numel() / K : 0;
   if (M > kSmallM) {  // prefill: dequantize once, run the GEMM in MKL
     at::Tensor w = wq.to(at::kFloat).mul_(scales.view({1, N}));
-    at::Tensor y = bias_in ? at::addmm(*bias_in, x, w) : at::mm(x, w);
+    at::Tensor x2 = x.view({-1, K});
+    at::Tensor y = bias_in ? at::addmm(*bias_in, x2, w) : at::mm(x2, w);
     return y.view(out_shape(x_in, N));
   }
   at::Tensor bias = bias_in ? bias_in->contiguous() : at::Tensor();
-  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor y = at::empty(out_shape(x_in, N), x.options());
   if (M > 0 && N > 0)
     small_m_linear<int8_t>(x.data_ptr<float>(), M, K, wq.data_ptr<int8_t>(), N, scales.data_ptr<float>(),
                            bias.defined() ? bias.data_ptr<float>() : nullptr, y.data_ptr<float>());
-  return y.view(out_shape(x_in, N));
+  return y;
 }
 
 }  // namespace kiln_gemv

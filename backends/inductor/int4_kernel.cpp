@@ -234,33 +234,41 @@ at::Tensor linear_q4(const at::Tensor& x_in, const at::Tensor& q, const at::Tens
   at::Tensor bias = bias_in ? bias_in->contiguous() : at::Tensor();
   TORCH_CHECK(!bias.defined() || (bias.scalar_type() == at::kFloat && bias.numel() == N),
               "kiln::linear_q4: bias must be f32 [N]");
-  at::Tensor x = x_in.contiguous().view({-1, K});
-  const int64_t M = x.size(0);
+  const at::Tensor x = x_in.contiguous();
+  const int64_t M = x.numel() / K;
   std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
   shape.back() = N;
   if (M > kSmallM) {
     at::Tensor w = dequantize(q, scales, zeros, K, group_size);
-    return (bias.defined() ? at::addmm(bias, x, w.t()) : at::mm(x, w.t())).view(shape);
+    at::Tensor x2 = x.view({M, K});
+    return (bias.defined() ? at::addmm(bias, x2, w.t()) : at::mm(x2, w.t())).view(shape);
   }
-  // x rounded to int8 per block of 32 (even/odd split), once per row per call.
-  at::Tensor xe = at::empty({M, K / 2}, x.options().dtype(at::kChar)), xo = at::empty({M, K / 2}, xe.options());
-  at::Tensor block_scale = at::empty({M, K / 32}, x.options()), block_quarter = at::empty({M, K / 32}, x.options());
+  // x rounded to int8 per block of 32 (even/odd split), once per row per call, into a scratch
+  // buffer kept per thread: a decode step makes ~120 of these calls, and tensor allocations were
+  // a good part of each small call's cost.
+  const int64_t blocks = K / 32;
+  thread_local std::vector<float> scratch;
+  scratch.resize(M * (K / 4 + 2 * blocks));  // xe, xo: K/2 int8 each = K/4 floats in all
+  int8_t* xe = reinterpret_cast<int8_t*>(scratch.data());
+  int8_t* xo = xe + M * K / 2;
+  float* block_scale = scratch.data() + M * K / 4;
+  float* block_quarter = block_scale + M * blocks;
+  const float* xp = x.data_ptr<float>();
   for (int64_t m = 0; m < M; m++)
-    kiln_q4_prepare_x(x.data_ptr<float>() + m * K, K, xe.data_ptr<int8_t>() + m * K / 2,
-                      xo.data_ptr<int8_t>() + m * K / 2, block_scale.data_ptr<float>() + m * K / 32,
-                      block_quarter.data_ptr<float>() + m * K / 32);
-  at::Tensor y = at::empty({M, N}, x.options());
+    kiln_q4_prepare_x(xp + m * K, K, xe + m * K / 2, xo + m * K / 2, block_scale + m * blocks,
+                      block_quarter + m * blocks);
+  at::Tensor y = at::empty(shape, x.options());
   const uint8_t* zp = zeros.defined() ? zeros.data_ptr<uint8_t>() : nullptr;
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
   at::parallel_for(0, (N + kRowsPerTask - 1) / kRowsPerTask, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t m = 0; m < M; m++)
-      kiln_q4_rows(xe.data_ptr<int8_t>() + m * K / 2, xo.data_ptr<int8_t>() + m * K / 2,
-                   block_scale.data_ptr<float>() + m * K / 32, block_quarter.data_ptr<float>() + m * K / 32,
-                   q.data_ptr<uint8_t>(), scales.data_ptr<float>(),
-                   zp, K, group_size, t0 * kRowsPerTask, std::min(N, t1 * kRowsPerTask), bp,
-                   y.data_ptr<float>() + m * N);
+      kiln_q4_rows(xe + m * K / 2, xo + m * K / 2, block_scale + m * blocks, block_quarter + m * blocks, qp, sp, zp,
+                   K, group_size, t0 * kRowsPerTask, std::min(N, t1 * kRowsPerTask), bp, yp + m * N);
   });
-  return y.view(shape);
+  return y;
 }
 
 }  // namespace kiln_q4
