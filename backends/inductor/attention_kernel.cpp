@@ -59,16 +59,12 @@ inline void axpy(float w, const float* x, float* out, int64_t n) {
   for (; i < n; i++) out[i] += w * x[i];
 }
 
-}  // namespace
-
-extern "C" void kiln_attend_one_query(const float* q, const float* k, const float* v, int64_t D, int64_t lo,
-                                      int64_t hi, float scale, float* scratch, float* out) {
-  for (int64_t d = 0; d < D; d++) out[d] = 0.f;
-  if (hi < lo) return;
-  const int64_t n = hi - lo + 1;
+// Any head dim: one key at a time.
+void attend_any_dim(const float* q, const float* k, const float* v, int64_t D, int64_t n, float scale, float* scratch,
+                    float* out) {
   float top = -INFINITY;
   for (int64_t s = 0; s < n; s++) {
-    scratch[s] = scale * dot(q, k + (lo + s) * D, D);
+    scratch[s] = scale * dot(q, k + s * D, D);
     top = scratch[s] > top ? scratch[s] : top;
   }
   float total = 0.f;
@@ -76,9 +72,105 @@ extern "C" void kiln_attend_one_query(const float* q, const float* k, const floa
     scratch[s] = std::exp(scratch[s] - top);
     total += scratch[s];
   }
-  for (int64_t s = 0; s < n; s++) axpy(scratch[s], v + (lo + s) * D, out, D);
+  for (int64_t s = 0; s < n; s++) axpy(scratch[s], v + s * D, out, D);
   const float inv = 1.f / total;
   for (int64_t d = 0; d < D; d++) out[d] *= inv;
+}
+
+// Lane j = the sum of the eight lanes of a[j]: eight dot products finished at once.
+inline __m256 sums_of_eight(const __m256* a) {
+  const __m256 t0 = _mm256_hadd_ps(a[0], a[1]), t1 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 t2 = _mm256_hadd_ps(a[4], a[5]), t3 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
+  return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
+}
+
+// e^x in eight lanes (Cephes' polynomial, as in avx_mathfun: relative error ~1e-7; here x <= 0).
+inline __m256 exp8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+  const __m256 fx = _mm256_round_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)),
+                                    _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+  const __m256i pow2n = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(pow2n));
+}
+
+// scores[i] = scale * q . k[i] for i < n (k rows D apart, D % 8 == 0), eight keys at a time.
+void scores_of(const float* q, const float* k, int64_t D, int64_t n, float scale, float* scores) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 acc[8];
+    for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < D; c += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + c);
+      for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(k + (i + j) * D + c), qv, acc[j]);
+    }
+    _mm256_storeu_ps(scores + i, _mm256_mul_ps(sums_of_eight(acc), _mm256_set1_ps(scale)));
+  }
+  for (; i < n; i++) scores[i] = scale * dot(q, k + i * D, D);
+}
+
+// p[i] = e^(p[i] - max p) for i < n; returns their sum.
+float exponentiate(float* p, int64_t n) {
+  float top = -INFINITY;
+  for (int64_t i = 0; i < n; i++) top = p[i] > top ? p[i] : top;
+  const __m256 top8 = _mm256_set1_ps(top);
+  __m256 sum = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + i), top8));
+    _mm256_storeu_ps(p + i, e);
+    sum = _mm256_add_ps(sum, e);
+  }
+  float total = hsum(sum);
+  for (; i < n; i++) {
+    p[i] = std::exp(p[i] - top);
+    total += p[i];
+  }
+  return total;
+}
+
+// out[0:D] = sum_i p[i] * v[i] / total (D % 8 == 0), 32 columns at a time held in registers.
+void weighted_values(const float* p, const float* v, int64_t D, int64_t n, float total, float* out) {
+  const __m256 inverse = _mm256_set1_ps(1.f / total);
+  int64_t c = 0;
+  for (; c + 32 <= D; c += 32) {
+    __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t i = 0; i < n; i++) {
+      const __m256 w = _mm256_broadcast_ss(p + i);
+      for (int j = 0; j < 4; j++) a[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + i * D + c + 8 * j), a[j]);
+    }
+    for (int j = 0; j < 4; j++) _mm256_storeu_ps(out + c + 8 * j, _mm256_mul_ps(a[j], inverse));
+  }
+  for (; c < D; c += 8) {
+    __m256 a = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i++) a = _mm256_fmadd_ps(_mm256_broadcast_ss(p + i), _mm256_loadu_ps(v + i * D + c), a);
+    _mm256_storeu_ps(out + c, _mm256_mul_ps(a, inverse));
+  }
+}
+
+}  // namespace
+
+// Head dims that are multiples of 8 (every model Kiln meets): scores eight keys at a time, the
+// exponentials eight at a time, the values weighted in registers; other head dims key by key.
+extern "C" void kiln_attend_one_query(const float* q, const float* k, const float* v, int64_t D, int64_t lo,
+                                      int64_t hi, float scale, float* scratch, float* out) {
+  for (int64_t d = 0; d < D; d++) out[d] = 0.f;
+  if (hi < lo) return;
+  const int64_t n = hi - lo + 1;
+  k += lo * D;
+  v += lo * D;
+  if (D % 8) return attend_any_dim(q, k, v, D, n, scale, scratch, out);
+  scores_of(q, k, D, n, scale, scratch);
+  weighted_values(scratch, v, D, n, exponentiate(scratch, n), out);
 }
 
 #else  // ---------------------------------------------------------------- torch binding TU
