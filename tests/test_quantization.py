@@ -233,6 +233,11 @@ def test_int4_kernel_symmetric_path_equals_its_zero_point_path_at_eight(group_si
         exact = torch.nn.functional.linear(x, dequantize(q.qweight, q.scales, None, 4, group_size), bias)
         assert torch.allclose(folded, general, atol=1e-4, rtol=1e-5)
         assert ((folded - exact).norm() / exact.norm()).item() < 0.012
+        # f16 scales (what the lowering passes for symmetric weights): the same sums with the
+        # scales rounded to half
+        halved = torch.ops.kiln.linear_q4(x, q.qweight, q.scales, None, bias, group_size, q.scales.half())
+        rounded = torch.ops.kiln.linear_q4(x, q.qweight, q.scales.half().float(), eights, bias, group_size)
+        assert torch.allclose(halved, rounded, atol=1e-4, rtol=1e-5)
 
 
 def test_awq_compile_to_an_inductor_artifact_records_the_scheme_and_its_calibration(tiny_model_dirs, tmp_path):

@@ -59,7 +59,7 @@ __all__ = [
 
 _SRC = Path(__file__).with_name("gemv_kernel.cpp")
 _FLAGS = ["-O3", "-fopenmp", "-fPIC", "-std=c++20", "-w"]
-_KERNEL_FLAGS = ["-mavx2", "-mfma"]  # only the SIMD translation unit; no -march=native (CI/other CPUs)
+_KERNEL_FLAGS = ["-mavx2", "-mfma", "-mf16c"]  # only the SIMD translation unit; no -march=native (CI/other CPUs)
 SMALL_M = 8  # rows handled by the GEMV kernel; above this the op runs MKL (kSmallM in the .cpp)
 
 _lock = threading.Lock()

@@ -3,7 +3,10 @@
 // Weight layout = the IR's linear_q (ir/ops/quantized.py), read as is, no repacking:
 //   qweight u8 [N, K/2]: row n holds w[n, 2j] in the low nibble of byte j and w[n, 2j+1] in the
 //                        high nibble, values 0..15;
-//   scales  f32 [N, G], zeros u8 [N, G] (or none: symmetric, z = 8), G = ceil(K / group_size);
+//   scales  f32 [N, G] (symmetric weights may also pass them as f16, `decode_scales`, which the
+//           decode kernel then reads instead, as llama.cpp's Q4_0 stores them: 4.5 bits read per
+//           weight instead of 5; prefill's dequantize keeps the f32 scales, the IR's exact values),
+//   zeros u8 [N, G] (or none: symmetric, z = 8), G = ceil(K / group_size);
 //   w[n, k] = (q[n, k] - z[n, k / gs]) * scales[n, k / gs].
 //
 // Integer dot products: each row of x is rounded to int8 per block of 32 values (scale = max|x| /
@@ -30,6 +33,10 @@ extern "C" {
 // block_quarter f32 [K/32] = (the block's rounded x summed) * block_scale / 4 (a lane's share).
 void kiln_q4_prepare_x(const float* x, int64_t K, int8_t* xe, int8_t* xo, float* block_scale, float* block_quarter);
 // y[n] for n in [n0, n1) of one prepared row of x: sum over groups of the dequantized dot.
+// The _f16 form: symmetric weights whose scales are IEEE half (10% fewer bytes per token).
+void kiln_q4_rows_f16(const int8_t* xe, const int8_t* xo, const float* block_scale, const float* block_quarter,
+                      const uint8_t* q, const uint16_t* scales, int64_t K, int64_t group_size, int64_t n0,
+                      int64_t n1, const float* bias, float* y);
 void kiln_q4_rows(const int8_t* xe, const int8_t* xo, const float* block_scale, const float* block_quarter,
                   const uint8_t* q, const float* scales, const uint8_t* zeros, int64_t K, int64_t group_size,
                   int64_t n0, int64_t n1, const float* bias, float* y);
@@ -39,6 +46,7 @@ void kiln_q4_rows(const int8_t* xe, const int8_t* xo, const float* block_scale, 
 #include <immintrin.h>
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 
 namespace kiln_q4 {
 
@@ -56,6 +64,17 @@ static inline __m256 pair_at(const float* p) {
   return _mm256_permutevar8x32_ps(_mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(p))), idx);
 }
 
+// Group scales as f32 lanes: p[0] in lanes 0-3 and p[1] in 4-7 (pair), or p[0] in all (one).
+static inline __m256 scale_pair(const float* p) { return pair_at(p); }
+static inline __m256 scale_one(const float* p) { return _mm256_set1_ps(*p); }
+static inline __m256 scale_pair(const uint16_t* p) {
+  const __m256i idx = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
+  int32_t two;
+  std::memcpy(&two, p, sizeof two);
+  return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(two))), idx);
+}
+static inline __m256 scale_one(const uint16_t* p) { return _mm256_set1_ps(_cvtsh_ss(*p)); }
+
 // Each weight row asks for the bytes this far ahead of the step it reads (measured: 1.1-1.3x).
 constexpr int kPrefetchBytes = 1024;
 
@@ -69,9 +88,9 @@ static inline __m256i dot64(__m256i w, __m256i e, __m256i o) {
 
 // y[n0 + r * stride] for R symmetric rows (zero point 8). Groups of 32 pair up within a step; larger
 // groups (multiples of 64) cover whole steps, so both lanes take one scale.
-template <int R>
+template <int R, class Scale>
 static void symmetric_rows(const int8_t* xe, const int8_t* xo, const float* block_scale, const float* block_quarter,
-                           const uint8_t* q, const float* scales, int64_t K, int64_t gs, int64_t n0, int64_t stride,
+                           const uint8_t* q, const Scale* scales, int64_t K, int64_t gs, int64_t n0, int64_t stride,
                            const float* bias, float* y) {
   const int64_t G = (K + gs - 1) / gs, row_bytes = K / 2;
   const __m256 eight = _mm256_set1_ps(8.f);
@@ -87,8 +106,8 @@ static void symmetric_rows(const int8_t* xe, const int8_t* xo, const float* bloc
       _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes, _MM_HINT_T0);
       const __m256i dot = dot64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)), e, o);
       const __m256 centered = _mm256_fmsub_ps(_mm256_cvtepi32_ps(dot), xs, zero_term);
-      const float* s = scales + (n0 + r * stride) * G;
-      const __m256 ws = gs == 32 ? pair_at(s + block) : _mm256_set1_ps(s[byte * 2 / gs]);
+      const Scale* s = scales + (n0 + r * stride) * G;
+      const __m256 ws = gs == 32 ? scale_pair(s + block) : scale_one(s + byte * 2 / gs);
       acc[r] = _mm256_fmadd_ps(centered, ws, acc[r]);
     }
   }
@@ -161,6 +180,16 @@ void kiln_q4_prepare_x(const float* x, int64_t K, int8_t* xe, int8_t* xo, float*
   }
 }
 
+void kiln_q4_rows_f16(const int8_t* xe, const int8_t* xo, const float* block_scale, const float* block_quarter,
+                      const uint8_t* q, const uint16_t* scales, int64_t K, int64_t group_size, int64_t n0,
+                      int64_t n1, const float* bias, float* y) {
+  const int64_t slab = (n1 - n0) / 4;  // as kiln_q4_rows
+  for (int64_t j = 0; j < slab; j++)
+    kiln_q4::symmetric_rows<4>(xe, xo, block_scale, block_quarter, q, scales, K, group_size, n0 + j, slab, bias, y);
+  for (int64_t n = n0 + 4 * slab; n < n1; n++)
+    kiln_q4::symmetric_rows<1>(xe, xo, block_scale, block_quarter, q, scales, K, group_size, n, 0, bias, y);
+}
+
 void kiln_q4_rows(const int8_t* xe, const int8_t* xo, const float* block_scale, const float* block_quarter,
                   const uint8_t* q, const float* scales, const uint8_t* zeros, int64_t K, int64_t group_size,
                   int64_t n0, int64_t n1, const float* bias, float* y) {
@@ -217,7 +246,7 @@ static at::Tensor dequantize(const at::Tensor& q, const at::Tensor& scales, cons
 
 at::Tensor linear_q4(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scales_in,
                      const std::optional<at::Tensor>& zeros_in, const std::optional<at::Tensor>& bias_in,
-                     int64_t group_size) {
+                     int64_t group_size, const std::optional<at::Tensor>& decode_scales_in) {
   TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat, "kiln::linear_q4: x must be CPU float32");
   TORCH_CHECK(q.scalar_type() == at::kByte && q.dim() == 2 && q.is_contiguous(),
               "kiln::linear_q4: qweight must be a contiguous uint8 [N, K/2]");
@@ -228,6 +257,10 @@ at::Tensor linear_q4(const at::Tensor& x_in, const at::Tensor& q, const at::Tens
   TORCH_CHECK(x_in.size(-1) == K, "kiln::linear_q4: x has K=", x_in.size(-1), ", the weight K=", K);
   at::Tensor scales = scales_in.contiguous();
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.numel() == N * G, "kiln::linear_q4: scales must be f32 [N, G]");
+  // decode_scales: the same scales as f16, read by the decode kernel instead (symmetric weights)
+  at::Tensor half = decode_scales_in ? decode_scales_in->contiguous() : at::Tensor();
+  TORCH_CHECK(!half.defined() || (half.scalar_type() == at::kHalf && half.numel() == N * G && !zeros_in),
+              "kiln::linear_q4: decode_scales must be f16 [N, G], for symmetric weights (no zeros)");
   at::Tensor zeros = zeros_in ? zeros_in->contiguous() : at::Tensor();
   TORCH_CHECK(!zeros.defined() || (zeros.scalar_type() == at::kByte && zeros.numel() == N * G),
               "kiln::linear_q4: zeros must be uint8 [N, G]");
@@ -262,11 +295,18 @@ at::Tensor linear_q4(const at::Tensor& x_in, const at::Tensor& q, const at::Tens
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
   const uint8_t* qp = q.data_ptr<uint8_t>();
   const float* sp = scales.data_ptr<float>();
+  const uint16_t* hp = half.defined() ? reinterpret_cast<const uint16_t*>(half.data_ptr<at::Half>()) : nullptr;
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, (N + kRowsPerTask - 1) / kRowsPerTask, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t m = 0; m < M; m++)
-      kiln_q4_rows(xe + m * K / 2, xo + m * K / 2, block_scale + m * blocks, block_quarter + m * blocks, qp, sp, zp,
-                   K, group_size, t0 * kRowsPerTask, std::min(N, t1 * kRowsPerTask), bp, yp + m * N);
+    for (int64_t m = 0; m < M; m++) {
+      const int64_t n0 = t0 * kRowsPerTask, n1 = std::min(N, t1 * kRowsPerTask);
+      if (hp)
+        kiln_q4_rows_f16(xe + m * K / 2, xo + m * K / 2, block_scale + m * blocks, block_quarter + m * blocks, qp, hp,
+                         K, group_size, n0, n1, bp, yp + m * N);
+      else
+        kiln_q4_rows(xe + m * K / 2, xo + m * K / 2, block_scale + m * blocks, block_quarter + m * blocks, qp, sp, zp,
+                     K, group_size, n0, n1, bp, yp + m * N);
+    }
   });
   return y;
 }
@@ -274,7 +314,8 @@ at::Tensor linear_q4(const at::Tensor& x_in, const at::Tensor& q, const at::Tens
 }  // namespace kiln_q4
 
 TORCH_LIBRARY_FRAGMENT(kiln, m) {
-  m.def("linear_q4(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, int group_size) -> Tensor");
+  m.def("linear_q4(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, int group_size, "
+        "Tensor? decode_scales=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kiln, CPU, m) { m.impl("linear_q4", &kiln_q4::linear_q4); }

@@ -3,6 +3,7 @@
     from kiln.backends.inductor import int4_kernel
     int4_kernel.ensure_loaded()
     y = torch.ops.kiln.linear_q4(x, qweight, scales, zeros, bias, group_size)  # == linear_q's reference
+    y = torch.ops.kiln.linear_q4(x, qweight, scales, None, bias, group_size, scales.half())  # decode reads f16 scales
 
 It reads the IR's `linear_q` layout as is (u8 [N, K/2] low nibble first, f32 scales [N, groups],
 optional u8 zeros), so the artifact's weights are the kernel's weights. Why a kernel of Kiln's own:
@@ -25,7 +26,7 @@ _SRC = Path(__file__).with_name("int4_kernel.cpp")
 
 def _register_fake() -> None:
     @torch.library.register_fake("kiln::linear_q4")
-    def _linear_q4_fake(x, qweight, scales, zeros, bias, group_size):
+    def _linear_q4_fake(x, qweight, scales, zeros, bias, group_size, decode_scales=None):
         torch._check(x.shape[-1] == qweight.shape[1] * 2)
         return x.new_empty((*x.shape[:-1], qweight.shape[0]))
 

@@ -3,7 +3,9 @@
 - 8-bit per output channel -> `torch.ops.kiln.linear_i8` (gemv_kernel.py): the int8 weight repacked
   once at lowering to [K, N], with its [N] scales.
 - 4-bit, K % 64 == 0 and group_size 32 or a multiple of 64 -> `torch.ops.kiln.linear_q4` (int4_kernel.py),
-  reading the IR's packed u8 [N, K/2] weight, scales and zero points as they are.
+  reading the IR's packed u8 [N, K/2] weight, scales and zero points as they are; for symmetric
+  weights decode reads an f16 copy of the scales made at lowering (as llama.cpp's Q4_0 stores
+  them: 4.5 instead of 5 bits read per weight, each scale within 2^-11 of the f32 one).
 - anything else (other group sizes, no AVX2/compiler, or KILN_LINEAR_KERNEL=torch) -> dequantize
   + F.linear in torch ops, which Inductor compiles like the rest of the graph.
 - `embedding_q` gathers the rows first, then dequantizes only those.
@@ -52,7 +54,10 @@ def _int4_kernel(b, node, args, attrs):
     group_size = attrs["group_size"]
     if not isinstance(k, int) or k % 64 or (group_size != 32 and group_size % 64) or not int4_kernel_available():
         return None
-    return b.call(torch.ops.kiln.linear_q4, args[0], args[1], args[2], args[3], args[4], attrs["group_size"])
+    decode_scales = None
+    if args[3] is None and b.constant(args[2]) is not None:  # symmetric: decode reads f16 scales
+        decode_scales = b.add_constant(node.inputs[2].name + ".f16", b.constant(args[2]).to(torch.float16).contiguous())
+    return b.call(torch.ops.kiln.linear_q4, *args[:5], group_size, decode_scales)
 
 
 def lower_linear_q(b, node, args, attrs):
