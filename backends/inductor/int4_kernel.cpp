@@ -20,9 +20,9 @@
 // values come from one 8-byte broadcast and a permute. With software prefetch of each row this
 // runs ~1.4x the earlier per-group epilogue (whole-model decode shapes, 2 threads). Asymmetric
 // weights add their zero points per group after the row's dot. Four weight rows, one from each of
-// four slabs of a thread's rows, share each x load; threads split N (at::parallel_for). Needs AVX2 + FMA; K % 64 == 0 and group_size 32 or a
-// multiple of 64, so that no step straddles two groups (the lowering dequantizes + GEMMs otherwise,
-// as the op does for M > kSmallM).
+// four slabs of a thread's rows, share each x load; threads split N (at::parallel_for). Needs
+// AVX2 + FMA + F16C; K % 64 == 0 and group_size 32 or a multiple of 64, so that no step straddles
+// two groups (the lowering dequantizes + GEMMs otherwise, as the op does for M > kSmallM).
 //
 // Two translation units, as gemv_kernel.cpp (see int4_kernel.py): -DKILN_INT4_KERNELS compiles
 // the SIMD code without torch headers; the default compiles the op against libtorch.
@@ -114,6 +114,20 @@ static void symmetric_rows(const int8_t* xe, const int8_t* xo, const float* bloc
   for (int r = 0; r < R; r++) y[n0 + r * stride] = hsum(acc[r]) + (bias ? bias[n0 + r * stride] : 0.f);
 }
 
+// Rows [n0, n1), four at a time, one from each of four equal slabs: each slab's weights and scales
+// stream front to back, eight long streams the prefetchers keep ahead of (measured 1.4x four
+// neighbouring rows, whose reads make one stream). Leftover rows follow one at a time.
+template <class Scale>
+static void symmetric_slabs(const int8_t* xe, const int8_t* xo, const float* block_scale, const float* block_quarter,
+                            const uint8_t* q, const Scale* scales, int64_t K, int64_t gs, int64_t n0, int64_t n1,
+                            const float* bias, float* y) {
+  const int64_t slab = (n1 - n0) / 4;
+  for (int64_t j = 0; j < slab; j++)
+    symmetric_rows<4>(xe, xo, block_scale, block_quarter, q, scales, K, gs, n0 + j, slab, bias, y);
+  for (int64_t n = n0 + 4 * slab; n < n1; n++)
+    symmetric_rows<1>(xe, xo, block_scale, block_quarter, q, scales, K, gs, n, 0, bias, y);
+}
+
 // acc[r] += the 64 weights at `byte` of row n0 + r * stride times x, scaled per lane by x's block
 // scales times the rows' group scales (ws[r]).
 template <int R>
@@ -183,27 +197,15 @@ void kiln_q4_prepare_x(const float* x, int64_t K, int8_t* xe, int8_t* xo, float*
 void kiln_q4_rows_f16(const int8_t* xe, const int8_t* xo, const float* block_scale, const float* block_quarter,
                       const uint8_t* q, const uint16_t* scales, int64_t K, int64_t group_size, int64_t n0,
                       int64_t n1, const float* bias, float* y) {
-  const int64_t slab = (n1 - n0) / 4;  // as kiln_q4_rows
-  for (int64_t j = 0; j < slab; j++)
-    kiln_q4::symmetric_rows<4>(xe, xo, block_scale, block_quarter, q, scales, K, group_size, n0 + j, slab, bias, y);
-  for (int64_t n = n0 + 4 * slab; n < n1; n++)
-    kiln_q4::symmetric_rows<1>(xe, xo, block_scale, block_quarter, q, scales, K, group_size, n, 0, bias, y);
+  kiln_q4::symmetric_slabs(xe, xo, block_scale, block_quarter, q, scales, K, group_size, n0, n1, bias, y);
 }
 
 void kiln_q4_rows(const int8_t* xe, const int8_t* xo, const float* block_scale, const float* block_quarter,
                   const uint8_t* q, const float* scales, const uint8_t* zeros, int64_t K, int64_t group_size,
                   int64_t n0, int64_t n1, const float* bias, float* y) {
-  // Four rows at a time, one from each of four equal slabs of [n0, n1): each slab's weights and
-  // scales stream front to back, eight long streams the prefetchers keep ahead of (measured 1.4x
-  // four neighbouring rows, whose reads make one stream). Leftover rows follow one at a time.
-  const int64_t slab = (n1 - n0) / 4;
-  if (!zeros) {
-    for (int64_t j = 0; j < slab; j++)
-      kiln_q4::symmetric_rows<4>(xe, xo, block_scale, block_quarter, q, scales, K, group_size, n0 + j, slab, bias, y);
-    for (int64_t n = n0 + 4 * slab; n < n1; n++)
-      kiln_q4::symmetric_rows<1>(xe, xo, block_scale, block_quarter, q, scales, K, group_size, n, 0, bias, y);
-    return;
-  }
+  if (!zeros)
+    return kiln_q4::symmetric_slabs(xe, xo, block_scale, block_quarter, q, scales, K, group_size, n0, n1, bias, y);
+  const int64_t slab = (n1 - n0) / 4;  // as symmetric_slabs
   const int64_t G = (K + group_size - 1) / group_size;
   float group_sum[G];  // the rounded x summed per group, in x's units
   for (int64_t g = 0; g < G; g++) {

@@ -10,7 +10,8 @@ optional u8 zeros), so the artifact's weights are the kernel's weights. Why a ke
 PyTorch's CPU int4 kernel (`aten._weight_int4pack_mm_for_cpu`) takes 6.8 ms for a 3072 x 576
 GEMV with f32 activations on this machine, twelve times the 0.57 ms of the fp32 weight (one
 thread, `time.thread_time`), and its int8 one (`aten._weight_int8pack_mm`) seven times.
-Needs AVX2 + FMA, K and group_size multiples of 32. Built like gemv_kernel.py (same compiler,
+Needs AVX2 + FMA + F16C (every AVX2 CPU has F16C), K a multiple of 64 and group_size 32 or a
+multiple of 64. Built like gemv_kernel.py (same compiler,
 flags, cache directory), with a fake implementation for torch.compile / AOTInductor.
 """
 from __future__ import annotations
