@@ -1,13 +1,12 @@
 // Kiln CPU linear kernels for decode (M = 1) and small batches (M <= kSmallM = 8).
 //
 // Packed fp32 weight: logical shape [K, N] (= W.t(), W is nn.Linear's [N, K]) in one of two
-// memory layouts (pack_linear_weight in gemv_kernel.py picks per weight):
-//   "kn": W.t().contiguous(). A GEMV streams it front to back, 8 rows at a time (long
-//         sequential runs when N is large: qkv, gate_up, lm_head) -> this file's kernel for
-//         M <= 8; prefill (M > 8) is the plain row-major GEMM x[M,K] @ Wt[K,N] in MKL, so no
-//         second copy of the weight is kept.
-//   "nk": W itself, seen through .t() -> MKL for every M (its row-dot GEMV is as fast or faster
-//         when K >= N: o, k/v, down).
+// memory layouts (pack_linear_weight in gemv_kernel.py makes "kn" unless asked otherwise):
+//   "kn": W.t().contiguous() -> this file's kernel for M <= 8: a thread's rows are cut into 8
+//         slabs read side by side with prefetch (8 long sequential streams); prefill (M > 8) is
+//         the plain row-major GEMM x[M,K] @ Wt[K,N] in MKL, so no second copy is kept.
+//   "nk": W itself, seen through .t() -> MKL for every M (slower than "kn" on every SmolLM2
+//         shape since the kernel streams in slabs; kept for callers that cannot copy W).
 //
 // Packed int8 layout: Wq_t int8 [K, N] with per-output-channel fp32 scales [N]
 // (symmetric, weight-only): y = (x @ Wq_t) * scales + bias.
