@@ -4,7 +4,7 @@ q4_0 by `llama-quantize`, timed turn by turn beside Kiln in bench.py (`--llamacp
 llama.cpp is not a Python dependency: its two tools are built once from the llama.cpp sources
 vendored in the `llama-cpp-python` sdist on PyPI (no model hub, no git):
 
-    python bench/llamacpp_baseline.py build        # -> ~/.cache/kiln/llama.cpp/bin (6-10 min, 2 cores)
+    python bench/llamacpp_baseline.py build        # -> ~/.cache/kiln/llama.cpp/bin (10-15 min, 2 cores)
 
 `KILN_LLAMA_CPP` names another directory holding `llama-bench` and `llama-quantize`. The build is
 native (`GGML_NATIVE`): llama.cpp uses every instruction set this CPU has (AVX2, AVX-512, VNNI),
