@@ -54,9 +54,9 @@ def _int4_kernel(b, node, args, attrs):
     group_size = attrs["group_size"]
     if not isinstance(k, int) or k % 64 or (group_size != 32 and group_size % 64) or not int4_kernel_available():
         return None
-    decode_scales = None
-    if args[3] is None and b.constant(args[2]) is not None:  # symmetric: decode reads f16 scales
-        decode_scales = b.add_constant(node.inputs[2].name + ".f16", b.constant(args[2]).to(torch.float16).contiguous())
+    scales, decode_scales = b.constant(args[2]), None
+    if args[3] is None and scales is not None:  # symmetric: decode reads f16 scales
+        decode_scales = b.add_constant(node.inputs[2].name + ".f16", scales.to(torch.float16).contiguous())
     return b.call(torch.ops.kiln.linear_q4, *args[:5], group_size, decode_scales)
 
 

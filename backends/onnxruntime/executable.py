@@ -29,6 +29,7 @@ from kiln.ir import to_torch
 
 from .errors import FeedError, ProviderError
 from .model_files import DATA_FILE, MODEL_FILE, read_info
+from .to_onnx import LOGIT_POSITIONS, SEQLENS_K, TOTAL_LENGTH
 from .providers import (check_lengths_fed, check_supported, choose_provider, device_binding, provider_list,
                         session_options)
 
@@ -54,7 +55,7 @@ class OrtExecutable:
         self.caches = [self._allocate(c) for c in self.info["caches"]]
         # optional Executable capabilities (backends/executable.py), fixed per model
         self.copies_rows = all(isinstance(c, torch.Tensor) for c in self.caches)  # cache_views can be had
-        self.selects_logits = "logit_positions" in self.info["inputs"]  # run(..., last_only=True) skips the rest
+        self.selects_logits = LOGIT_POSITIONS in self.info["inputs"]  # run(..., last_only=True) skips the rest
         # torch writes these buffers (zeroing, prefix copies) on its own CUDA stream, ORT on another
         self._torch_stream = (torch.cuda.current_stream(self.caches[0].device)
                               if self.caches and isinstance(self.caches[0], torch.Tensor) and self.caches[0].is_cuda
@@ -153,15 +154,15 @@ class OrtExecutable:
             arrays = self._feed_arrays[shape] = {name: _feed_array(name, shape) for name in self.info["inputs"]}
         position_array = positions.numpy()
         for name, array in arrays.items():
-            if name == "logit_positions":  # fixed per shape
+            if name == LOGIT_POSITIONS:  # fixed per shape
                 continue
             if name == "tokens":
                 array[...] = tokens.numpy()
             elif name == "positions":
                 array[...] = position_array
-            elif name == "seqlens_k":  # each row's last position
+            elif name == SEQLENS_K:  # each row's last position
                 np.max(position_array, axis=1, out=array, initial=0)
-            else:  # total_sequence_length: the largest position + 1
+            else:  # TOTAL_LENGTH: the largest position + 1
                 array[...] = position_array.max() + 1
         # binding copies a CPU input to a device at once (ORT's IOBinding): there, bind every step
         if self._bound_feed_shape != shape or self.device_type != "cpu":
@@ -277,11 +278,11 @@ def _feed_array(name: str, shape: tuple[int, int, bool]) -> np.ndarray:
     """The array an input is fed from, for tokens [batch, seq] (and whether only the last
     position's logits are wanted)."""
     batch, seq, last_only = shape
-    if name == "logit_positions":
+    if name == LOGIT_POSITIONS:
         return np.array([seq - 1], np.int64) if last_only else np.arange(seq, dtype=np.int64)
-    if name == "seqlens_k":
+    if name == SEQLENS_K:
         return np.empty(batch, np.int32)
-    if name == "total_sequence_length":
+    if name == TOTAL_LENGTH:
         return np.empty((), np.int32)
     return np.empty((batch, seq), np.int64)
 

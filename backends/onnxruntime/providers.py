@@ -21,6 +21,7 @@ from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
 
 from kiln.backends.executable import BackendOptions
 
+from .contrib_patterns import SEQLENS_K
 from .errors import ProviderError
 from .onnx_builder import MS_DOMAIN
 
@@ -227,7 +228,7 @@ def check_supported(model: onnx.ModelProto, provider: str) -> None:
 def check_lengths_fed(model: onnx.ModelProto, info: dict, provider: str) -> None:
     """Refuse, off the CPU, a model whose GroupQueryAttention computes its sequence lengths in the
     graph (artifacts compiled before they became inputs): CUDA's kernel attends wrongly then."""
-    if provider == "CPUExecutionProvider" or "seqlens_k" in info["inputs"]:
+    if provider == "CPUExecutionProvider" or SEQLENS_K in info["inputs"]:
         return
     if any(n.op_type == "GroupQueryAttention" for n in model.graph.node):
         raise ProviderError(f"this model computes GroupQueryAttention's sequence lengths in the graph, which "
