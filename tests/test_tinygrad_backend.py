@@ -67,6 +67,25 @@ def test_all_ops_match_the_interpreter():
         torch.testing.assert_close(result, e, atol=1e-5, rtol=1e-5, msg=lambda m: f"{value.name}: {m}")
 
 
+@pytest.mark.parametrize("bits, group_size, symmetric, k", [
+    (8, 128, True, 128), (4, 32, True, 128), (4, 64, False, 192), (4, 128, True, 256), (4, 16, False, 96)])
+def test_linear_q_in_both_forms_matches_the_interpreter(bits, group_size, symmetric, k):
+    """Up to 8 rows take the grouped form (sums on the codes, scaled per group), more rows, or a
+    K the groups do not divide, the dequantize-then-multiply form; both are f32 arithmetic."""
+    from tinygrad import Tensor
+    from kiln.backends.tinygrad.quantized_lowerings import takes_grouped_form
+    from test_quantization import quantized_linear_graph
+
+    graph = quantized_linear_graph(bits, group_size, symmetric, k)
+    weights = {name: Tensor(value.numpy()) for name, value in graph.weights.items()}
+    for rows in (1, 3, 12):
+        x = torch.randn(rows, k)
+        assert takes_grouped_form(Tensor(x.numpy()), k, group_size) == (rows <= 8)
+        want = run_graph(graph, [x])[0]
+        got = graph_to_tensors(graph, {"x": Tensor(x.numpy()), **weights}, LoweringContext({"rows": rows}))[0]
+        torch.testing.assert_close(torch.from_numpy(got.numpy()), want, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
 def test_greedy_batch_of_one_equals_hugging_face(compiled, arch):
     _, llm, model = compiled(arch)
