@@ -40,6 +40,9 @@ void kiln_q4_rows_f16(const int8_t* xe, const int8_t* xo, const float* block_sca
 void kiln_q4_rows(const int8_t* xe, const int8_t* xo, const float* block_scale, const float* block_quarter,
                   const uint8_t* q, const float* scales, const uint8_t* zeros, int64_t K, int64_t group_size,
                   int64_t n0, int64_t n1, const float* bias, float* y);
+// Rows [n0, n1) of the f32 weight w [N, K] (prefill's GEMM operand), one pass over the codes.
+void kiln_q4_dequantize(const uint8_t* q, const float* scales, const uint8_t* zeros, int64_t K, int64_t group_size,
+                        int64_t n0, int64_t n1, float* w);
 }
 
 #ifdef KILN_INT4_KERNELS
@@ -203,6 +206,32 @@ void kiln_q4_prepare_x(const float* x, int64_t K, int8_t* xe, int8_t* xo, float*
   }
 }
 
+// 32 weights (16 bytes of codes) at a time: nibbles split and interleaved back into column order,
+// widened to f32 and mapped to (q - z) * scale = q * scale - z * scale by one FMA.
+void kiln_q4_dequantize(const uint8_t* q, const float* scales, const uint8_t* zeros, int64_t K, int64_t group_size,
+                        int64_t n0, int64_t n1, float* w) {
+  const int64_t G = (K + group_size - 1) / group_size;
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  for (int64_t n = n0; n < n1; n++) {
+    const uint8_t* row = q + n * K / 2;
+    float* out = w + n * K;
+    for (int64_t k = 0; k < K; k += 32) {
+      const int64_t g = n * G + k / group_size;
+      const __m256 scale = _mm256_set1_ps(scales[g]);
+      const __m256 offset = _mm256_set1_ps(-(zeros ? zeros[g] : 8) * scales[g]);
+      const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k / 2));
+      const __m128i lo = _mm_and_si128(bytes, low4), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+      const __m128i ordered[2] = {_mm_unpacklo_epi8(lo, hi), _mm_unpackhi_epi8(lo, hi)};
+      for (int half = 0; half < 2; half++)
+        for (int eight = 0; eight < 2; eight++) {
+          const __m128i codes = eight ? _mm_srli_si128(ordered[half], 8) : ordered[half];
+          const __m256 values = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(codes));
+          _mm256_storeu_ps(out + k + 16 * half + 8 * eight, _mm256_fmadd_ps(values, scale, offset));
+        }
+    }
+  }
+}
+
 void kiln_q4_rows_f16(const int8_t* xe, const int8_t* xo, const float* block_scale, const float* block_quarter,
                       const uint8_t* q, const uint16_t* scales, int64_t K, int64_t group_size, int64_t n0,
                       int64_t n1, const float* bias, float* y) {
@@ -250,12 +279,15 @@ constexpr int64_t kRowsPerTask = 64;  // rows of W per parallel task (64 x K/2 b
 static at::Tensor dequantize(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& zeros, int64_t K,
                              int64_t group_size) {
   const int64_t N = q.size(0);
-  at::Tensor values = at::stack({q.bitwise_and(15), q.bitwise_right_shift(4)}, -1).view({N, K}).to(at::kFloat);
-  auto per_column = [&](const at::Tensor& t) {
-    return t.to(at::kFloat).repeat_interleave(group_size, 1).slice(1, 0, K);
-  };
-  at::Tensor centered = zeros.defined() ? values.sub_(per_column(zeros)) : values.sub_(8.0);
-  return centered.mul_(per_column(scales));
+  at::Tensor w = at::empty({N, K}, scales.options());
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  const float* sp = scales.data_ptr<float>();
+  const uint8_t* zp = zeros.defined() ? zeros.data_ptr<uint8_t>() : nullptr;
+  float* wp = w.data_ptr<float>();
+  at::parallel_for(0, N, kRowsPerTask, [&](int64_t n0, int64_t n1) {
+    kiln_q4_dequantize(qp, sp, zp, K, group_size, n0, n1, wp);
+  });
+  return w;
 }
 
 at::Tensor linear_q4(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scales_in,
