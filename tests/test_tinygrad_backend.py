@@ -80,7 +80,7 @@ def test_linear_q_in_both_forms_matches_the_interpreter(bits, group_size, symmet
     weights = {name: Tensor(value.numpy()) for name, value in graph.weights.items()}
     for rows in (1, 3, 12):
         x = torch.randn(rows, k)
-        assert takes_grouped_form(Tensor(x.numpy()), k, group_size) == (rows <= 8)
+        assert takes_grouped_form(Tensor(x.numpy()), group_size) == (rows <= 8)
         want = run_graph(graph, [x])[0]
         got = graph_to_tensors(graph, {"x": Tensor(x.numpy()), **weights}, LoweringContext({"rows": rows}))[0]
         torch.testing.assert_close(torch.from_numpy(got.numpy()), want, atol=1e-4, rtol=1e-4)

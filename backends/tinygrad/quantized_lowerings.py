@@ -71,20 +71,21 @@ def grouped_product(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor | 
     return partial.sum((-2, -1))
 
 
-def takes_grouped_form(x: Tensor, in_features: int, group_size: int) -> bool:
+def takes_grouped_form(x: Tensor, group_size: int) -> bool:
+    """A few static rows, and K in whole groups of an even size."""
     rows = 1
     for d in x.shape[:-1]:
         if not isinstance(d, int):
             return False  # a symbolic prefill length
         rows *= d
-    return rows <= DECODE_ROWS and in_features % group_size == 0 and group_size % 2 == 0
+    return rows <= DECODE_ROWS and x.shape[-1] % group_size == 0 and group_size % 2 == 0
 
 
 def lower_linear_q(ctx, node, args, attrs):
     x, qweight, scales, zeros, bias = args
     bits, group_size = attrs["bits"], attrs["group_size"]
     x = x.contiguous()
-    if takes_grouped_form(x, x.shape[-1], group_size):
+    if takes_grouped_form(x, group_size):
         y = grouped_product(x, qweight, scales, zeros, bits, group_size)
     else:
         y = x @ dequantize(qweight, scales, zeros, bits, group_size).T
