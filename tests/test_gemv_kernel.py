@@ -1,8 +1,9 @@
 """Kiln's C++ linear kernels (backends/inductor/gemv_kernel.*): correctness only, no timings.
 
 The ops `kiln::linear_f32` / `kiln::linear_i8` must match F.linear for the SmolLM2-135M shapes
-at decode (M = 1), small batches (M = 2..8) and prefill (M = 64, the MKL path), with and
-without bias, any leading dims, 1 or 2 threads, and inside `torch.compile(fullgraph=True)`.
+at decode (M = 1), small batches (M = 2..8), many rows (M = 9..64: verification, batched decode,
+with the AVX-512 and the AVX2 kernel) and prefill (M > 64, the MKL path), with and without bias,
+any leading dims, 1 or 2 threads, and inside `torch.compile(fullgraph=True)`.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from kiln.backends.inductor import gemv_kernel as gk
 SMOL_SHAPES = [(576, 576), (192, 576), (960, 576), (1536, 576), (3072, 576), (576, 1536), (49152, 576)]
 # Tails of every kind: N, K not multiples of 8/16, K smaller than the row unroll.
 ODD_SHAPES = [(1, 1), (7, 3), (8, 8), (13, 7), (17, 33), (100, 5), (24, 40), (40, 24)]
-MS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 64]
+MS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 64, 65]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -122,6 +123,32 @@ def test_linear_i8_matches_dequantized(n, k):
     x = torch.randn(1, k, generator=g)
     ref = torch._weight_int8pack_mm(x, wq.t().contiguous(), scales)
     assert (torch.ops.kiln.linear_i8(x, wq, scales) - ref).abs().max().item() < 1e-4
+
+
+@pytest.fixture(params=["avx512", "avx2"])
+def isa(request):
+    """Run a test with the many-rows kernel of each instruction set this CPU has."""
+    if request.param == "avx512" and not torch.ops.kiln.gemv_use_avx512(True):
+        pytest.skip("this CPU has no AVX-512")
+    torch.ops.kiln.gemv_use_avx512(request.param == "avx512")
+    yield request.param
+    torch.ops.kiln.gemv_use_avx512(True)
+
+
+@pytest.mark.parametrize("n,k", [(67, 130), (33, 17), (1000, 40), (96, 1536), (4100, 64)])
+def test_every_row_count_up_to_64(isa, n, k):
+    """Each M from 1 to 64 (odd and even, below and above the row blocks of 6 and 12 and the
+    16-row steps), odd N and K: f32 and int8 against float64."""
+    w, b = _weights(n, k, seed=n)
+    wt, (wq, scales) = gk.pack_linear_weight(w), gk.pack_linear_weight_int8(w)
+    w_deq = (wq.t().double() * scales[:, None].double())
+    g = torch.Generator().manual_seed(k)
+    for m in range(1, 65):
+        x = torch.randn(m, k, generator=g)
+        ref = F.linear(x.double(), w.double(), b.double())
+        assert (torch.ops.kiln.linear_f32(x, wt, b) - ref).abs().max().item() < 1e-4, (isa, n, k, m)
+        ref_q = F.linear(x.double(), w_deq, b.double())
+        assert (torch.ops.kiln.linear_i8(x, wq, scales, b) - ref_q).abs().max().item() < 1e-4, (isa, n, k, m)
 
 
 def test_bad_inputs_raise():

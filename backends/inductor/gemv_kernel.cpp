@@ -1,10 +1,13 @@
-// Kiln CPU linear kernels for decode (M = 1) and small batches (M <= kSmallM = 8).
+// Kiln CPU linear kernels for decode (M = 1), small batches (M <= 8) and many rows (M <= kSmallM = 64:
+// speculative verification, batched decode), each reading the weight from memory once per call.
 //
 // Packed fp32 weight: logical shape [K, N] (= W.t(), W is nn.Linear's [N, K]) in one of two
 // memory layouts (pack_linear_weight in gemv_kernel.py makes "kn" unless asked otherwise):
-//   "kn": W.t().contiguous() -> this file's kernel for M <= 8: a thread's rows are cut into 8
-//         slabs read side by side with prefetch (8 long sequential streams); prefill (M > 8) is
-//         the plain row-major GEMM x[M,K] @ Wt[K,N] in MKL, so no second copy is kept.
+//   "kn": W.t().contiguous() -> this file's kernels for M <= 64: a thread's rows are cut into
+//         slabs read side by side with prefetch (long sequential streams); `panel` does M <= 8
+//         with x broadcasts per weight vector, `panel_many` blocks of up to 6 (AVX2) or 12
+//         (AVX-512, chosen at run time) rows of x per weight tile held in L1; prefill (M > 64)
+//         is the plain row-major GEMM x[M,K] @ Wt[K,N] in MKL, so no second copy is kept.
 //   "nk": W itself, seen through .t() -> MKL for every M (slower than "kn" on every SmolLM2
 //         shape since the kernel streams in slabs; kept for callers that cannot copy W).
 //
@@ -12,7 +15,7 @@
 // (symmetric, weight-only): y = (x @ Wq_t) * scales + bias.
 //
 // Any K and N are accepted (tails are handled); only AVX2 + FMA are required
-// (Intel Haswell+, AMD Zen+). Threads: torch's intra-op pool (at::parallel_for,
+// (Intel Haswell+, AMD Zen+); AVX-512F is used for M > 8 where the CPU has it. Threads: torch's intra-op pool (at::parallel_for,
 // torch.set_num_threads). Ops are registered as kiln::linear_f32 / kiln::linear_i8
 // with TORCH_LIBRARY_FRAGMENT; fake (meta) impls are registered from Python.
 //
@@ -27,6 +30,9 @@ void kiln_gemv_panel_f32(const float* x, int64_t ldx, int64_t M, const float* Wt
                          int64_t k1, int64_t c0, int64_t c1, float* y, int64_t ldy, const float* init_row);
 void kiln_gemv_panel_i8(const float* x, int64_t ldx, int64_t M, const int8_t* Wt, int64_t N, int64_t k0,
                         int64_t k1, int64_t c0, int64_t c1, float* y, int64_t ldy, const float* init_row);
+// Whether M > 8 runs the AVX-512 kernel (where the CPU has it; the default) or the AVX2 one.
+// Returns the kernel now in use: true for AVX-512.
+bool kiln_gemv_use_avx512(bool wanted);
 }
 
 #ifdef KILN_GEMV_KERNELS
@@ -213,10 +219,13 @@ static void panel(const float* x, int64_t ldx, const typename L::T* Wt, int64_t 
   for (int64_t k = k0 + R * slab; k < k1; k++) step(std::integral_constant<int, 1>{}, k, 0);
 }
 
+#include "gemv_many_rows.h"
+
 template <class L>
 static void panel_m(const float* x, int64_t ldx, int64_t M, const typename L::T* Wt, int64_t N,
                     int64_t k0, int64_t k1, int64_t c0, int64_t c1, float* y, int64_t ldy,
                     const float* init_row) {
+  if (M >= kManyRowsFrom<typename L::T>) return panel_many<L>(x, ldx, M, Wt, N, k0, k1, c0, c1, y, ldy, init_row);
   switch (M) {
     case 1: return panel<L, 1>(x, ldx, Wt, N, k0, k1, c0, c1, y, ldy, init_row);
     case 2: return panel<L, 2>(x, ldx, Wt, N, k0, k1, c0, c1, y, ldy, init_row);
@@ -226,10 +235,8 @@ static void panel_m(const float* x, int64_t ldx, int64_t M, const typename L::T*
     case 6: return panel<L, 6>(x, ldx, Wt, N, k0, k1, c0, c1, y, ldy, init_row);
     case 7: return panel<L, 7>(x, ldx, Wt, N, k0, k1, c0, c1, y, ldy, init_row);
     case 8: return panel<L, 8>(x, ldx, Wt, N, k0, k1, c0, c1, y, ldy, init_row);
-    default:  // M > 8 (the ops send such M to MKL; kept correct for direct callers)
-      for (int64_t m = 0; m < M; m += 8)
-        panel_m<L>(x + m * ldx, ldx, std::min<int64_t>(8, M - m), Wt, N, k0, k1, c0, c1, y + m * ldy, ldy,
-                   init_row);
+    default:
+      return panel_many<L>(x, ldx, M, Wt, N, k0, k1, c0, c1, y, ldy, init_row);
   }
 }
 
@@ -243,6 +250,10 @@ void kiln_gemv_panel_f32(const float* x, int64_t ldx, int64_t M, const float* Wt
 void kiln_gemv_panel_i8(const float* x, int64_t ldx, int64_t M, const int8_t* Wt, int64_t N, int64_t k0,
                         int64_t k1, int64_t c0, int64_t c1, float* y, int64_t ldy, const float* init_row) {
   kiln_gemv::panel_m<kiln_gemv::LoadI8>(x, ldx, M, Wt, N, k0, k1, c0, c1, y, ldy, init_row);
+}
+bool kiln_gemv_use_avx512(bool wanted) {
+  kiln_gemv::use_avx512 = wanted && __builtin_cpu_supports("avx512f");
+  return kiln_gemv::use_avx512;
 }
 }
 
@@ -260,7 +271,7 @@ void kiln_gemv_panel_i8(const float* x, int64_t ldx, int64_t M, const int8_t* Wt
 
 namespace kiln_gemv {
 
-constexpr int64_t kSmallM = 8;            // M above this goes to MKL (fp32) / dequant + MKL (int8)
+constexpr int64_t kSmallM = 64;           // M above this (prefill) goes to MKL (fp32) / dequant + MKL (int8)
 constexpr int64_t kMinBytesPerThread = 96 * 1024;  // below this, one thread is faster
 
 template <class T> struct Panel;
@@ -415,6 +426,7 @@ at::Tensor linear_i8(const at::Tensor& x_in, const at::Tensor& wq, const at::Ten
 }  // namespace kiln_gemv
 
 TORCH_LIBRARY_FRAGMENT(kiln, m) {
+  m.def("gemv_use_avx512(bool wanted) -> bool", [](bool wanted) { return kiln_gemv_use_avx512(wanted); });
   m.def("linear_f32(Tensor x, Tensor packed_weight, Tensor? bias=None) -> Tensor");
   m.def("linear_i8(Tensor x, Tensor packed_weight, Tensor scales, Tensor? bias=None) -> Tensor");
 }

@@ -12,14 +12,18 @@ Usage::
 
 Layout: the packed fp32 weight has logical shape ``[K, N]`` (= ``W.t()``) in one of two memory
 layouts: "kn" (contiguous ``[K, N]``, what ``pack_linear_weight`` makes by default) and "nk" (the
-``[N, K]`` weight seen through ``.t()``, no copy). For "kn" and M = 1..8 rows (M =
-prod(x.shape[:-1])) the op streams the weight with an AVX2/FMA kernel over torch's intra-op threads
-(split over K, or over N for very wide outputs), eight slabs of rows side by side with software
-prefetch; for larger M (prefill), and always for "nk", it is one MKL GEMM ``x @ packed`` -- no
-second copy of any weight. Fused projections are packed from ``torch.cat([Wq, Wk, Wv])``. Any K
-and N work; float32 activations only; CPU only; the CPU must have AVX2 and FMA. The int8 weight is
-always contiguous ``[K, N]`` (kernel for M <= 8; for larger M it is dequantized per call and run by
-MKL). Inference only (no autograd).
+``[N, K]`` weight seen through ``.t()``, no copy). For "kn" and M = 1..64 rows (M =
+prod(x.shape[:-1])) the op streams the weight from memory once per call over torch's intra-op
+threads (split over K, or over N for very wide outputs), in slabs read side by side with software
+prefetch: up to 8 rows of x take AVX2 GEMV steps; 9..64 rows (speculative verification, batched
+decode) take blocks of up to 12 rows of x per weight tile held in L1 (AVX-512 where the CPU has
+it, else AVX2). Above 64 rows (prefill), and always for "nk", it is one MKL GEMM ``x @ packed``
+-- no second copy of any weight. Fused projections are packed from ``torch.cat([Wq, Wk, Wv])``.
+Any K and N work; float32 activations only; CPU only; the CPU must have AVX2 and FMA. The int8
+weight is always contiguous ``[K, N]`` (kernel for M <= 64, each int8 tile widened to f32 once
+for all rows of x from 4 rows up; for larger M it is dequantized per call and run by MKL).
+Inference only (no autograd). ``torch.ops.kiln.gemv_use_avx512(False)`` forces the AVX2 kernel
+(tests run both).
 
 Both ops have fake (meta) implementations, so a ``torch.compile(fullgraph=True)`` graph calls them
 without a graph break (Inductor keeps them as extern calls).
@@ -60,7 +64,7 @@ __all__ = [
 _SRC = Path(__file__).with_name("gemv_kernel.cpp")
 _FLAGS = ["-O3", "-fopenmp", "-fPIC", "-std=c++20", "-w"]
 _KERNEL_FLAGS = ["-mavx2", "-mfma", "-mf16c"]  # only the SIMD translation unit; no -march=native (CI/other CPUs)
-SMALL_M = 8  # rows handled by the GEMV kernel; above this the op runs MKL (kSmallM in the .cpp)
+SMALL_M = 64  # rows handled by Kiln's kernels; above this the op runs MKL (kSmallM in the .cpp)
 
 _lock = threading.Lock()
 _loaded_path: str | None = None
@@ -128,17 +132,22 @@ def _run_build(cmds: list[list[str]]) -> None:
 
 def library_path() -> Path:
     """Path of the cached shared library for this source/torch/compiler (may not exist yet)."""
+    return _cache_dir() / f"kiln_gemv_{_build_key(_SRC)}.so"
+
+
+def _build_key(src: Path) -> str:
+    """What a built library depends on: the source and the headers beside it, flags, torch, compiler."""
     cxx = _compiler()
     try:
-        ver = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
     except OSError as e:  # pragma: no cover - broken compiler install
-        raise KernelBuildError(f"kiln GEMV kernel: cannot run {cxx}: {e}") from e
-    h = hashlib.sha256()
-    for part in (_SRC.read_bytes(), " ".join(_FLAGS + _KERNEL_FLAGS).encode(), torch.__version__.encode(),
-                 cxx.encode(), ver.encode(), sys.platform.encode()):
-        h.update(part)
-        h.update(b"\0")
-    return _cache_dir() / f"kiln_gemv_{h.hexdigest()[:16]}.so"
+        raise KernelBuildError(f"kiln kernels: cannot run {cxx}: {e}") from e
+    digest = hashlib.sha256()
+    sources = [src.read_bytes()] + [h.read_bytes() for h in sorted(src.parent.glob("*.h"))]
+    for part in (*sources, " ".join(_FLAGS + _KERNEL_FLAGS).encode(), torch.__version__.encode(),
+                 cxx.encode(), version.encode(), sys.platform.encode()):
+        digest.update(part + b"\0")
+    return digest.hexdigest()[:16]
 
 
 def _build(out: Path, src: Path = _SRC, kernel_define: str = "KILN_GEMV_KERNELS") -> None:
@@ -180,13 +189,7 @@ def load_extension(src: Path, kernel_define: str, name: str, register_fake) -> N
 
 def _load_extension(src: Path, kernel_define: str, name: str, register_fake) -> None:
     _check_cpu()
-    cxx = _compiler()
-    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, timeout=30).stdout
-    digest = hashlib.sha256()
-    for part in (src.read_bytes(), " ".join(_FLAGS + _KERNEL_FLAGS).encode(), torch.__version__.encode(),
-                 cxx.encode(), version.encode(), sys.platform.encode()):
-        digest.update(part + b"\0")
-    out = _cache_dir() / f"{name}_{digest.hexdigest()[:16]}.so"
+    out = _cache_dir() / f"{name}_{_build_key(src)}.so"
     if not out.exists():
         _build(out, src, kernel_define)
     try:
@@ -276,7 +279,7 @@ def pack_linear_weight(w: torch.Tensor, layout: str = "auto") -> torch.Tensor:
     """nn.Linear weight ``[N, K]`` -> packed fp32 weight of logical shape ``[K, N]``, done once at
     load time. For fused projections pass ``torch.cat([W1, W2, ...], dim=0)``.
 
-    layout: ``"kn"`` = ``W.t().contiguous()`` (Kiln's GEMV kernel for M <= 8, MKL above);
+    layout: ``"kn"`` = ``W.t().contiguous()`` (Kiln's kernels for M <= 64, MKL above);
     ``"nk"`` = ``W.contiguous().t()``, a transposed view of the [N, K] weight (MKL for every M;
     shares storage with ``w`` when ``w`` is already contiguous fp32); ``"auto"`` = ``"kn"`` for
     every shape: since the kernel reads eight slabs side by side with prefetch it beats MKL's

@@ -1,0 +1,230 @@
+// Kiln CPU linear kernels for many rows of x (M = 9..64, and int8 from 4): included by
+// gemv_kernel.cpp inside its SIMD translation unit (namespace kiln_gemv; needs its Load*, tail_mask,
+// line_start and prefetch_row). Split out to keep each file readable; hashed with it for the build.
+#pragma once
+
+// ---- Many rows of x (M > 8): each weight read from memory once per call ----
+//
+// A step takes kRowStep rows of Wt (one from each of kRowStep slabs) and adds their products to
+// every row of x. Within a step, each 16-column tile is read from memory once (each slab's stream
+// prefetched kPrefetchBytes ahead), then every block of up to six rows of x is done from L1: 12 accumulators, two
+// weight vectors and one broadcast, 12 FMAs per 8 loads. The partial sums live in y, which the
+// columns are blocked to keep in L2 (kManyRowsYBytes). int8 tiles are widened to f32 once per
+// tile (not once per block of x rows); column tails are staged zero-padded and stored masked.
+constexpr int kRowStep = 16;
+constexpr int kMaxRowBlock = 6;
+constexpr int64_t kManyRowsYBytes = 256 * 1024;
+
+// y[0:MB, 0:16] += sum_{r < rn} x[0:MB, r] * w[r, 0:16]; x(m, r) at xk[r * xrs + m], rows of w rs apart.
+template <int MB, bool Masked>
+static inline void block16(const float* xk, int64_t xrs, const float* w, int64_t rs, int rn, float* y, int64_t ldy,
+                           __m256i mask_lo, __m256i mask_hi) {
+  __m256 a[MB][2];
+  for (int m = 0; m < MB; m++) {
+    a[m][0] = Masked ? _mm256_maskload_ps(y + m * ldy, mask_lo) : _mm256_loadu_ps(y + m * ldy);
+    a[m][1] = Masked ? _mm256_maskload_ps(y + m * ldy + 8, mask_hi) : _mm256_loadu_ps(y + m * ldy + 8);
+  }
+  for (int r = 0; r < rn; r++) {
+    const __m256 w0 = _mm256_loadu_ps(w + r * rs), w1 = _mm256_loadu_ps(w + r * rs + 8);
+    const float* xr = xk + r * xrs;
+    for (int m = 0; m < MB; m++) {
+      const __m256 b = _mm256_broadcast_ss(xr + m);
+      a[m][0] = _mm256_fmadd_ps(w0, b, a[m][0]);
+      a[m][1] = _mm256_fmadd_ps(w1, b, a[m][1]);
+    }
+  }
+  for (int m = 0; m < MB; m++) {
+    if (Masked) {
+      _mm256_maskstore_ps(y + m * ldy, mask_lo, a[m][0]);
+      _mm256_maskstore_ps(y + m * ldy + 8, mask_hi, a[m][1]);
+    } else {
+      _mm256_storeu_ps(y + m * ldy, a[m][0]);
+      _mm256_storeu_ps(y + m * ldy + 8, a[m][1]);
+    }
+  }
+}
+
+template <bool Masked>
+static inline void block16_rows(int mb, const float* xk, int64_t xrs, const float* w, int64_t rs, int rn, float* y,
+                                int64_t ldy, __m256i mask_lo, __m256i mask_hi) {
+  switch (mb) {
+    case 1: return block16<1, Masked>(xk, xrs, w, rs, rn, y, ldy, mask_lo, mask_hi);
+    case 2: return block16<2, Masked>(xk, xrs, w, rs, rn, y, ldy, mask_lo, mask_hi);
+    case 3: return block16<3, Masked>(xk, xrs, w, rs, rn, y, ldy, mask_lo, mask_hi);
+    case 4: return block16<4, Masked>(xk, xrs, w, rs, rn, y, ldy, mask_lo, mask_hi);
+    case 5: return block16<5, Masked>(xk, xrs, w, rs, rn, y, ldy, mask_lo, mask_hi);
+    default: return block16<6, Masked>(xk, xrs, w, rs, rn, y, ldy, mask_lo, mask_hi);
+  }
+}
+
+// Rows [0, rn) x columns [c, c + n) of the weight as f32 rows of 16 (zero-padded past n).
+template <class L>
+static inline void stage_tile(const typename L::T* w, int64_t N, int rn, int64_t c, int64_t n, float* out) {
+  for (int r = 0; r < rn; r++) {
+    const typename L::T* row = w + r * N + c;
+    if (n == 16) {
+      _mm256_storeu_ps(out + r * 16, L::load(row));
+      _mm256_storeu_ps(out + r * 16 + 8, L::load(row + 8));
+    } else {
+      for (int64_t j = 0; j < 16; j++) out[r * 16 + j] = j < n ? (float)row[j] : 0.f;
+    }
+  }
+}
+
+// One step: y[0:M, c0:c1] += x^T rows [0, rn) (xt, M floats per row) times Wt rows w[0:rn, c0:c1].
+template <class L>
+static void many_rows_step(const float* xt, int64_t xrs, const int* blocks, int nblocks, const typename L::T* w,
+                           int64_t ws, int rn, int64_t c0, int64_t c1, float* y, int64_t ldy) {
+  using T = typename L::T;
+  alignas(32) float staged[kRowStep * 16];
+  for (int64_t c = c0; c < c1; c += 16) {
+    const int64_t n = std::min<int64_t>(16, c1 - c);
+    if (line_start<T>(c, c0))
+      for (int r = 0; r < rn; r++) prefetch_row(w + r * ws, c);
+    const float* tile = staged;
+    int64_t rs = 16;
+    if constexpr (std::is_same_v<T, float>) {
+      if (n == 16) tile = w + c, rs = ws;
+      else stage_tile<L>(w, ws, rn, c, n, staged);
+    } else {
+      stage_tile<L>(w, ws, rn, c, n, staged);
+    }
+    const __m256i mask_lo = tail_mask(std::min<int64_t>(8, n)), mask_hi = tail_mask(std::max<int64_t>(0, n - 8));
+    int64_t m0 = 0;
+    for (int b = 0; b < nblocks; m0 += blocks[b], b++) {
+      if (n == 16) block16_rows<false>(blocks[b], xt + m0, xrs, tile, rs, rn, y + m0 * ldy + c, ldy, mask_lo, mask_hi);
+      else block16_rows<true>(blocks[b], xt + m0, xrs, tile, rs, rn, y + m0 * ldy + c, ldy, mask_lo, mask_hi);
+    }
+  }
+}
+
+// The same step with AVX-512 (chosen at run time where the CPU has it): 32-column tiles, blocks
+// of up to twelve rows of x (24 accumulators of 32 registers), twice the FMA width of AVX2.
+#pragma GCC push_options
+#pragma GCC target("avx512f")
+constexpr int kMaxRowBlock512 = 12;
+
+template <int MB, bool Masked>
+static inline void block32(const float* xk, int64_t xrs, const float* w, int64_t rs, int rn, float* y, int64_t ldy,
+                           __mmask16 mask_lo, __mmask16 mask_hi) {
+  __m512 a[MB][2];
+  for (int m = 0; m < MB; m++) {
+    a[m][0] = Masked ? _mm512_maskz_loadu_ps(mask_lo, y + m * ldy) : _mm512_loadu_ps(y + m * ldy);
+    a[m][1] = Masked ? _mm512_maskz_loadu_ps(mask_hi, y + m * ldy + 16) : _mm512_loadu_ps(y + m * ldy + 16);
+  }
+  for (int r = 0; r < rn; r++) {
+    const __m512 w0 = _mm512_loadu_ps(w + r * rs), w1 = _mm512_loadu_ps(w + r * rs + 16);
+    const float* xr = xk + r * xrs;
+    for (int m = 0; m < MB; m++) {
+      const __m512 b = _mm512_set1_ps(xr[m]);
+      a[m][0] = _mm512_fmadd_ps(w0, b, a[m][0]);
+      a[m][1] = _mm512_fmadd_ps(w1, b, a[m][1]);
+    }
+  }
+  for (int m = 0; m < MB; m++) {
+    if (Masked) {
+      _mm512_mask_storeu_ps(y + m * ldy, mask_lo, a[m][0]);
+      _mm512_mask_storeu_ps(y + m * ldy + 16, mask_hi, a[m][1]);
+    } else {
+      _mm512_storeu_ps(y + m * ldy, a[m][0]);
+      _mm512_storeu_ps(y + m * ldy + 16, a[m][1]);
+    }
+  }
+}
+
+template <bool Masked>
+static void block32_rows(int mb, const float* xk, int64_t xrs, const float* w, int64_t rs, int rn, float* y,
+                         int64_t ldy, __mmask16 lo, __mmask16 hi) {
+  switch (mb) {
+    case 1: return block32<1, Masked>(xk, xrs, w, rs, rn, y, ldy, lo, hi);
+    case 2: return block32<2, Masked>(xk, xrs, w, rs, rn, y, ldy, lo, hi);
+    case 3: return block32<3, Masked>(xk, xrs, w, rs, rn, y, ldy, lo, hi);
+    case 4: return block32<4, Masked>(xk, xrs, w, rs, rn, y, ldy, lo, hi);
+    case 5: return block32<5, Masked>(xk, xrs, w, rs, rn, y, ldy, lo, hi);
+    case 6: return block32<6, Masked>(xk, xrs, w, rs, rn, y, ldy, lo, hi);
+    case 7: return block32<7, Masked>(xk, xrs, w, rs, rn, y, ldy, lo, hi);
+    case 8: return block32<8, Masked>(xk, xrs, w, rs, rn, y, ldy, lo, hi);
+    case 9: return block32<9, Masked>(xk, xrs, w, rs, rn, y, ldy, lo, hi);
+    case 10: return block32<10, Masked>(xk, xrs, w, rs, rn, y, ldy, lo, hi);
+    case 11: return block32<11, Masked>(xk, xrs, w, rs, rn, y, ldy, lo, hi);
+    default: return block32<12, Masked>(xk, xrs, w, rs, rn, y, ldy, lo, hi);
+  }
+}
+
+static inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+template <class T>
+static void many_rows_step512(const float* xt, int64_t xrs, const int* blocks, int nblocks, const T* w, int64_t ws,
+                              int rn, int64_t c0, int64_t c1, float* y, int64_t ldy) {
+  alignas(64) float staged[kRowStep * 32];
+  for (int64_t c = c0; c < c1; c += 32) {
+    const int64_t n = std::min<int64_t>(32, c1 - c);
+    for (int64_t half = c; half < c + 32; half += 16)
+      if (line_start<T>(half, c0))
+        for (int r = 0; r < rn; r++) prefetch_row(w + r * ws, half);
+    const float* tile = staged;
+    int64_t rs = 32;
+    if (std::is_same_v<T, float> && n == 32) {
+      tile = reinterpret_cast<const float*>(w + c), rs = ws;
+    } else {
+      for (int r = 0; r < rn; r++) {
+        const T* row = w + r * ws + c;
+        if (n == 32) {
+          _mm512_store_ps(staged + r * 32, load16(row));
+          _mm512_store_ps(staged + r * 32 + 16, load16(row + 16));
+        } else {
+          for (int64_t j = 0; j < 32; j++) staged[r * 32 + j] = j < n ? (float)row[j] : 0.f;
+        }
+      }
+    }
+    const __mmask16 lo = (__mmask16)((1u << std::min<int64_t>(16, n)) - 1);
+    const __mmask16 hi = (__mmask16)((1u << std::max<int64_t>(0, n - 16)) - 1);
+    int64_t m0 = 0;
+    for (int b = 0; b < nblocks; m0 += blocks[b], b++) {
+      if (n == 32) block32_rows<false>(blocks[b], xt + m0, xrs, tile, rs, rn, y + m0 * ldy + c, ldy, lo, hi);
+      else block32_rows<true>(blocks[b], xt + m0, xrs, tile, rs, rn, y + m0 * ldy + c, ldy, lo, hi);
+    }
+  }
+}
+#pragma GCC pop_options
+
+static bool use_avx512 = __builtin_cpu_supports("avx512f");
+
+// Rows of x from which panel_many beats the slab kernels below (SmolLM2 shapes, 2 threads):
+// f32 streams better through `panel` up to 8 rows; int8 gains from widening each tile once.
+template <class T> constexpr int64_t kManyRowsFrom = std::is_same_v<T, float> ? 9 : 4;
+
+// y[0:M, c0:c1] = init_row (or 0) + x[0:M, k0:k1] @ Wt[k0:k1, c0:c1] for any M.
+template <class L>
+static void panel_many(const float* x, int64_t ldx, int64_t M, const typename L::T* Wt, int64_t N, int64_t k0,
+                       int64_t k1, int64_t c0, int64_t c1, float* y, int64_t ldy, const float* init_row) {
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t c = c0; c < c1; c++) y[m * ldy + c] = init_row ? init_row[c] : 0.f;
+  if (k0 == k1) return;
+  std::unique_ptr<float[]> xt(new float[(k1 - k0) * M]);  // x^T: a step's broadcasts are base + m
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t k = k0; k < k1; k++) xt[(k - k0) * M + m] = x[m * ldx + k];
+  const bool wide = use_avx512;
+  const int max_block = wide ? kMaxRowBlock512 : kMaxRowBlock;
+  const int nblocks = (int)((M + max_block - 1) / max_block);  // blocks of x rows, sizes within one
+  std::unique_ptr<int[]> blocks(new int[nblocks]);
+  for (int b = 0; b < nblocks; b++) blocks[b] = (int)(M / nblocks + (b < M % nblocks ? 1 : 0));
+  const int64_t width = std::max<int64_t>(64, kManyRowsYBytes / (M * (int64_t)sizeof(float)) / 32 * 32);
+  // A step takes row j of each of kRowStep equal slabs of [k0, k1) (long streams, as panel's),
+  // then the rows left over in one last step.
+  const int64_t slab = (k1 - k0) / kRowStep, left = (k1 - k0) - slab * kRowStep;
+  auto step = [&](int64_t k, int64_t row_stride, int rn, int64_t cs, int64_t ce) {
+    const float* xk = xt.get() + (k - k0) * M;
+    if (wide) many_rows_step512(xk, row_stride * M, blocks.get(), nblocks, Wt + k * N, row_stride * N, rn, cs, ce, y, ldy);
+    else many_rows_step<L>(xk, row_stride * M, blocks.get(), nblocks, Wt + k * N, row_stride * N, rn, cs, ce, y, ldy);
+  };
+  for (int64_t cs = c0; cs < c1; cs += width) {
+    const int64_t ce = std::min(c1, cs + width);
+    for (int64_t j = 0; j < slab; j++) step(k0 + j, slab, kRowStep, cs, ce);
+    if (left) step(k0 + slab * kRowStep, 1, (int)left, cs, ce);
+  }
+}
+

@@ -1,0 +1,140 @@
+"""What a step over M tokens costs against a step over one: SmolLM2-135M, per backend and scheme.
+
+    .venv/bin/python bench/step_cost.py                                   # inductor: fp32, int8, int4-g32
+    .venv/bin/python bench/step_cost.py --backends inductor,onnxruntime --schemes none,int4-g32
+    .venv/bin/python bench/step_cost.py --artifacts /tmp/art --m 1,8,16  # reuse compiled artifacts
+
+Each cell times one `executable.run` over M tokens of one row (all logits), at positions 256..,
+as speculative verification, a batched decode step or a prefill chunk makes; the median of
+`--repeats` calls after two warm-up calls. Reported per M: milliseconds, the ratio to M = 1, the
+weight bytes read per second (each weight once per step: the roofline of a memory-bound step)
+and the GFLOP/s of the step's linears (2 x parameters x M). Artifacts are compiled once into
+`--artifacts` (`<backend>-<scheme>.kiln`, max_batch 16) and reused; weights are int8 or int4
+for the lm_head and embedding too (`--quantize-embeddings`). The CPU time other processes took
+is recorded per row; a row where others kept more than a quarter core busy is repeated up to
+three times, then flagged `*`. Writes bench/results/step_cost.md.
+"""
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from cpu_contention import CpuMeter  # noqa: E402
+
+RESULTS = Path(__file__).parent / "results"
+START_POSITION = 256
+
+
+def artifact(directory: Path, backend: str, scheme: str):
+    """Load (compiling first if missing) SmolLM2-135M for `backend` and weight `scheme`."""
+    import kiln
+
+    out = directory / f"{backend}-{scheme}.kiln"
+    if not (out / "manifest.json").exists():
+        quantized = scheme != "none"
+        kiln.compile(None, out=out, backend=backend, max_seq_len=1024, max_batch=16,
+                     quantize=scheme if quantized else None, quantize_embeddings=quantized)
+    return kiln.load(out)
+
+
+def weight_bytes(llm) -> int:
+    """Bytes of the weights one step reads (every weight tensor once; the tied embedding once)."""
+    seen, total = set(), 0
+    for tensor in llm.graph.weights.values():
+        if tensor.data_ptr() not in seen:
+            seen.add(tensor.data_ptr())
+            total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def linear_parameters(llm) -> int:
+    """Multiply-adds per token of the linears: every 2-D weight's elements (the lm_head counted
+    once, whether tied to the embedding or not)."""
+    return sum(t.numel() for t in {t.data_ptr(): t for t in llm.graph.weights.values()}.values() if t.dim() == 2)
+
+
+def time_step(executable, m: int, repeats: int) -> tuple[float, float]:
+    """Median seconds of one run over m tokens of row 0, and others' cores while timing."""
+    tokens = torch.randint(100, 20000, (1, m), generator=torch.Generator().manual_seed(m))
+    positions = torch.arange(START_POSITION, START_POSITION + m).unsqueeze(0)
+    for _ in range(2):
+        executable.run(tokens, positions)
+    seconds = []
+    with CpuMeter() as meter:
+        for _ in range(repeats):
+            start = time.perf_counter()
+            executable.run(tokens, positions)
+            seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds), meter.result.other_cores
+
+
+def measure(llm, ms: list[int], repeats: int) -> list[dict]:
+    rows = []
+    for m in ms:
+        for _attempt in range(3):
+            seconds, others = time_step(llm.executable, m, repeats)
+            if others <= 0.25:
+                break
+        rows.append({"m": m, "seconds": seconds, "others": others})
+    return rows
+
+
+def table(title: str, rows: list[dict], nbytes: int, params: int) -> list[str]:
+    base = rows[0]["seconds"] if rows and rows[0]["m"] == 1 else None
+    lines = [f"### {title}", "", "| M | ms | x M=1 | GB/s | GFLOP/s | others' cores |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for row in rows:
+        seconds, flag = row["seconds"], " *" if row["others"] > 0.25 else ""
+        ratio = f"{seconds / base:.2f}" if base else ""
+        lines.append(f"| {row['m']} | {seconds * 1e3:.1f}{flag} | {ratio} | {nbytes / seconds / 1e9:.1f} | "
+                     f"{2 * params * row['m'] / seconds / 1e9:.1f} | {row['others']:.2f} |")
+    return lines + [""]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--backends", default="inductor")
+    parser.add_argument("--schemes", default="none,int8,int4-g32")
+    parser.add_argument("--m", default="1,2,4,8,16,32,64")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--artifacts", type=Path, default=Path("out/step_cost"))
+    parser.add_argument("--out", type=Path, default=RESULTS / "step_cost.md")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    ms = [int(m) for m in args.m.split(",")]
+    lines = [f"SmolLM2-135M-Instruct, {args.threads} threads, one row, positions {START_POSITION}.., "
+             f"{platform.processor() or platform.machine()} ({cpu_name()})", ""]
+    for backend in args.backends.split(","):
+        for scheme in args.schemes.split(","):
+            llm = artifact(args.artifacts, backend, scheme)
+            rows = measure(llm, ms, args.repeats)
+            block = table(f"{backend} {scheme}", rows, weight_bytes(llm), linear_parameters(llm))
+            print("\n".join(block), flush=True)
+            lines += block
+            del llm
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text("\n".join(lines) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
