@@ -2,7 +2,7 @@
 
 The ops `kiln::linear_f32` / `kiln::linear_i8` must match F.linear for the SmolLM2-135M shapes
 at decode (M = 1), small batches (M = 2..8), many rows (M = 9..64: verification, batched decode,
-with the AVX-512 and the AVX2 kernel) and prefill (M > 64, the MKL path), with and without bias,
+with the AVX-512 and the AVX2 kernel) and prefill (M <= 128 the same kernel, M > 128 the MKL path), with and without bias,
 any leading dims, 1 or 2 threads, and inside `torch.compile(fullgraph=True)`.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from kiln.backends.inductor import gemv_kernel as gk
 SMOL_SHAPES = [(576, 576), (192, 576), (960, 576), (1536, 576), (3072, 576), (576, 1536), (49152, 576)]
 # Tails of every kind: N, K not multiples of 8/16, K smaller than the row unroll.
 ODD_SHAPES = [(1, 1), (7, 3), (8, 8), (13, 7), (17, 33), (100, 5), (24, 40), (40, 24)]
-MS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 64, 65]
+MS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 64, 128, 129]
 
 
 @pytest.fixture(scope="module", autouse=True)

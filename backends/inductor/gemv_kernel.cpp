@@ -1,12 +1,13 @@
-// Kiln CPU linear kernels for decode (M = 1), small batches (M <= 8) and many rows (M <= kSmallM = 64:
-// speculative verification, batched decode), each reading the weight from memory once per call.
+// Kiln CPU linear kernels for decode (M = 1), small batches (M <= 8) and many rows (M <= kSmallM = 128:
+// speculative verification, batched decode, prefill chunks), each reading the weight from memory once per call.
 //
 // Packed fp32 weight: logical shape [K, N] (= W.t(), W is nn.Linear's [N, K]) in one of two
 // memory layouts (pack_linear_weight in gemv_kernel.py makes "kn" unless asked otherwise):
-//   "kn": W.t().contiguous() -> this file's kernels for M <= 64: a thread's rows are cut into
+//   "kn": W.t().contiguous() -> this file's kernels for M <= 128: a thread's rows are cut into
 //         slabs read side by side with prefetch (long sequential streams); `panel` does M <= 8
 //         with x broadcasts per weight vector, `panel_many` blocks of up to 6 (AVX2) or 12
-//         (AVX-512, chosen at run time) rows of x per weight tile held in L1; prefill (M > 64)
+//         (AVX-512, chosen at run time) rows of x per weight tile held in L1 (1.2-1.6x MKL's
+//         GEMM at 64-128 rows, level at 256); longer prefill (M > 128)
 //         is the plain row-major GEMM x[M,K] @ Wt[K,N] in MKL, so no second copy is kept.
 //   "nk": W itself, seen through .t() -> MKL for every M (slower than "kn" on every SmolLM2
 //         shape since the kernel streams in slabs; kept for callers that cannot copy W).
@@ -271,7 +272,7 @@ bool kiln_gemv_use_avx512(bool wanted) {
 
 namespace kiln_gemv {
 
-constexpr int64_t kSmallM = 64;           // M above this (prefill) goes to MKL (fp32) / dequant + MKL (int8)
+constexpr int64_t kSmallM = 128;          // M above this (prefill) goes to MKL (fp32) / dequant + MKL (int8)
 constexpr int64_t kMinBytesPerThread = 96 * 1024;  // below this, one thread is faster
 
 template <class T> struct Panel;

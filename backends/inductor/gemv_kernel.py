@@ -12,15 +12,16 @@ Usage::
 
 Layout: the packed fp32 weight has logical shape ``[K, N]`` (= ``W.t()``) in one of two memory
 layouts: "kn" (contiguous ``[K, N]``, what ``pack_linear_weight`` makes by default) and "nk" (the
-``[N, K]`` weight seen through ``.t()``, no copy). For "kn" and M = 1..64 rows (M =
+``[N, K]`` weight seen through ``.t()``, no copy). For "kn" and M = 1..128 rows (M =
 prod(x.shape[:-1])) the op streams the weight from memory once per call over torch's intra-op
 threads (split over K, or over N for very wide outputs), in slabs read side by side with software
-prefetch: up to 8 rows of x take AVX2 GEMV steps; 9..64 rows (speculative verification, batched
-decode) take blocks of up to 12 rows of x per weight tile held in L1 (AVX-512 where the CPU has
-it, else AVX2). Above 64 rows (prefill), and always for "nk", it is one MKL GEMM ``x @ packed``
+prefetch: up to 8 rows of x take AVX2 GEMV steps; 9..128 rows (speculative verification, batched
+decode, prefill chunks) take blocks of up to 12 rows of x per weight tile held in L1 (AVX-512 where the CPU has
+it, else AVX2); up to 128 rows (the engine's prefill chunk) this beats MKL's GEMM (1.2-1.6x on
+SmolLM2's linears). Above 128 rows (long prefill), and always for "nk", it is one MKL GEMM ``x @ packed``
 -- no second copy of any weight. Fused projections are packed from ``torch.cat([Wq, Wk, Wv])``.
 Any K and N work; float32 activations only; CPU only; the CPU must have AVX2 and FMA. The int8
-weight is always contiguous ``[K, N]`` (kernel for M <= 64, each int8 tile widened to f32 once
+weight is always contiguous ``[K, N]`` (kernel for M <= 128, each int8 tile widened to f32 once
 for all rows of x from 4 rows up; for larger M it is dequantized per call and run by MKL).
 Inference only (no autograd). ``torch.ops.kiln.gemv_use_avx512(False)`` forces the AVX2 kernel
 (tests run both).
@@ -64,7 +65,7 @@ __all__ = [
 _SRC = Path(__file__).with_name("gemv_kernel.cpp")
 _FLAGS = ["-O3", "-fopenmp", "-fPIC", "-std=c++20", "-w"]
 _KERNEL_FLAGS = ["-mavx2", "-mfma", "-mf16c"]  # only the SIMD translation unit; no -march=native (CI/other CPUs)
-SMALL_M = 64  # rows handled by Kiln's kernels; above this the op runs MKL (kSmallM in the .cpp)
+SMALL_M = 128  # rows handled by Kiln's kernels; above this the op runs MKL (kSmallM in the .cpp)
 
 _lock = threading.Lock()
 _loaded_path: str | None = None
@@ -279,7 +280,7 @@ def pack_linear_weight(w: torch.Tensor, layout: str = "auto") -> torch.Tensor:
     """nn.Linear weight ``[N, K]`` -> packed fp32 weight of logical shape ``[K, N]``, done once at
     load time. For fused projections pass ``torch.cat([W1, W2, ...], dim=0)``.
 
-    layout: ``"kn"`` = ``W.t().contiguous()`` (Kiln's kernels for M <= 64, MKL above);
+    layout: ``"kn"`` = ``W.t().contiguous()`` (Kiln's kernels for M <= 128, MKL above);
     ``"nk"`` = ``W.contiguous().t()``, a transposed view of the [N, K] weight (MKL for every M;
     shares storage with ``w`` when ``w`` is already contiguous fp32); ``"auto"`` = ``"kn"`` for
     every shape: since the kernel reads eight slabs side by side with prefetch it beats MKL's
