@@ -18,6 +18,7 @@ _EXPORTS = {
     "ModelNotFoundError": "kiln.frontend.errors", "UnsupportedOpError": "kiln.frontend.errors",
     "ArtifactError": "kiln.runtime.errors", "ContextLengthError": "kiln.runtime.errors",
     "GenerationError": "kiln.runtime.errors", "TokenizerError": "kiln.runtime.errors",
+    "TokenIdError": "kiln.runtime.errors",
     "BackendNotFoundError": "kiln.backends.registry",
     "GraphBreakError": "kiln.frontend.compile_breaks",
 }

@@ -17,6 +17,7 @@ and each request samples from its own seeded generator.
 """
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -32,6 +33,9 @@ from kiln.runtime.errors import QueueFullError
 from kiln.runtime.kv_slots import KvSlots
 from kiln.runtime.request_handle import RequestHandle
 from kiln.runtime.results import GenerationResult, GenerationStats
+from kiln.runtime.token_ids import check_request_ids, model_vocab_size
+
+log = logging.getLogger(__name__)
 
 PREFILL_CHUNK = 128
 MAX_QUEUE = 256
@@ -81,10 +85,11 @@ class Engine:
     """The scheduler. `submit` from any thread; a daemon thread runs the steps."""
 
     def __init__(self, executable, decoder_factory=None, prefill_chunk: int = PREFILL_CHUNK,
-                 max_queue: int = MAX_QUEUE, prefix_caching: bool = True):
+                 max_queue: int = MAX_QUEUE, prefix_caching: bool = True, vocab_size: int | None = None):
         self.executable = executable
         self.max_batch = executable.options.max_batch
         self.max_seq_len = executable.options.max_seq_len
+        self.vocab_size = vocab_size or model_vocab_size(executable)
         self.decoder_factory = decoder_factory
         self.prefill_chunk = max(2, prefill_chunk)
         self.max_queue = max_queue
@@ -111,9 +116,11 @@ class Engine:
 
     def submit(self, prompt: list[int], request: GenerationRequest, seed: int, bounded: bool = True,
                sink: queue.SimpleQueue | None = None, tag=None, background: bool = True) -> RequestHandle:
-        """Queue a request (validated by the caller); `bounded` refuses it when max_queue wait.
-        `background=False` leaves the stepping to the caller (`drive`) unless the engine thread
-        already runs."""
+        """Queue a request (its settings validated by the caller; its token ids checked here, as
+        an id outside the vocabulary would fail the model call); `bounded` refuses it when
+        max_queue wait. `background=False` leaves the stepping to the caller (`drive`) unless the
+        engine thread already runs."""
+        check_request_ids(prompt, request, self.vocab_size)
         with self._lock:
             if bounded and len(self.waiting) >= self.max_queue:
                 raise QueueFullError(self.max_queue)
@@ -177,32 +184,46 @@ class Engine:
     # -- the engine thread ---------------------------------------------------------------
     def step(self) -> bool:
         """One scheduling step; whether any request is still waiting or running."""
-        self._drop_cancelled()
-        self._admit()
-        prefilling = next((s for s in self.running if s.unfed > 1), None)
-        if prefilling is not None:
-            self._guarded([prefilling], self._feed_chunk, prefilling)
-        decoding = [s for s in self.running if s.unfed == 1]
-        if decoding:
-            self._guarded(decoding, self._decode, decoding)
+        try:
+            self._drop_cancelled()
+            self._admit()
+            prefilling = next((s for s in self.running if s.unfed > 1), None)
+            if prefilling is not None:
+                self._guarded([prefilling], self._feed_chunk, prefilling)
+            decoding = [s for s in self.running if s.unfed == 1]
+            if decoding:
+                self._guarded(decoding, self._decode, decoding)
+        except Exception as error:  # noqa: BLE001 - a scheduler bug: fail the requests, keep the engine
+            log.exception("engine step failed; failing every request in flight")
+            self._fail_all(error)
         return bool(self.running or self.waiting)
 
     def _admit(self) -> None:
         while self.waiting:
-            placement = self.slots.place(self.waiting[0].row.prompt)
-            if placement is None:
-                return
-            with self._lock:
-                seq = self.waiting.popleft()
-            if not seq.row.active:  # nothing to generate (max_new_tokens 0)
-                self._finish(seq)
-                continue
-            if placement.copy_from is not None:
-                copy_prefix(self.executable.cache_views(), placement.copy_from, placement.row, placement.reused)
-            seq.slot, seq.fed = placement.row, placement.reused
-            seq.reused = placement.reused
-            self.slots.occupy(seq.slot, seq, seq.row.prompt[:placement.reused])
-            self.running.append(seq)
+            seq = self.waiting[0]
+            try:
+                if not self._admit_next(seq):
+                    return
+            except Exception as error:  # noqa: BLE001 - that request fails, the others go on
+                self._fail(seq, error)
+
+    def _admit_next(self, seq: Sequence) -> bool:
+        """Move `seq` (the first waiting request) into a free row; False when none is free."""
+        placement = self.slots.place(seq.row.prompt)
+        if placement is None:
+            return False
+        with self._lock:
+            self.waiting.popleft()
+        if not seq.row.active:  # nothing to generate (max_new_tokens 0)
+            self._finish(seq)
+            return True
+        seq.slot, seq.fed = placement.row, placement.reused
+        seq.reused = placement.reused
+        self.slots.occupy(seq.slot, seq, seq.row.prompt[:placement.reused])
+        self.running.append(seq)
+        if placement.copy_from is not None:
+            copy_prefix(self.executable.cache_views(), placement.copy_from, placement.row, placement.reused)
+        return True
 
     def _feed_chunk(self, seq: Sequence) -> None:
         start = time.perf_counter()
@@ -272,9 +293,22 @@ class Engine:
             fn(*args)
         except Exception as error:  # noqa: BLE001 - handed to each caller, who re-raises it
             for seq in seqs:
-                if seq in self.running:
-                    self._release(seq)
-                seq.handle.post_error(error)
+                self._fail(seq, error)
+
+    def _fail(self, seq: Sequence, error: Exception) -> None:
+        """End one request with `error` wherever it is (waiting or running)."""
+        with self._lock:
+            if seq in self.waiting:
+                self.waiting.remove(seq)
+        if seq in self.running:
+            self._release(seq)
+            self.slots.contents[seq.slot] = []  # a failed call or copy may have left the row's cache half written
+        if not seq.handle.done:
+            seq.handle.post_error(error)
+
+    def _fail_all(self, error: Exception) -> None:
+        for seq in [*self.running, *self.waiting]:
+            self._fail(seq, error)
 
     def _drop_cancelled(self) -> None:
         for seq in [s for s in self.running if s.handle.cancel_requested]:

@@ -53,3 +53,21 @@ class QueueFullError(GenerationError):
 
 class ConstraintError(GenerationError):
     """A json_schema / regex / choices constraint is malformed, or no output can satisfy it."""
+
+
+class TokenIdError(GenerationError, ValueError):
+    """A token id (of a prompt, stop_token_ids or logit_bias) is outside the model's vocabulary.
+
+    Attributes:
+        token_id: the bad id.
+        field: where it was given: "the prompt", "prompt 2" (of a list), "stop_token_ids", "logit_bias".
+        position: its index there (None for logit_bias, a mapping).
+        vocab_size: the model's vocabulary size (valid ids are 0 .. vocab_size - 1).
+    """
+
+    def __init__(self, token_id: int, field: str, position: int | None, vocab_size: int | None) -> None:
+        self.token_id, self.field, self.position, self.vocab_size = token_id, field, position, vocab_size
+        where = f"in {field}" if position is None else f"at position {position} of {field}"
+        valid = f"0..{vocab_size - 1}" if vocab_size else "0..2**63-1"
+        super().__init__(f"Token id {token_id} {where} is not in this model's vocabulary (valid ids: {valid}). "
+                         "Fix: pass token ids from the model's own tokenizer.")

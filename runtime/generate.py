@@ -13,6 +13,7 @@ new tokens clamped to what fits (the result says so: finish_reason "context", st
 """
 from __future__ import annotations
 
+import numbers
 from typing import Sequence
 
 import torch
@@ -26,7 +27,10 @@ from kiln.runtime.request_handle import RequestHandle
 from kiln.runtime.results import GenerationResult
 from kiln.runtime.sampler import SamplingParams
 from kiln.runtime.text_stream import TextStream
+from kiln.runtime.token_ids import check_token_ids, check_token_set, model_vocab_size
 from kiln.runtime.tokenizer import Tokenizer
+
+SEED_LIMIT = 2**63  # seeds are 0 <= seed < 2**63, what every int64 generator takes
 
 
 class LLM:
@@ -44,8 +48,13 @@ class LLM:
         """The continuous-batching scheduler over this executable's KV rows (made on first use)."""
         if self._engine is None or self._engine.executable is not self.executable:
             decoder = self.tokenizer.incremental_decoder if self.tokenizer else None
-            self._engine = Engine(self.executable, decoder)
+            self._engine = Engine(self.executable, decoder, vocab_size=self.vocab_size)
         return self._engine
+
+    @property
+    def vocab_size(self) -> int | None:
+        """How many token ids the model takes (valid ids are 0 .. vocab_size - 1)."""
+        return model_vocab_size(self.executable, self.graph, self.tokenizer)
 
     @property
     def max_seq_len(self) -> int:
@@ -142,22 +151,25 @@ class LLM:
         single, token_lists = self._encode_prompts(prompts)
         if max_new_tokens < 0:
             raise GenerationError(f"max_new_tokens must be >= 0, got {max_new_tokens}.")
+        vocab_size = self.vocab_size
         for i, ids in enumerate(token_lists):
             if not ids:
                 which = "The prompt" if single else f"Prompt {i}"
                 raise GenerationError(f"{which} is empty. Fix: give at least one token of prompt.")
             if len(ids) > self.max_seq_len:
                 raise ContextLengthError(len(ids), self.max_seq_len, None if single else i)
-        seeds = [int(seed)] * len(token_lists) if isinstance(seed, (int, float)) else [int(s) for s in seed]
-        if len(seeds) != len(token_lists):
-            raise GenerationError(f"{len(seeds)} seeds for {len(token_lists)} prompts. Fix: give one seed per prompt.")
+            check_token_ids(ids, vocab_size, "the prompt" if single else f"prompt {i}")
+        seeds = _seeds(seed, len(token_lists))
         stops = (stop,) if isinstance(stop, str) else tuple(stop or ())
         if stops:
             self._require_tokenizer()
+        stop_ids = [int(t) for t in stop_token_ids]
+        check_token_ids(stop_ids, vocab_size, "stop_token_ids")
+        check_token_set((token for token, _ in params.logit_bias), vocab_size, "logit_bias")
         request = GenerationRequest(
             max_new_tokens=int(max_new_tokens), sampling=params, stop=stops,
             eos_ids=self.tokenizer.eos_ids if self.tokenizer and not ignore_eos else frozenset(),
-            stop_token_ids=frozenset(int(t) for t in stop_token_ids), constraint=constraint)
+            stop_token_ids=frozenset(stop_ids), constraint=constraint)
         return single, token_lists, request, seeds
 
     def _speculative(self, token_lists, request, seeds, speculative) -> list:
@@ -168,14 +180,15 @@ class LLM:
             if speculative == "prompt_lookup":
                 return PromptLookupDrafter()
             if isinstance(speculative, LLM):
-                return ModelDrafter(speculative.executable)
+                return ModelDrafter(speculative.executable, vocab_size=speculative.vocab_size)
             if hasattr(speculative, "propose") and hasattr(speculative, "feedback"):
                 return speculative
             raise GenerationError(f"speculative={speculative!r:.60} is not a drafter. Fix: pass 'prompt_lookup', "
                                   "a draft LLM from kiln.load, or an object with propose() and feedback().")
 
         decoder = self.tokenizer.incremental_decoder if self.tokenizer else None
-        return [Exclusive(self.engine, SpeculativeGeneration(self.executable, prompt, request, seed, drafter(), decoder))
+        return [Exclusive(self.engine, SpeculativeGeneration(self.executable, prompt, request, seed, drafter(), decoder,
+                                                             vocab_size=self.vocab_size))
                 for prompt, seed in zip(token_lists, seeds)]
 
     def _encode_prompts(self, prompts) -> tuple[bool, list[list[int]]]:
@@ -206,6 +219,28 @@ def sampling_params(temperature: float, top_k: int, top_p: float, extra: dict) -
     if unknown:
         raise GenerationError(f"Unknown sampling option(s) {unknown}. Fix: use the known ones: {sorted(known)}.")
     return SamplingParams(temperature=float(temperature), top_k=int(top_k), top_p=float(top_p), **extra)
+
+
+def _seeds(seed, count: int) -> list[int]:
+    """One seed per prompt from `seed` (one for all, or a sequence), each 0 <= seed < 2**63."""
+    try:
+        given = [seed] * count if isinstance(seed, (numbers.Number, str)) else list(seed)
+    except TypeError:  # not a sequence: refused below as a seed
+        given = [seed] * count
+    if len(given) != count:
+        raise GenerationError(f"{len(given)} seeds for {count} prompts. Fix: give one seed per prompt.")
+    for value in given:
+        if not _is_seed(value):
+            raise GenerationError(f"seed must be an integer in [0, 2**63), got {value!r:.40}. Fix: pass e.g. seed=0.")
+    return [int(value) for value in given]
+
+
+def _is_seed(value) -> bool:
+    try:
+        whole = int(value) == value  # ints, integral floats, numpy integers
+    except (TypeError, ValueError, OverflowError):  # None, nan, inf, ...
+        return False
+    return whole and not isinstance(value, bool) and 0 <= value < SEED_LIMIT
 
 
 def _is_token_list(x) -> bool:

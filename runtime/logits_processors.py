@@ -73,6 +73,7 @@ def top_p(logits: torch.Tensor, p: float) -> torch.Tensor:
     mass_before = torch.cumsum(probs, dim=-1) - probs  # mass of the strictly more likely tokens
     drop = torch.zeros_like(logits, dtype=torch.bool)
     drop[order] = mass_before >= p
+    drop[order[0]] = False  # p is compared in float32, where e.g. 1e-300 is 0 and would drop every token
     return logits.masked_fill(drop, NEG_INF)
 
 
@@ -97,6 +98,7 @@ def typical(logits: torch.Tensor, mass: float) -> torch.Tensor:
     mass_before = torch.cumsum(probs[order], dim=-1) - probs[order]
     drop = torch.zeros_like(logits, dtype=torch.bool)
     drop[order] = mass_before >= mass
+    drop[order[0]] = False  # as in top_p: a tiny mass must not drop every token
     return logits.masked_fill(drop, NEG_INF)
 
 

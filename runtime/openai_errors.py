@@ -10,7 +10,7 @@ from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
 from kiln.ir.errors import KilnError
-from kiln.runtime.errors import ContextLengthError, QueueFullError
+from kiln.runtime.errors import ContextLengthError, QueueFullError, TokenIdError
 
 
 class APIError(Exception):
@@ -57,9 +57,16 @@ def from_kiln_error(error: KilnError, prompt_param: str) -> APIError:
         return invalid(str(error), prompt_param, "context_length_exceeded")
     if isinstance(error, QueueFullError):
         return APIError(429, str(error), "rate_limit_error", None, "queue_full")
+    if isinstance(error, TokenIdError):
+        named = error.field in ("stop_token_ids", "logit_bias")
+        return invalid(str(error), error.field if named else prompt_param, "invalid_value")
     return invalid(str(error))
 
 
-def internal(error: BaseException) -> APIError:
-    """500 for a failure that is the server's, not the request's."""
-    return APIError(500, f"The server failed while generating: {type(error).__name__}: {error}", "server_error")
+def internal(error: BaseException, request_id: str | None = None) -> APIError:
+    """500 for a failure that is the server's, not the request's (its first line only: a C++
+    error's message goes on with a stack trace)."""
+    first_line = str(error).split("\n", 1)[0][:300]
+    which = f" (request id {request_id})" if request_id else ""
+    return APIError(500, f"The server failed while generating{which}: {type(error).__name__}: {first_line}",
+                    "server_error")

@@ -13,6 +13,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kiln.runtime.sampler import REPETITION_PENALTY_RANGE
+
 
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -42,7 +44,7 @@ class ResponseFormat(BaseModel):
 class SamplingFields(BaseModel):
     """What both endpoints accept to steer generation."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # json.loads takes NaN and Infinity
 
     model: str
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -51,7 +53,7 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, lt=2**63)
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
@@ -61,7 +63,7 @@ class SamplingFields(BaseModel):
     min_p: float = Field(0.0, ge=0.0, lt=1.0)
     typical_p: float = Field(1.0, gt=0.0, le=1.0)
     eta: float = Field(0.0, ge=0.0, lt=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
+    repetition_penalty: float = Field(1.0, ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])
     ignore_eos: bool = False
     stop_token_ids: list[int] = Field(default_factory=list)
     # structured output: OpenAI's response_format, or Kiln's regex / choices (extra_body)

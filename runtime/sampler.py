@@ -7,7 +7,8 @@ depend only on its logits, its context and its seed, never on what else shares t
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import math
+from dataclasses import dataclass, field, fields
 from typing import Sequence
 
 import numpy as np
@@ -16,13 +17,21 @@ import torch
 from kiln.runtime import logits_processors as lp
 from kiln.runtime.errors import GenerationError
 
+# Below this temperature sampling is greedy: logits / 1e-45 overflow to inf, and the limit of
+# sampling as the temperature falls is the argmax anyway (vLLM draws the line at the same place).
+GREEDY_TEMPERATURE = 1e-5
+MAX_TEMPERATURE = 100.0  # already all but uniform; far larger ones overflow float32 to inf
+# A penalty p divides (or multiplies) a logit by p: beyond these the logits overflow float32,
+# and well before them the penalty already bans (or forces) every token seen.
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to pick tokens. temperature 0 is greedy (after bias and penalties); every other
-    setting at its default disables its step. `logprobs` None returns none; n >= 0 returns the
-    chosen token's log-probability and the n most likely alternatives, from the model's own
-    distribution (before any processing)."""
+    """How to pick tokens. temperature 0 (or below GREEDY_TEMPERATURE) is greedy (after bias
+    and penalties); every other setting at its default disables its step. `logprobs` None
+    returns none; n >= 0 returns the chosen token's log-probability and the n most likely
+    alternatives, from the model's own distribution (before any processing)."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -39,25 +48,41 @@ class SamplingParams:
     def __post_init__(self):
         if isinstance(self.logit_bias, dict):
             object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias.items()))
+        self._check_finite()
+        low, high = REPETITION_PENALTY_RANGE
         checks = [
-            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}. Fix: use 0 for greedy."),
+            (0 <= self.temperature <= MAX_TEMPERATURE,
+             f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}. Fix: use 0 for greedy."),
             (self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}. Fix: use 0 to disable it."),
             (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}. Fix: use 1.0 to disable it."),
             (0.0 <= self.min_p < 1.0, f"min_p must be in [0, 1), got {self.min_p}. Fix: use 0 to disable it."),
             (0.0 < self.typical_p <= 1.0,
              f"typical_p must be in (0, 1], got {self.typical_p}. Fix: use 1.0 to disable it."),
             (0.0 <= self.eta < 1.0, f"eta must be in [0, 1), got {self.eta}. Fix: use 0 to disable it."),
-            (self.repetition_penalty > 0,
-             f"repetition_penalty must be > 0, got {self.repetition_penalty}. Fix: use 1.0 to disable it."),
+            (low <= self.repetition_penalty <= high,
+             f"repetition_penalty must be in [{low:g}, {high:g}], got {self.repetition_penalty}. "
+             "Fix: use 1.0 to disable it (above 1 discourages repeats, below 1 favours them)."),
             (self.logprobs is None or self.logprobs >= 0, f"logprobs must be None or >= 0, got {self.logprobs}."),
         ]
         for ok, message in checks:
             if not ok:
                 raise GenerationError(message)
 
+    def _check_finite(self) -> None:
+        """inf or nan in any setting would reach the logits as inf or nan."""
+        for setting in fields(self):
+            value = getattr(self, setting.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise GenerationError(f"{setting.name} must be a finite number, got {value}. "
+                                      "Fix: pass a number, or leave it out for its default.")
+        for token, bias in self.logit_bias:
+            if not math.isfinite(bias):
+                raise GenerationError(f"logit_bias for token {token} must be a finite number, got {bias}. "
+                                      "Fix: use -100 to ban a token, +100 to all but force it.")
+
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import secrets
 import time
 import uuid
@@ -33,6 +34,8 @@ from kiln.runtime.sse import event, event_stream
 log = logging.getLogger(__name__)
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "cancelled": "abort"}
+MAX_JSON_DEPTH = 64  # far beyond any real body (a JSON schema's nesting included); bounds the recursions after it
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # json.loads makes them from escapes like "\ud800"
 
 
 def create_app(llm, model_name: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
@@ -72,17 +75,18 @@ def create_app(llm, model_name: str | None = None, max_body_bytes: int = DEFAULT
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await _counted(metrics, "completions", _completion(llm, name, request, metrics))
+        return await _counted(metrics, "completions", lambda request_id: _completion(llm, name, request, metrics,
+                                                                                     request_id))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await _counted(metrics, "chat", _chat(llm, name, request, metrics))
+        return await _counted(metrics, "chat", lambda request_id: _chat(llm, name, request, metrics, request_id))
 
     return app
 
 
 # -- the two generation endpoints ----------------------------------------------------------------
-async def _completion(llm, name: str, request: Request, metrics: ServerMetrics) -> Response:
+async def _completion(llm, name: str, request: Request, metrics: ServerMetrics, request_id: str) -> Response:
     timer = metrics.timer()
     req = await _parse(request, api.CompletionRequest)
     _check_request(req, name)
@@ -92,14 +96,14 @@ async def _completion(llm, name: str, request: Request, metrics: ServerMetrics) 
     prompt = _single_prompt(req.prompt)
     handle = await _submit(llm, prompt, "prompt", _sampling(llm, req, req.max_tokens, req.logprobs))
     if req.stream:
-        return event_stream(_completion_events(handle, req, name, timer), handle, internal)
+        return event_stream(_completion_events(handle, req, name, timer), handle, _on_failure(request_id))
     result = await _collect(handle, timer, request)
     choice = api.CompletionChoice(text=result.text, finish_reason=FINISH_REASONS.get(result.finish_reason),
                                   logprobs=_completion_logprobs(llm, result) if req.logprobs is not None else None)
     return _json(api.CompletionResponse(model=name, choices=[choice], usage=_usage(result)))
 
 
-async def _chat(llm, name: str, request: Request, metrics: ServerMetrics) -> Response:
+async def _chat(llm, name: str, request: Request, metrics: ServerMetrics, request_id: str) -> Response:
     timer = metrics.timer()
     req = await _parse(request, api.ChatCompletionRequest)
     _check_request(req, name)
@@ -112,7 +116,7 @@ async def _chat(llm, name: str, request: Request, metrics: ServerMetrics) -> Res
     top = (req.top_logprobs or 0) if req.logprobs else None
     handle = await _submit(llm, prompt, "messages", _sampling(llm, req, max_tokens, top))
     if req.stream:
-        return event_stream(_chat_events(handle, req, name, timer), handle, internal)
+        return event_stream(_chat_events(handle, req, name, timer), handle, _on_failure(request_id))
     result = await _collect(handle, timer, request)
     choice = api.ChatChoice(message=api.AssistantMessage(content=result.text),
                             finish_reason=FINISH_REASONS.get(result.finish_reason),
@@ -153,16 +157,30 @@ async def _chat_events(handle, req: api.ChatCompletionRequest, name: str, timer:
 
 # -- request handling ----------------------------------------------------------------------------
 async def _counted(metrics: ServerMetrics, endpoint: str, handler) -> Response:
-    """Run an endpoint, turning every failure into an OpenAI error response, and count the answer."""
+    """Run an endpoint (`handler(request_id)`) under a fresh request id, turning every failure into
+    that request's OpenAI error response (a 500 is logged with the id), and count the answer."""
+    request_id = f"req_{uuid.uuid4().hex}"
     try:
-        response = await handler
+        response = await handler(request_id)
     except APIError as error:
+        if error.status >= 500:
+            log.error("request %s failed: %s", request_id, error.message)
         response = error.response()
     except Exception as error:  # noqa: BLE001 - a bug must not take the server down
-        log.exception("request failed")
-        response = internal(error).response()
+        response = _on_failure(request_id)(error).response()
+    response.headers["x-request-id"] = request_id
     metrics.requests.labels(endpoint, str(response.status_code)).inc()
     return response
+
+
+def _on_failure(request_id: str):
+    """What a request's unexpected exception becomes: logged with its id, a 500 for it alone."""
+
+    def failed(error: BaseException) -> APIError:
+        log.error("request %s failed", request_id, exc_info=error)
+        return internal(error, request_id)
+
+    return failed
 
 
 async def _parse(request: Request, model: type[BaseModel]):
@@ -170,14 +188,47 @@ async def _parse(request: Request, model: type[BaseModel]):
     raw = await request.body()
     try:
         body = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+    except RecursionError:
+        raise invalid(f"The request body nests too deeply. Fix: keep it within {MAX_JSON_DEPTH} levels.") from None
+    except ValueError as error:  # malformed JSON, bytes that are not UTF-8, an integer of 4300+ digits
         raise invalid(f"The request body is not valid JSON ({error}). Fix: send a JSON object.") from None
     if not isinstance(body, dict):
         raise invalid(f"The request body must be a JSON object, got {type(body).__name__}.")
+    _check_json_values(body)
     try:
         return model.model_validate(body)
     except ValidationError as error:
         raise from_validation_error(error) from None
+
+
+def _check_json_values(value, path: tuple = ()) -> None:
+    """400 for what json.loads accepts but no field can take: nesting deeper than MAX_JSON_DEPTH,
+    and text holding a lone surrogate (it has no UTF-8 form, so the tokenizer would fail on it)."""
+    if len(path) > MAX_JSON_DEPTH:
+        raise invalid(f"The request body nests deeper than {MAX_JSON_DEPTH} levels in {path[0]!r}. "
+                      f"Fix: keep it within {MAX_JSON_DEPTH} levels.", _param(path[:1]))
+    if isinstance(value, str):
+        _check_text(value, path)
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_text(key, path, "a key of ")  # the key itself cannot go into the answer
+            _check_json_values(item, path + (key,))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _check_json_values(item, path + (index,))
+
+
+def _check_text(text: str, path: tuple, what: str = "") -> None:
+    surrogate = LONE_SURROGATE.search(text)
+    if surrogate is not None:
+        param = _param(path)
+        raise invalid(f"Invalid value for {what}{param!r}: the text holds a lone surrogate {ascii(surrogate.group())} "
+                      f"at character {surrogate.start()}, which is not Unicode text. Fix: send valid UTF-8 (a "
+                      "character beyond U+FFFF escaped as a pair of surrogates).", param, "invalid_value")
+
+
+def _param(path: tuple) -> str | None:
+    return ".".join(str(part) for part in path) or None
 
 
 def _check_request(req: api.SamplingFields, name: str) -> None:
@@ -210,7 +261,7 @@ def _sampling(llm, req: api.SamplingFields, max_tokens: int | None, logprobs: in
         stop=[s for s in ([req.stop] if isinstance(req.stop, str) else req.stop or []) if s], ignore_eos=req.ignore_eos, stop_token_ids=tuple(req.stop_token_ids),
         min_p=req.min_p, typical_p=req.typical_p, eta=req.eta, repetition_penalty=req.repetition_penalty,
         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-        logit_bias=_logit_bias(llm, req.logit_bias), logprobs=logprobs, **_constraint(req))
+        logit_bias=_logit_bias(req.logit_bias), logprobs=logprobs, **_constraint(req))
 
 
 def _constraint(req: api.SamplingFields) -> dict:
@@ -234,17 +285,25 @@ def _constraint(req: api.SamplingFields) -> dict:
     return chosen
 
 
-def _logit_bias(llm, bias: dict[str, float] | None) -> dict[int, float]:
-    vocab = llm.tokenizer.vocab_size if llm.tokenizer is not None else None
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
+    """Token id -> bias (llm.submit checks the ids against the model's vocabulary)."""
     out = {}
     for key, value in (bias or {}).items():
-        if not key.lstrip("-").isdigit() or int(key) < 0 or (vocab is not None and int(key) >= vocab):
-            raise invalid(f"logit_bias key {key!r} is not a token id of this model (0..{vocab and vocab - 1}).",
-                          "logit_bias")
+        token = _token_key(key)
+        if token is None:
+            raise invalid(f"logit_bias key {key!r:.40} is not a token id. Fix: key the biases by token ids "
+                          "(decimal strings, as OpenAI's API takes them).", "logit_bias")
         if not -100 <= value <= 100:
             raise invalid(f"logit_bias for token {key} is {value}; biases must be in [-100, 100].", "logit_bias")
-        out[int(key)] = float(value)
+        out[token] = float(value)
     return out
+
+
+def _token_key(key: str) -> int | None:
+    """A logit_bias key as a token id; None unless it is decimal digits (OpenAI's form)."""
+    if not (key.isascii() and key.lstrip("-").isdigit()) or len(key) > 20:
+        return None
+    return int(key)
 
 
 async def _submit(llm, prompt, prompt_param: str, sampling: dict):

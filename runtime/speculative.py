@@ -29,6 +29,7 @@ import torch
 from kiln.runtime.decode_loop import GenerationRequest, Row
 from kiln.runtime.results import GenerationResult, GenerationStats
 from kiln.runtime.sampler import TokenLogprob
+from kiln.runtime.token_ids import check_request_ids, model_vocab_size
 
 
 class Drafter(Protocol):
@@ -66,15 +67,18 @@ class ModelDrafter:
     """Greedy drafts from another compiled model sharing the tokenizer; stops drafting when the
     product of the draft model's probabilities for its own tokens drops below `threshold`."""
 
-    def __init__(self, executable, max_draft: int = 8, threshold: float = 0.3):
+    def __init__(self, executable, max_draft: int = 8, threshold: float = 0.3, vocab_size: int | None = None):
         self.executable, self.max_draft, self.threshold = executable, max_draft, threshold
         self.cached: list[int] = []  # the context tokens whose keys/values the draft model holds
         self.max_seq_len = executable.options.max_seq_len
+        self.vocab_size = vocab_size or model_vocab_size(executable)
 
     def propose(self, context: Sequence[int], max_tokens: int) -> list[int]:
         keep = _common_prefix(self.cached, context, limit=len(context) - 1)  # rejected drafts drop out
         self.cached = list(context[:keep])
         feed = list(context[keep:])
+        if _valid_prefix(feed, self.vocab_size) < len(feed):
+            return []  # a token beyond the draft model's vocabulary (a larger target's): it cannot read on
         draft, confidence = [], 1.0
         while len(draft) < min(self.max_draft, max_tokens) and len(self.cached) + len(feed) <= self.max_seq_len:
             positions = torch.arange(len(self.cached), len(self.cached) + len(feed))[None]
@@ -92,6 +96,12 @@ class ModelDrafter:
         pass  # the cache check in propose() handles what was rejected
 
 
+def _valid_prefix(tokens: Sequence[int], vocab_size: int | None) -> int:
+    """How many leading tokens are ids of a model with `vocab_size` ids."""
+    upper = vocab_size or 2**63
+    return next((i for i, token in enumerate(tokens) if not 0 <= token < upper), len(tokens))
+
+
 def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
     n = 0
     while n < min(len(a), len(b), limit) and a[n] == b[n]:
@@ -104,8 +114,10 @@ class SpeculativeGeneration:
     `results()`; the same interface as EngineBatch, for a batch of one."""
 
     def __init__(self, executable, prompt: list[int], request: GenerationRequest, seed: int, drafter: Drafter,
-                 decoder_factory=None):
+                 decoder_factory=None, vocab_size: int | None = None):
         self.executable = executable
+        self.vocab_size = vocab_size or model_vocab_size(executable)
+        check_request_ids(prompt, request, self.vocab_size)
         self.max_seq_len = executable.options.max_seq_len
         self.row = Row(list(prompt), request, seed, self.max_seq_len, decoder_factory() if decoder_factory else None)
         self.drafter = drafter
@@ -140,7 +152,9 @@ class SpeculativeGeneration:
         context = row.prompt + row.tokens
         position = len(context) - 1  # the newest token's slot
         room = min(self.max_seq_len - 1 - position, row.max_new - len(row.tokens) - 1)
-        draft = self.drafter.propose(context, max(0, room)) if room > 0 else []
+        draft = self.drafter.propose(context, room) if room > 0 else []
+        # a drafter's guesses as the target can take them: within the room left, ids it knows
+        draft = list(draft[:_valid_prefix(draft[:room], self.vocab_size)])
         feed = [context[-1], *draft]
         positions = torch.arange(position, position + len(feed))[None]
         logits = self.executable.run(torch.tensor([feed]), positions)[0]

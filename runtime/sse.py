@@ -8,13 +8,10 @@ longer change the status, so it is sent as an OpenAI error object event before [
 from __future__ import annotations
 
 import json
-import logging
 from typing import AsyncIterator
 
 from pydantic import BaseModel
 from starlette.responses import StreamingResponse
-
-log = logging.getLogger(__name__)
 
 DONE = b"data: [DONE]\n\n"
 HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -28,14 +25,13 @@ def event(payload: BaseModel | dict) -> bytes:
 
 def event_stream(events: AsyncIterator[bytes], handle, on_error) -> StreamingResponse:
     """A text/event-stream response of `events`, ending with [DONE]; `handle` is cancelled when the
-    response ends. `on_error(exception)` gives the error object for a failure mid-stream."""
+    response ends. `on_error(exception)` logs a failure mid-stream and gives its error object."""
 
     async def body():
         try:
             async for chunk in events:
                 yield chunk
         except Exception as error:  # noqa: BLE001 - reported to the client, the server goes on
-            log.exception("stream failed")
             yield event(on_error(error).body())
         yield DONE
 

@@ -6,6 +6,7 @@ It reads only what an artifact (or a Hugging Face directory) ships; transformers
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Sequence
 
@@ -13,7 +14,7 @@ from tokenizers import Tokenizer as _HFTokenizer
 
 from kiln.runtime.chat_template import render_chat, select_chat_template
 from kiln.runtime.detokenizer import IncrementalDecoder
-from kiln.runtime.errors import TokenizerError
+from kiln.runtime.errors import GenerationError, TokenizerError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "chat_template.jinja")
 
@@ -76,7 +77,11 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; special tokens (e.g. BOS) as the tokenizer's post-processor adds them."""
-        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        try:
+            return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        except TypeError:  # the Rust library's answer to a str it cannot take as UTF-8
+            _check_unicode(text)
+            raise
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """The text of `ids`."""
@@ -102,3 +107,12 @@ class Tokenizer:
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of the rendered conversation; the template already holds the special tokens."""
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
+
+def _check_unicode(text) -> None:
+    """GenerationError for a str holding a lone surrogate (e.g. from "\\ud800" in JSON): not Unicode text."""
+    surrogate = re.search("[\ud800-\udfff]", text) if isinstance(text, str) else None
+    if surrogate is not None:
+        raise GenerationError(f"The text holds a lone surrogate {ascii(surrogate.group())} at character "
+                              f"{surrogate.start()}, which is not Unicode text and has no tokens. Fix: pass valid "
+                              "Unicode (decode input with errors='replace' if it may hold broken escapes).")

@@ -211,6 +211,38 @@ def test_a_failing_model_call_fails_its_requests_and_the_engine_goes_on():
     assert llm.generate([20, 21], max_new_tokens=3).token_ids == alone([20, 21], max_new_tokens=3).token_ids
 
 
+def test_a_failure_while_admitting_a_request_fails_it_alone_and_the_engine_thread_goes_on():
+    llm = LLM(executable(1))
+    place = llm.engine.slots.place
+
+    def place_or_fail(prompt):
+        if prompt[0] == 13:
+            raise RuntimeError("admission failed")
+        return place(prompt)
+
+    llm.engine.slots.place = place_or_fail
+    failing = llm.submit([13, 14], max_new_tokens=3)  # the engine thread steps these
+    with pytest.raises(RuntimeError, match="admission failed"):
+        failing.result(timeout=60)
+    assert llm.submit([20, 21], max_new_tokens=3).result(timeout=60).token_ids == \
+        alone([20, 21], max_new_tokens=3).token_ids
+    assert llm.engine.threaded and llm.engine.queue_depth == 0
+
+
+def test_an_unexpected_error_in_a_step_fails_the_requests_in_flight_not_the_engine(monkeypatch):
+    llm = LLM(executable(2))
+    with llm.engine.exclusive():
+        handles = [llm.submit([5 + i], max_new_tokens=4) for i in range(2)]
+        monkeypatch.setattr(llm.engine, "_drop_cancelled", lambda: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        handles[0].result(timeout=60)
+    with pytest.raises(ZeroDivisionError):
+        handles[1].result(timeout=60)
+    monkeypatch.undo()
+    assert llm.generate([7], max_new_tokens=3).token_ids == alone([7], max_new_tokens=3).token_ids
+    assert llm.engine.slots_in_use == 0 and llm.engine.queue_depth == 0
+
+
 def test_rows_addressed_by_first_row_compute_what_row_zero_computes():
     tokens, positions = torch.tensor([[5, 6, 7]]), torch.arange(3)[None]
     front, back = executable(), executable()
