@@ -3,7 +3,8 @@
 Checked against `int8_kernel.reference` (float64 F.linear of x rounded per block of 32 as the
 kernel rounds it, times the dequantized weight) for every M the kernel takes (1..64), odd N,
 each instruction set this CPU has (AVX-512 VNNI and the AVX2 baseline), with and without bias;
-above 64 rows the op runs the f32 GEMM on the unrounded x.
+above 64 rows the op runs the f32 GEMM on the unrounded x. One slow test runs SmolLM2-135M int8
+through the lowering (eagerly) and compares its greedy tokens with the interpreter's (~60 s).
 """
 from __future__ import annotations
 
@@ -103,3 +104,41 @@ def test_opcheck_and_compile():
                           test_utils=("test_schema", "test_faketensor"))
     compiled = torch.compile(lambda a: torch.ops.kiln.linear_q8(a, packed, scales, bias), fullgraph=True)
     assert torch.equal(compiled(x), torch.ops.kiln.linear_q8(x, packed, scales, bias))
+
+
+def _greedy(step, prompt: torch.Tensor, count: int) -> list[int]:
+    """`count` greedy tokens after `prompt` (one prefill, then one token per step)."""
+    logits = step(prompt[None], torch.arange(len(prompt))[None])
+    tokens = [int(logits[0, -1].argmax())]
+    for position in range(len(prompt), len(prompt) + count - 1):
+        logits = step(torch.tensor([[tokens[-1]]]), torch.tensor([[position]]))
+        tokens.append(int(logits[0, -1].argmax()))
+    return tokens
+
+
+@pytest.mark.slow
+def test_int8_smollm2_greedy_tokens_match_f32_activations(smollm2_dir):
+    """SmolLM2-135M int8 (lm_head too) lowered to linear_q8, run eagerly: the greedy tokens of the
+    interpreter (f32 activations), bar at most a late divergence."""
+    from kiln.backends import reference
+    from kiln.backends.executable import BackendOptions
+    from kiln.backends.inductor import graph_to_fx
+    from kiln.backends.inductor.executable import allocate_caches
+    from kiln.frontend.capture import capture_causal_lm
+    from kiln.frontend.checkpoint import load_model
+    from kiln.passes.pipeline import run_pipeline
+    from kiln.runtime.tokenizer import Tokenizer
+
+    options = BackendOptions(max_seq_len=64, quantize="int8", quantize_embeddings=True)
+    graph = run_pipeline(capture_causal_lm(load_model(smollm2_dir).model, max_batch=1, max_seq_len=64), options)
+    assert sum(n.op == "linear_q" for n in graph.nodes) == 30 * 4 + 1
+    module = graph_to_fx(graph, state=allocate_caches(graph))
+    assert "linear_q8" in module.code
+    oracle = reference.lower(graph, options)
+    prompt = torch.tensor(Tokenizer.from_dir(smollm2_dir).encode("The whale swam slowly toward the ship, and",
+                                                                 add_special_tokens=False))
+    with torch.no_grad():
+        got = _greedy(lambda t, p: module(t, p)[0], prompt, 24)
+    want = _greedy(oracle.run, prompt, 24)
+    same = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), len(want))
+    assert same >= 16, (got, want)

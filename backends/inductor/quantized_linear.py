@@ -20,10 +20,13 @@ weight as a module constant that `load` rebuilds from the artifact's weights.
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 
 from kiln.ir.ops.quantized import embedding_q_reference, linear_q_reference
+
+INT8_ENV_SWITCH = "KILN_INT8_KERNEL"  # "q8" (default) or "i8"
 
 
 @functools.cache
@@ -44,6 +47,15 @@ def int8_kernel_available() -> bool:
                                     "8-bit linears use f32 activations (slower over several tokens)")
 
 
+def _int8_activations_wanted() -> bool:
+    """KILN_INT8_KERNEL=q8 (default: linear_q8) or i8 (linear_i8, f32 activations: to compare, or to
+    load an artifact compiled before linear_q8, whose package names the [K, N] constants)."""
+    choice = os.environ.get(INT8_ENV_SWITCH, "q8").lower()
+    if choice not in ("q8", "i8"):
+        raise ValueError(f"{INT8_ENV_SWITCH}={choice!r}: use 'q8' (int8 x int8) or 'i8' (f32 activations)")
+    return choice == "q8"
+
+
 def _kernels_wanted() -> bool:
     from .fast_linear import wanted
 
@@ -59,7 +71,7 @@ def _int8_kernel(b, node, args, attrs):
     from . import int8_kernel
 
     flat_scales = b.add_constant(node.inputs[2].name + ".flat", scales.reshape(-1).contiguous())
-    if int8_kernel.supports(qweight.shape[1]) and int8_kernel_available():
+    if int8_kernel.supports(qweight.shape[1]) and _int8_activations_wanted() and int8_kernel_available():
         packed = b.add_constant(node.inputs[1].name + ".q8", int8_kernel.pack_int8_weight(qweight))
         return b.call(torch.ops.kiln.linear_q8, args[0], packed, flat_scales, args[4])
     packed = b.add_constant(node.inputs[1].name + ".kn", qweight.t().contiguous())
