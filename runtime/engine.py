@@ -172,9 +172,33 @@ class Engine:
             self._thread = threading.Thread(target=self._loop, name="kiln-engine", daemon=True)
             self._thread.start()
 
-    def _loop(self) -> None:
-        while True:
-            self._work.wait()
+    def run_in_this_thread(self, stop: threading.Event) -> None:
+        """Make the calling thread the engine thread until `stop` is set (`kiln serve` gives it
+        the main thread, and serves HTTP from another).
+
+        Why: libgomp (torch's OpenMP) lets a pool's idle workers spin for the next parallel region
+        only while no more threads than cores sit in pools. The main thread, which loading the
+        model already gave a pool, is the one that can keep that; a daemon engine thread beside it
+        gets workers that sleep between regions, and a decode step (~150 parallel regions) pays a
+        wake-up for each: SmolLM2-135M's step took 12.7 ms on the main thread, 27.5 ms on another
+        (2 threads, 2 cores)."""
+        self.adopt_this_thread()
+        try:
+            self._loop(stop)
+        finally:
+            self._thread = None
+
+    def adopt_this_thread(self) -> None:
+        """Mark the calling thread as the engine thread, so that `submit` from other threads
+        starts none, before it enters `run_in_this_thread` (no request can slip in between)."""
+        if self.threaded and self._thread is not threading.current_thread():
+            raise RuntimeError("the engine already runs in another thread; adopt this one before any submit")
+        self._thread = threading.current_thread()
+
+    def _loop(self, stop: threading.Event | None = None) -> None:
+        while stop is None or not stop.is_set():
+            if not self._work.wait(timeout=None if stop is None else 0.1):
+                continue
             self._work.clear()  # cleared before stepping: a submit during the step sets it again
             busy = True
             while busy:

@@ -15,6 +15,7 @@ import json
 import logging
 import re
 import secrets
+import threading
 import time
 import uuid
 
@@ -395,7 +396,31 @@ def _default_name(llm) -> str:
 # -- running it ----------------------------------------------------------------------------------
 def serve(llm, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
           max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_level: str = "info") -> None:
-    """Serve `llm` with uvicorn until interrupted (loopback only unless `host` says otherwise)."""
+    """Serve `llm` until interrupted (loopback only unless `host` says otherwise): uvicorn in a
+    thread of its own, the engine's model calls in the calling (main) thread, where torch's
+    OpenMP pool runs at full speed (Engine.run_in_this_thread says why)."""
     import uvicorn
 
-    uvicorn.run(create_app(llm, model_name, max_body_bytes), host=host, port=port, log_level=log_level)
+    server = uvicorn.Server(uvicorn.Config(create_app(llm, model_name, max_body_bytes), host=host, port=port,
+                                           log_level=log_level))
+    stop = threading.Event()
+
+    def run_http():
+        try:
+            server.run()  # off the main thread uvicorn installs no signal handlers: Ctrl-C reaches us
+        finally:
+            stop.set()
+
+    llm.engine.adopt_this_thread()
+    http = threading.Thread(target=run_http, name="kiln-http", daemon=True)
+    http.start()
+    try:
+        llm.engine.run_in_this_thread(stop)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.should_exit = True
+        http.join(timeout=30)
+    if not server.started:
+        raise KilnError(f"the HTTP server did not start on {host}:{port} (its log above says why). "
+                        "Fix: free the port or pass another with --port.")

@@ -30,10 +30,14 @@ PROMPTS = ["Once upon a time", "The capital of France is", "A compiler translate
 
 
 @pytest.fixture(scope="module")
-def llm(tiny_model_dirs, tmp_path_factory):
-    path = kiln.compile(str(tiny_model_dirs("llama")), out=tmp_path_factory.mktemp("served") / "model.kiln",
+def artifact(tiny_model_dirs, tmp_path_factory):
+    return kiln.compile(str(tiny_model_dirs("llama")), out=tmp_path_factory.mktemp("served") / "model.kiln",
                         backend="reference", max_seq_len=MAX_SEQ_LEN, max_batch=4)
-    return kiln.load(path)
+
+
+@pytest.fixture(scope="module")
+def llm(artifact):
+    return kiln.load(artifact)
 
 
 @pytest.fixture(scope="module")
@@ -259,3 +263,46 @@ def test_serve_refuses_a_tensor_parallel_artifact(tmp_path, capsys):
     (tmp_path / "manifest.json").write_text(json.dumps({"tensor_parallel": 2}))
     assert kiln_main(["serve", str(tmp_path)]) == 2
     assert "sharded over 2 ranks" in capsys.readouterr().err
+
+
+def test_kiln_serve_runs_the_engine_in_the_main_thread_and_stops_on_ctrl_c(artifact, llm):
+    """`kiln serve` answers from a model whose calls run in the main thread (uvicorn in another),
+    and Ctrl-C (SIGINT) stops both; a port already taken is a one-line error."""
+    import signal
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    code = ("import sys, threading, kiln.runtime.engine as e\n"
+            "run = e.Engine.run_in_this_thread\n"
+            "def checked(self, stop):\n"
+            "    assert threading.current_thread() is threading.main_thread()\n"
+            "    print('engine in main thread', flush=True)\n"
+            "    run(self, stop)\n"
+            "e.Engine.run_in_this_thread = checked\n"
+            "from kiln.cli import kiln_main\n"
+            f"sys.exit(kiln_main(['serve', {str(artifact)!r}, '--port', '{port}', '--log-level', 'warning']))")
+    server = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if http("GET", f"http://127.0.0.1:{port}/health")[0] == 200:
+                    break
+            except OSError:
+                pass
+            assert server.poll() is None and time.monotonic() < deadline, server.stderr.read()
+            time.sleep(0.1)
+        body = json.dumps({"model": "model", "prompt": PROMPTS[1], "max_tokens": 4, "temperature": 0}).encode()
+        status, answer = http("POST", f"http://127.0.0.1:{port}/v1/completions", body)
+        assert status == 200, answer
+        assert json.loads(answer)["choices"][0]["text"] == alone(llm, PROMPTS[1], 4).text
+        taken = subprocess.run([sys.executable, "-m", "kiln", "serve", str(artifact), "--port", str(port)],
+                               capture_output=True, text=True, timeout=120)
+        assert taken.returncode != 0 and "did not start" in taken.stderr
+    finally:
+        server.send_signal(signal.SIGINT)
+        out, err = server.communicate(timeout=60)
+    assert server.returncode == 0, err
+    assert "engine in main thread" in out
