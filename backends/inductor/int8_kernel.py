@@ -42,6 +42,13 @@ def ensure_loaded() -> None:
     gemv_kernel.load_extension(_SRC, "KILN_INT8_KERNELS", "kiln_int8", _register_fake)
 
 
+def faster_than_f32_activations() -> bool:
+    """Whether this CPU runs the VNNI kernel: there linear_q8 is as fast as linear_i8 at one row of
+    x and much faster over several; the AVX2 path is 1.1-1.3x slower up to 8 rows (int8_kernel.cpp)."""
+    ensure_loaded()
+    return bool(torch.ops.kiln.linear_q8_cpu_has_vnni())
+
+
 def supports(in_features: int) -> bool:
     """Whether linear_q8 takes a weight with this K."""
     return in_features % BLOCK == 0

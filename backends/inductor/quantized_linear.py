@@ -1,10 +1,12 @@
 """Inductor lowerings of the quantized-weight ops `linear_q` and `embedding_q` (ir/ops/quantized.py).
 
-- 8-bit per output channel, K % 32 == 0 -> `torch.ops.kiln.linear_q8` (int8_kernel.py): x rounded to
-  int8 per block of 32 (as llama.cpp's Q8_0), integer dot products, the weight repacked once at
-  lowering into 16-channel panels; a SmolLM2-135M step over 8 tokens costs ~1.5x one token instead
-  of 2.7x with f32 FMAs. Other K (or no int8 kernel) -> `torch.ops.kiln.linear_i8` (gemv_kernel.py:
-  f32 activations, the int8 weight repacked to [K, N]), with its [N] scales.
+- 8-bit per output channel, K % 32 == 0, on CPUs with AVX-512 VNNI -> `torch.ops.kiln.linear_q8`
+  (int8_kernel.py): x rounded to int8 per block of 32 (as llama.cpp's Q8_0), integer dot products,
+  the weight repacked once at lowering into 16-channel panels; a SmolLM2-135M int8 step over 8
+  tokens costs 1.7x one token instead of 3.0-3.3x with f32 FMAs (bench/step_cost.py, 2 threads).
+  Other K, AVX2-only CPUs (where linear_q8's AVX2 path is slower at decode) or no int8 kernel ->
+  `torch.ops.kiln.linear_i8` (gemv_kernel.py: f32 activations, the int8 weight repacked to
+  [K, N]), with its [N] scales.
 - 4-bit, K % 64 == 0 and group_size 32 or a multiple of 64 -> `torch.ops.kiln.linear_q4` (int4_kernel.py),
   reading the IR's packed u8 [N, K/2] weight, scales and zero points as they are; for symmetric
   weights decode reads an f16 copy of the scales made at lowering (as llama.cpp's Q4_0 stores
@@ -43,8 +45,9 @@ def int8_kernel_available() -> bool:
     """Whether Kiln's int8 x int8 kernel is built and loaded here (built once, then cached)."""
     from . import gemv_kernel, int8_kernel
 
-    return gemv_kernel.kernel_loads(int8_kernel.ensure_loaded, "Kiln's int8 x int8 kernel is unavailable; "
-                                    "8-bit linears use f32 activations (slower over several tokens)")
+    loads = gemv_kernel.kernel_loads(int8_kernel.ensure_loaded, "Kiln's int8 x int8 kernel is unavailable; "
+                                     "8-bit linears use f32 activations (slower over several tokens)")
+    return loads and int8_kernel.faster_than_f32_activations()
 
 
 def _int8_activations_wanted() -> bool:
