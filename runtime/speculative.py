@@ -43,13 +43,13 @@ class Drafter(Protocol):
 class PromptLookupDrafter:
     """Drafts by n-gram lookup in the context itself."""
 
-    def __init__(self, max_ngram: int = 3, max_draft: int = 8, min_draft: int = 1):
-        self.max_ngram, self.max_draft, self.min_draft = max_ngram, max_draft, min_draft
+    def __init__(self, max_ngram: int = 3, max_draft: int = 8, min_draft: int = 1, min_ngram: int = 1):
+        self.max_ngram, self.max_draft, self.min_draft, self.min_ngram = max_ngram, max_draft, min_draft, min_ngram
         self.length = max_draft
 
     def propose(self, context: Sequence[int], max_tokens: int) -> list[int]:
         limit = min(self.length, max_tokens)
-        for n in range(min(self.max_ngram, len(context) - 1), 0, -1):
+        for n in range(min(self.max_ngram, len(context) - 1), self.min_ngram - 1, -1):
             tail = list(context[-n:])
             for start in range(len(context) - n - 1, -1, -1):  # the most recent earlier match
                 if list(context[start:start + n]) == tail:

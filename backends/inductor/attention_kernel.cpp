@@ -184,7 +184,7 @@ extern "C" void kiln_attend_one_query(const float* q, const float* k, const floa
 
 namespace kiln_attention {
 
-constexpr int64_t kFewQueries = 8;  // more queries per row than this: ATen's SDPA (GEMM-bound)
+constexpr int64_t kFewQueries = 16;  // more queries per row than this: ATen's SDPA (GEMM-bound)
 
 static void check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions) {
   const char* op = "kiln::cached_attention";

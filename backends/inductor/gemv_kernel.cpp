@@ -226,7 +226,7 @@ template <class L>
 static void panel_m(const float* x, int64_t ldx, int64_t M, const typename L::T* Wt, int64_t N,
                     int64_t k0, int64_t k1, int64_t c0, int64_t c1, float* y, int64_t ldy,
                     const float* init_row) {
-  if (M >= kManyRowsFrom<typename L::T>) return panel_many<L>(x, ldx, M, Wt, N, k0, k1, c0, c1, y, ldy, init_row);
+  if (M >= many_rows_from<typename L::T>()) return panel_many<L>(x, ldx, M, Wt, N, k0, k1, c0, c1, y, ldy, init_row);
   switch (M) {
     case 1: return panel<L, 1>(x, ldx, Wt, N, k0, k1, c0, c1, y, ldy, init_row);
     case 2: return panel<L, 2>(x, ldx, Wt, N, k0, k1, c0, c1, y, ldy, init_row);

@@ -193,9 +193,14 @@ static void many_rows_step512(const float* xt, int64_t xrs, const int* blocks, i
 
 static bool use_avx512 = __builtin_cpu_supports("avx512f");
 
-// Rows of x from which panel_many beats the slab kernels below (SmolLM2 shapes, 2 threads):
-// f32 streams better through `panel` up to 8 rows; int8 gains from widening each tile once.
-template <class T> constexpr int64_t kManyRowsFrom = std::is_same_v<T, float> ? 9 : 4;
+// Rows of x from which panel_many beats the slab kernels in gemv_kernel.cpp (whole SmolLM2 steps,
+// 2 threads): f32 streams better through `panel` up to 8 rows (from 2 rows, panel_many made
+// steps of 2-8 tokens 14-18% slower, though the linears alone measured 5-10% faster); int8
+// gains from widening each tile once from 4 rows.
+template <class T>
+static inline int64_t many_rows_from() {
+  return std::is_same_v<T, float> ? 9 : 4;
+}
 
 // y[0:M, c0:c1] = init_row (or 0) + x[0:M, k0:k1] @ Wt[k0:k1, c0:c1] for any M.
 template <class L>
