@@ -214,6 +214,23 @@ def test_inductor_lowering_of_linear_q_matches_the_interpreter(bits, group_size,
         assert ((got - want).norm() / want.norm()).item() < 0.012
 
 
+@pytest.mark.parametrize("form", ["q8", "i8"])
+def test_a_packaged_int8_form_is_lowered_as_recorded_whatever_this_cpu_picks(form):
+    """An AOTInductor package names the constants of the 8-bit op it was compiled with, and its
+    info records which (`int8_form_of`); a load lowers the same one on any host, an artifact older
+    than linear_q8 ("i8") included."""
+    from kiln.backends.inductor import graph_to_fx
+    from kiln.backends.inductor.quantized_linear import int8_form_of, lowering_int8_as
+
+    graph = quantized_linear_graph(8, 128, True, 128)
+    with lowering_int8_as(form):
+        module = graph_to_fx(graph)
+    assert int8_form_of(module) == form
+    x = torch.randn(3, 128)
+    want, got = run_graph(graph, [x])[0], module(x)[0]
+    assert ((got - want).norm() / want.norm()).item() < 0.012
+
+
 @pytest.mark.parametrize("group_size, k", [(32, 576), (64, 1536), (128, 576)])
 def test_int4_kernel_symmetric_path_equals_its_zero_point_path_at_eight(group_size, k):
     """The symmetric kernel folds zero point 8 into each block's step; the general one subtracts

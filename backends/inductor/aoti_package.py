@@ -25,6 +25,7 @@ from kiln.ir import Graph
 
 from .executable import StatefulRunner, apply_threads, dynamic_dims, without_stack_traces
 from .lower_to_fx import graph_to_fx
+from .quantized_linear import int8_form_of, lowering_int8_as
 
 PACKAGE_FILE = "inductor.pt2"
 PACKAGE_INFO_FILE = "inductor.json"
@@ -75,7 +76,8 @@ def write_package(graph: Graph, module: torch.fx.GraphModule, options: BackendOp
         program = export_module(graph, module)
         torch._inductor.aoti_compile_and_package(
             program, package_path=str(directory / PACKAGE_FILE), inductor_configs=PACKAGE_CONFIGS)
-    info = {"format": PACKAGE_FORMAT, "torch": torch.__version__, "threads": torch.get_num_threads()}
+    info = {"format": PACKAGE_FORMAT, "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "int8_linear": int8_form_of(module)}
     (directory / PACKAGE_INFO_FILE).write_text(json.dumps(info, indent=1) + "\n")
     return [PACKAGE_FILE, PACKAGE_INFO_FILE]
 
@@ -93,7 +95,8 @@ class AOTIExecutable(StatefulRunner):
             raise PackageError(f"{self.directory / PACKAGE_FILE} was built by torch {info['torch']}, this is "
                                f"torch {torch.__version__}; recompile the artifact")
         # The FX module is built only to name the constants exactly as at export (no tracing).
-        module = graph_to_fx(graph, weights, state=named_caches)
+        with lowering_int8_as(info.get("int8_linear", "i8")):  # packages older than linear_q8: "i8"
+            module = graph_to_fx(graph, weights, state=named_caches)
         constants = {**dict(module.named_parameters()), **dict(module.named_buffers())}
         self.model = torch._inductor.aoti_load_package(str(self.directory / PACKAGE_FILE))
         # Inductor may fold a small weight into the code (e.g. RoPE's inv_freq): it then needs no feed.

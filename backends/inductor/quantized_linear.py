@@ -21,8 +21,10 @@ weight as a module constant that `load` rebuilds from the artifact's weights.
 """
 from __future__ import annotations
 
+import contextvars
 import functools
 import os
+from contextlib import contextmanager
 
 import torch
 
@@ -59,6 +61,39 @@ def _int8_activations_wanted() -> bool:
     return choice == "q8"
 
 
+_packaged_int8_form: contextvars.ContextVar[str | None] = contextvars.ContextVar("kiln_int8_form", default=None)
+
+
+@contextmanager
+def lowering_int8_as(form: str | None):
+    """Lower 8-bit linears as `form` ("q8": linear_q8, "i8": linear_i8) whatever this CPU would
+    pick: an AOTInductor package names the constants of the form it was compiled with, so a load
+    on another host (or of an artifact older than linear_q8, "i8") must build the same ones."""
+    token = _packaged_int8_form.set(form)
+    try:
+        yield
+    finally:
+        _packaged_int8_form.reset(token)
+
+
+def int8_form_of(module: torch.fx.GraphModule) -> str:
+    """Which 8-bit linear op a lowered module calls ("q8" or "i8"), for a package to record."""
+    return "q8" if any("linear_q8" in str(n.target) for n in module.graph.nodes) else "i8"
+
+
+def _int8_form_here(in_features: int) -> str:
+    from . import int8_kernel
+
+    packaged = _packaged_int8_form.get()
+    if packaged == "q8":
+        int8_kernel.ensure_loaded()  # the AVX2 form runs where VNNI does not
+        return "q8"
+    if packaged is None and int8_kernel.supports(in_features) and _int8_activations_wanted() \
+            and int8_kernel_available():
+        return "q8"
+    return "i8"
+
+
 def _kernels_wanted() -> bool:
     from .fast_linear import wanted
 
@@ -74,7 +109,7 @@ def _int8_kernel(b, node, args, attrs):
     from . import int8_kernel
 
     flat_scales = b.add_constant(node.inputs[2].name + ".flat", scales.reshape(-1).contiguous())
-    if int8_kernel.supports(qweight.shape[1]) and _int8_activations_wanted() and int8_kernel_available():
+    if _int8_form_here(qweight.shape[1]) == "q8":
         packed = b.add_constant(node.inputs[1].name + ".q8", int8_kernel.pack_int8_weight(qweight))
         return b.call(torch.ops.kiln.linear_q8, args[0], packed, flat_scales, args[4])
     packed = b.add_constant(node.inputs[1].name + ".kn", qweight.t().contiguous())
