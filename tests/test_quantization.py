@@ -231,6 +231,36 @@ def test_a_packaged_int8_form_is_lowered_as_recorded_whatever_this_cpu_picks(for
     assert ((got - want).norm() / want.norm()).item() < 0.012
 
 
+@pytest.mark.parametrize("vnni", [True, False])
+def test_int4_kernel_over_many_rows_equals_it_row_by_row(vnni):
+    """Up to 64 rows of x (odd counts too) in one call: symmetric weights take the rows two at a
+    time (each weight byte read once for both; VNNI or AVX2 dot products), other rows one at a
+    time. Same integer sums, same float steps: equal to the one-row calls, which the tests above
+    hold to the dequantized reference."""
+    from kiln.backends.inductor.quantized_linear import int4_kernel_available
+
+    if not int4_kernel_available():
+        pytest.skip("Kiln's int4 kernel does not build here")
+    if vnni and not torch.ops.kiln.q4_use_vnni(True):
+        pytest.skip("this CPU has no AVX-512 VNNI")
+    torch.ops.kiln.q4_use_vnni(vnni)
+    try:
+        torch.manual_seed(5)
+        for n, k, group_size, symmetric in [(67, 576, 32, True), (130, 192, 64, True), (40, 1536, 128, True),
+                                            (33, 576, 32, False)]:
+            q = quantize_weight(torch.randn(n, k), 4, group_size, symmetric)
+            bias = torch.randn(n)
+            for rows in (2, 3, 8, 9, 17, 64):
+                x = torch.randn(rows, k)
+                for half in ((None, q.scales.half()) if symmetric else (None,)):
+                    got = torch.ops.kiln.linear_q4(x, q.qweight, q.scales, q.zeros, bias, group_size, half)
+                    one_by_one = torch.cat([torch.ops.kiln.linear_q4(x[i:i + 1], q.qweight, q.scales, q.zeros, bias,
+                                                                     group_size, half) for i in range(rows)])
+                    assert torch.allclose(got, one_by_one, atol=1e-5, rtol=1e-6), (n, k, group_size, rows)
+    finally:
+        torch.ops.kiln.q4_use_vnni(True)
+
+
 @pytest.mark.parametrize("group_size, k", [(32, 576), (64, 1536), (128, 576)])
 def test_int4_kernel_symmetric_path_equals_its_zero_point_path_at_eight(group_size, k):
     """The symmetric kernel folds zero point 8 into each block's step; the general one subtracts
@@ -271,9 +301,10 @@ def test_awq_compile_to_an_inductor_artifact_records_the_scheme_and_its_calibrat
     assert sum(n.op == "linear_q" for n in llm.graph.nodes) == 8  # 2 layers of qkv, o, gate_up, down
     oracle = reference.lower(llm.graph, llm.executable.options)
     tokens = torch.randint(3, 500, (1, 10))
-    # Prefill dequantizes and runs one f32 GEMM: the interpreter's results. Decode runs Kiln's int4
-    # kernel, whose int8-rounded activations (~0.5% per linear) this random model amplifies.
-    for start, end, tolerance in ((0, 9, 1e-4), (9, 10, 0.05)):
+    # Up to 64 tokens a step runs Kiln's int4 kernel (prefill chunks, verification, decode), whose
+    # int8-rounded activations (~0.5% per linear) this random model amplifies; longer prefill
+    # dequantizes and runs one f32 GEMM (the interpreter's results).
+    for start, end, tolerance in ((0, 9, 0.05), (9, 10, 0.05)):
         chunk, positions = tokens[:, start:end], torch.arange(start, end)[None]
         want, got = oracle.run(chunk, positions), llm.executable.run(chunk, positions)
         assert ((got - want).norm() / want.norm()).item() < tolerance

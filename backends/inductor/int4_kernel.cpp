@@ -1,4 +1,6 @@
-// Kiln CPU kernel for 4-bit weight-only linears (decode: M = 1..kSmallM rows of x).
+// Kiln CPU kernel for 4-bit weight-only linears (decode, verification, batched decode: M = 1..kSmallM
+// = 64 rows of x; symmetric weights take the rows two at a time, int4_rows_of_x.h, with AVX-512 VNNI
+// dot products where the CPU has them).
 //
 // Weight layout = the IR's linear_q (ir/ops/quantized.py), read as is, no repacking:
 //   qweight u8 [N, K/2]: row n holds w[n, 2j] in the low nibble of byte j and w[n, 2j+1] in the
@@ -22,7 +24,7 @@
 // weights add their zero points per group after the row's dot. Four weight rows, one from each of
 // four slabs of a thread's rows, share each x load; threads split N (at::parallel_for). Needs
 // AVX2 + FMA + F16C; K % 64 == 0 and group_size 32 or a multiple of 64, so that no step straddles
-// two groups (the lowering dequantizes + GEMMs otherwise, as the op does for M > kSmallM).
+// two groups (the lowering dequantizes + GEMMs otherwise, as the op does for M > kSmallM = 64).
 //
 // Two translation units, as gemv_kernel.cpp (see int4_kernel.py): -DKILN_INT4_KERNELS compiles
 // the SIMD code without torch headers; the default compiles the op against libtorch.
@@ -40,6 +42,14 @@ void kiln_q4_rows_f16(const int8_t* xe, const int8_t* xo, const float* block_sca
 void kiln_q4_rows(const int8_t* xe, const int8_t* xo, const float* block_scale, const float* block_quarter,
                   const uint8_t* q, const float* scales, const uint8_t* zeros, int64_t K, int64_t group_size,
                   int64_t n0, int64_t n1, const float* bias, float* y);
+// y[m][n] for two prepared rows of x at once (m = 0, 1; row 1's xe/xo K/2 bytes and its block terms
+// K/32 floats after row 0's), symmetric weights: each weight byte read once for both rows. Uses
+// AVX-512 VNNI dot products where the CPU has them (kiln_q4_use_vnni), else AVX2.
+void kiln_q4_rows_x2(const int8_t* xe, const int8_t* xo, const float* block_scale, const float* block_quarter,
+                     const uint8_t* q, const float* scales, const uint16_t* half_scales, int64_t K, int64_t group_size,
+                     int64_t n0, int64_t n1, const float* bias, float* y, int64_t ldy);
+// Whether kiln_q4_rows_x2 uses VNNI (where the CPU has it; the default); returns the choice in force.
+bool kiln_q4_use_vnni(bool wanted);
 // Rows [n0, n1) of the f32 weight w [N, K] (prefill's GEMM operand), one pass over the codes.
 void kiln_q4_dequantize(const uint8_t* q, const float* scales, const uint8_t* zeros, int64_t K, int64_t group_size,
                         int64_t n0, int64_t n1, float* w);
@@ -185,9 +195,56 @@ static void rows_times_x(const int8_t* xe, const int8_t* xo, const float* block_
   }
 }
 
+namespace avx2 {
+static inline __m256i dot_codes(__m256i lo, __m256i hi, __m256i e, __m256i o) {
+  const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, e), _mm256_maddubs_epi16(hi, o));
+  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+#define KILN_Q4_DOT dot_codes
+#include "int4_rows_of_x.h"
+#undef KILN_Q4_DOT
+}  // namespace avx2
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512vl,avx512vnni")
+namespace vnni {
+static inline __m256i dot_codes(__m256i lo, __m256i hi, __m256i e, __m256i o) {
+  return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, e), hi, o);
+}
+#define KILN_Q4_DOT dot_codes
+#include "int4_rows_of_x.h"
+#undef KILN_Q4_DOT
+}  // namespace vnni
+#pragma GCC pop_options
+
+static bool use_vnni = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
+
 }  // namespace kiln_q4
 
 extern "C" {
+bool kiln_q4_use_vnni(bool wanted) {
+  kiln_q4::use_vnni = wanted && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
+  return kiln_q4::use_vnni;
+}
+
+void kiln_q4_rows_x2(const int8_t* xe, const int8_t* xo, const float* block_scale, const float* block_quarter,
+                     const uint8_t* q, const float* scales, const uint16_t* half_scales, int64_t K, int64_t group_size,
+                     int64_t n0, int64_t n1, const float* bias, float* y, int64_t ldy) {
+  const int64_t blocks = K / 32;
+  if (kiln_q4::use_vnni) {
+    if (half_scales)
+      return kiln_q4::vnni::symmetric_slabs_x2(xe, xo, block_scale, block_quarter, blocks, q, half_scales, K,
+                                               group_size, n0, n1, bias, y, ldy);
+    return kiln_q4::vnni::symmetric_slabs_x2(xe, xo, block_scale, block_quarter, blocks, q, scales, K, group_size,
+                                             n0, n1, bias, y, ldy);
+  }
+  if (half_scales)
+    return kiln_q4::avx2::symmetric_slabs_x2(xe, xo, block_scale, block_quarter, blocks, q, half_scales, K,
+                                             group_size, n0, n1, bias, y, ldy);
+  kiln_q4::avx2::symmetric_slabs_x2(xe, xo, block_scale, block_quarter, blocks, q, scales, K, group_size, n0, n1,
+                                    bias, y, ldy);
+}
+
 void kiln_q4_prepare_x(const float* x, int64_t K, int8_t* xe, int8_t* xo, float* block_scale, float* block_quarter) {
   for (int64_t b = 0; b < K / 32; b++) {
     float amax = 0.f;
@@ -272,7 +329,7 @@ void kiln_q4_rows(const int8_t* xe, const int8_t* xo, const float* block_scale, 
 
 namespace kiln_q4 {
 
-constexpr int64_t kSmallM = 8;        // rows of x above this: dequantize once and run one GEMM (prefill)
+constexpr int64_t kSmallM = 64;       // rows of x above this: dequantize once and run one GEMM (prefill)
 constexpr int64_t kRowsPerTask = 64;  // rows of W per parallel task (64 x K/2 bytes)
 
 // The f32 weight [N, K] (prefill): one GEMM beats re-reading the packed rows per row of x.
@@ -344,7 +401,12 @@ at::Tensor linear_q4(const at::Tensor& x_in, const at::Tensor& q, const at::Tens
   const uint16_t* hp = half.defined() ? reinterpret_cast<const uint16_t*>(half.data_ptr<at::Half>()) : nullptr;
   float* yp = y.data_ptr<float>();
   at::parallel_for(0, (N + kRowsPerTask - 1) / kRowsPerTask, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t m = 0; m < M; m++) {
+    int64_t m = 0;
+    if (!zp)  // symmetric: rows of x two at a time, each weight byte read once for both
+      for (; m + 2 <= M && M > 1; m += 2)
+        kiln_q4_rows_x2(xe + m * K / 2, xo + m * K / 2, block_scale + m * blocks, block_quarter + m * blocks, qp, sp,
+                        hp, K, group_size, t0 * kRowsPerTask, std::min(N, t1 * kRowsPerTask), bp, yp + m * N, N);
+    for (; m < M; m++) {
       const int64_t n0 = t0 * kRowsPerTask, n1 = std::min(N, t1 * kRowsPerTask);
       if (hp)
         kiln_q4_rows_f16(xe + m * K / 2, xo + m * K / 2, block_scale + m * blocks, block_quarter + m * blocks, qp, hp,
@@ -360,6 +422,7 @@ at::Tensor linear_q4(const at::Tensor& x_in, const at::Tensor& q, const at::Tens
 }  // namespace kiln_q4
 
 TORCH_LIBRARY_FRAGMENT(kiln, m) {
+  m.def("q4_use_vnni(bool wanted) -> bool", [](bool wanted) { return kiln_q4_use_vnni(wanted); });
   m.def("linear_q4(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, int group_size, "
         "Tensor? decode_scales=None) -> Tensor");
 }
