@@ -235,8 +235,8 @@ def test_a_packaged_int8_form_is_lowered_as_recorded_whatever_this_cpu_picks(for
 def test_int4_kernel_over_many_rows_equals_it_row_by_row(vnni):
     """Up to 64 rows of x (odd counts too) in one call: symmetric weights take the rows two at a
     time (each weight byte read once for both; VNNI or AVX2 dot products), other rows one at a
-    time. Same integer sums, same float steps: equal to the one-row calls, which the tests above
-    hold to the dequantized reference."""
+    time. Same integer sums, the float steps summed in another order (512-bit steps): equal to the
+    one-row calls to fp32 rounding; the tests above hold those to the dequantized reference."""
     from kiln.backends.inductor.quantized_linear import int4_kernel_available
 
     if not int4_kernel_available():
@@ -256,7 +256,7 @@ def test_int4_kernel_over_many_rows_equals_it_row_by_row(vnni):
                     got = torch.ops.kiln.linear_q4(x, q.qweight, q.scales, q.zeros, bias, group_size, half)
                     one_by_one = torch.cat([torch.ops.kiln.linear_q4(x[i:i + 1], q.qweight, q.scales, q.zeros, bias,
                                                                      group_size, half) for i in range(rows)])
-                    assert torch.allclose(got, one_by_one, atol=1e-5, rtol=1e-6), (n, k, group_size, rows)
+                    assert torch.allclose(got, one_by_one, atol=1e-4, rtol=1e-5), (n, k, group_size, rows)
     finally:
         torch.ops.kiln.q4_use_vnni(True)
 

@@ -1,6 +1,6 @@
 // Kiln CPU kernel for 4-bit weight-only linears (decode, verification, batched decode: M = 1..kSmallM
 // = 64 rows of x; symmetric weights take the rows two at a time, int4_rows_of_x.h, with AVX-512 VNNI
-// dot products where the CPU has them).
+// dot products where the CPU has them, in 512-bit steps for group size 32).
 //
 // Weight layout = the IR's linear_q (ir/ops/quantized.py), read as is, no repacking:
 //   qweight u8 [N, K/2]: row n holds w[n, 2j] in the low nibble of byte j and w[n, 2j+1] in the
@@ -206,7 +206,7 @@ static inline __m256i dot_codes(__m256i lo, __m256i hi, __m256i e, __m256i o) {
 }  // namespace avx2
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512vl,avx512vnni")
+#pragma GCC target("avx512f,avx512vl,avx512bw,avx512vnni")
 namespace vnni {
 static inline __m256i dot_codes(__m256i lo, __m256i hi, __m256i e, __m256i o) {
   return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, e), hi, o);
@@ -214,6 +214,82 @@ static inline __m256i dot_codes(__m256i lo, __m256i hi, __m256i e, __m256i o) {
 #define KILN_Q4_DOT dot_codes
 #include "int4_rows_of_x.h"
 #undef KILN_Q4_DOT
+
+// 512-bit steps (128 weights: lanes 4b..4b+3 hold x block b of four) for group size 32, then a
+// 256-bit step for a last 64 weights (K = 576 is 4.5 such steps). Four consecutive per-block
+// values (x's scales, its zero-point terms, the rows' group scales) each fill four lanes.
+static inline __m512 quads(__m128 four) {
+  const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
+  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(four));
+}
+static inline __m512 quad_at(const float* p) { return quads(_mm_loadu_ps(p)); }
+static inline __m512 quad_at(const uint16_t* p) {
+  return quads(_mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+static inline float hsum512(__m512 v) { return _mm512_reduce_add_ps(v); }
+
+template <int R, class Scale>
+static void symmetric_rows_x2_g32(const int8_t* xe, const int8_t* xo, const float* block_scale,
+                                  const float* block_quarter, int64_t blocks, const uint8_t* q, const Scale* scales,
+                                  int64_t K, int64_t n0, int64_t stride, const float* bias, float* y, int64_t ldy) {
+  const int64_t G = K / 32, row_bytes = K / 2, wide_end = row_bytes / 64 * 64;
+  const __m512 eight = _mm512_set1_ps(8.f);
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 acc[R][2];
+  for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t byte = 0; byte < wide_end; byte += 64) {
+    const int64_t block = byte / 16;
+    const __m512i e0 = _mm512_loadu_si512(xe + byte), o0 = _mm512_loadu_si512(xo + byte);
+    const __m512i e1 = _mm512_loadu_si512(xe + row_bytes + byte), o1 = _mm512_loadu_si512(xo + row_bytes + byte);
+    const __m512 xs0 = quad_at(block_scale + block), xs1 = quad_at(block_scale + blocks + block);
+    const __m512 zt0 = _mm512_mul_ps(eight, quad_at(block_quarter + block));
+    const __m512 zt1 = _mm512_mul_ps(eight, quad_at(block_quarter + blocks + block));
+    for (int r = 0; r < R; r++) {
+      const uint8_t* w = q + (n0 + r * stride) * row_bytes + byte;
+      _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes, _MM_HINT_T0);
+      const __m512i codes = _mm512_loadu_si512(w);
+      const __m512i lo = _mm512_and_si512(codes, low4), hi = _mm512_and_si512(_mm512_srli_epi16(codes, 4), low4);
+      const __m512 ws = quad_at(scales + (n0 + r * stride) * G + block);
+      const __m512i d0 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, e0), hi, o0);
+      const __m512i d1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, e1), hi, o1);
+      acc[r][0] = _mm512_fmadd_ps(_mm512_fmsub_ps(_mm512_cvtepi32_ps(d0), xs0, zt0), ws, acc[r][0]);
+      acc[r][1] = _mm512_fmadd_ps(_mm512_fmsub_ps(_mm512_cvtepi32_ps(d1), xs1, zt1), ws, acc[r][1]);
+    }
+  }
+  float tail[R][2] = {};
+  if (wide_end < row_bytes) {  // the last 32 bytes: one 256-bit step, as symmetric_rows_x2's
+    const int64_t byte = wide_end, block = byte / 16;
+    const __m256i low = _mm256_set1_epi8(0x0F);
+    const __m256i e0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xe + byte));
+    const __m256i o0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xo + byte));
+    const __m256i e1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xe + row_bytes + byte));
+    const __m256i o1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xo + row_bytes + byte));
+    const __m256 xs0 = pair_at(block_scale + block), xs1 = pair_at(block_scale + blocks + block);
+    const __m256 zt0 = _mm256_mul_ps(_mm256_set1_ps(8.f), pair_at(block_quarter + block));
+    const __m256 zt1 = _mm256_mul_ps(_mm256_set1_ps(8.f), pair_at(block_quarter + blocks + block));
+    for (int r = 0; r < R; r++) {
+      const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (n0 + r * stride) * row_bytes + byte));
+      const __m256i lo = _mm256_and_si256(codes, low), hi = _mm256_and_si256(_mm256_srli_epi16(codes, 4), low);
+      const __m256 ws = scale_pair(scales + (n0 + r * stride) * G + block);
+      tail[r][0] = hsum(_mm256_mul_ps(_mm256_fmsub_ps(_mm256_cvtepi32_ps(dot_codes(lo, hi, e0, o0)), xs0, zt0), ws));
+      tail[r][1] = hsum(_mm256_mul_ps(_mm256_fmsub_ps(_mm256_cvtepi32_ps(dot_codes(lo, hi, e1, o1)), xs1, zt1), ws));
+    }
+  }
+  for (int r = 0; r < R; r++)
+    for (int m = 0; m < 2; m++)
+      y[m * ldy + n0 + r * stride] = hsum512(acc[r][m]) + tail[r][m] + (bias ? bias[n0 + r * stride] : 0.f);
+}
+
+template <class Scale>
+static void symmetric_slabs_x2_g32(const int8_t* xe, const int8_t* xo, const float* block_scale,
+                                   const float* block_quarter, int64_t blocks, const uint8_t* q, const Scale* scales,
+                                   int64_t K, int64_t n0, int64_t n1, const float* bias, float* y, int64_t ldy) {
+  const int64_t slab = (n1 - n0) / 4;
+  for (int64_t j = 0; j < slab; j++)
+    symmetric_rows_x2_g32<4>(xe, xo, block_scale, block_quarter, blocks, q, scales, K, n0 + j, slab, bias, y, ldy);
+  for (int64_t n = n0 + 4 * slab; n < n1; n++)
+    symmetric_rows_x2_g32<1>(xe, xo, block_scale, block_quarter, blocks, q, scales, K, n, 0, bias, y, ldy);
+}
 }  // namespace vnni
 #pragma GCC pop_options
 
@@ -231,6 +307,13 @@ void kiln_q4_rows_x2(const int8_t* xe, const int8_t* xo, const float* block_scal
                      const uint8_t* q, const float* scales, const uint16_t* half_scales, int64_t K, int64_t group_size,
                      int64_t n0, int64_t n1, const float* bias, float* y, int64_t ldy) {
   const int64_t blocks = K / 32;
+  if (kiln_q4::use_vnni && group_size == 32) {  // 512-bit steps
+    if (half_scales)
+      return kiln_q4::vnni::symmetric_slabs_x2_g32(xe, xo, block_scale, block_quarter, blocks, q, half_scales, K, n0,
+                                                   n1, bias, y, ldy);
+    return kiln_q4::vnni::symmetric_slabs_x2_g32(xe, xo, block_scale, block_quarter, blocks, q, scales, K, n0, n1,
+                                                 bias, y, ldy);
+  }
   if (kiln_q4::use_vnni) {
     if (half_scales)
       return kiln_q4::vnni::symmetric_slabs_x2(xe, xo, block_scale, block_quarter, blocks, q, half_scales, K,
@@ -390,9 +473,13 @@ at::Tensor linear_q4(const at::Tensor& x_in, const at::Tensor& q, const at::Tens
   float* block_scale = scratch.data() + M * K / 4;
   float* block_quarter = block_scale + M * blocks;
   const float* xp = x.data_ptr<float>();
-  for (int64_t m = 0; m < M; m++)
-    kiln_q4_prepare_x(xp + m * K, K, xe + m * K / 2, xo + m * K / 2, block_scale + m * blocks,
-                      block_quarter + m * blocks);
+  auto prepare = [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; m++)
+      kiln_q4_prepare_x(xp + m * K, K, xe + m * K / 2, xo + m * K / 2, block_scale + m * blocks,
+                        block_quarter + m * blocks);
+  };
+  if (M >= 4) at::parallel_for(0, M, 2, prepare);  // scalar rounding: split over threads when rows are many
+  else prepare(0, M);
   at::Tensor y = at::empty(shape, x.options());
   const uint8_t* zp = zeros.defined() ? zeros.data_ptr<uint8_t>() : nullptr;
   const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
