@@ -301,7 +301,7 @@ def test_awq_compile_to_an_inductor_artifact_records_the_scheme_and_its_calibrat
     assert sum(n.op == "linear_q" for n in llm.graph.nodes) == 8  # 2 layers of qkv, o, gate_up, down
     oracle = reference.lower(llm.graph, llm.executable.options)
     tokens = torch.randint(3, 500, (1, 10))
-    # Up to 64 tokens a step runs Kiln's int4 kernel (prefill chunks, verification, decode), whose
+    # Up to 128 tokens a step runs Kiln's int4 kernel (prefill chunks, verification, decode), whose
     # int8-rounded activations (~0.5% per linear) this random model amplifies; longer prefill
     # dequantizes and runs one f32 GEMM (the interpreter's results).
     for start, end, tolerance in ((0, 9, 0.05), (9, 10, 0.05)):

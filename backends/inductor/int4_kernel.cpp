@@ -1,6 +1,7 @@
-// Kiln CPU kernel for 4-bit weight-only linears (decode, verification, batched decode: M = 1..kSmallM
-// = 64 rows of x; symmetric weights take the rows two at a time, int4_rows_of_x.h, with AVX-512 VNNI
-// dot products where the CPU has them, in 512-bit steps for group size 32).
+// Kiln CPU kernel for 4-bit weight-only linears (decode, verification, batched decode, prefill
+// chunks: M = 1..kSmallM = 128 rows of x, 2x the dequantize + GEMM it replaced at 96-128 rows).
+// Symmetric weights take the rows of x two at a time (int4_rows_of_x.h), with AVX-512 VNNI dot
+// products where the CPU has them, in 512-bit steps for group size 32.
 //
 // Weight layout = the IR's linear_q (ir/ops/quantized.py), read as is, no repacking:
 //   qweight u8 [N, K/2]: row n holds w[n, 2j] in the low nibble of byte j and w[n, 2j+1] in the
@@ -24,7 +25,7 @@
 // weights add their zero points per group after the row's dot. Four weight rows, one from each of
 // four slabs of a thread's rows, share each x load; threads split N (at::parallel_for). Needs
 // AVX2 + FMA + F16C; K % 64 == 0 and group_size 32 or a multiple of 64, so that no step straddles
-// two groups (the lowering dequantizes + GEMMs otherwise, as the op does for M > kSmallM = 64).
+// two groups (the lowering dequantizes + GEMMs otherwise, as the op does for M > kSmallM = 128).
 //
 // Two translation units, as gemv_kernel.cpp (see int4_kernel.py): -DKILN_INT4_KERNELS compiles
 // the SIMD code without torch headers; the default compiles the op against libtorch.
@@ -412,7 +413,7 @@ void kiln_q4_rows(const int8_t* xe, const int8_t* xo, const float* block_scale, 
 
 namespace kiln_q4 {
 
-constexpr int64_t kSmallM = 64;       // rows of x above this: dequantize once and run one GEMM (prefill)
+constexpr int64_t kSmallM = 128;      // rows of x above this: dequantize once and run one GEMM (prefill)
 constexpr int64_t kRowsPerTask = 64;  // rows of W per parallel task (64 x K/2 bytes)
 
 // The f32 weight [N, K] (prefill): one GEMM beats re-reading the packed rows per row of x.
