@@ -13,19 +13,23 @@ from kiln.ir.errors import KilnError
 from kiln.runtime.errors import ContextLengthError, QueueFullError, TokenIdError
 
 
+RETRY_AFTER_S = 1  # what a 429 (queue full) asks the client to wait, in seconds
+
+
 class APIError(Exception):
     """A request that cannot be served, with the HTTP status and OpenAI error fields to answer."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None):
+                 code: str | None = None, headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+        self.headers = dict(headers or {})
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers or None)
 
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -56,7 +60,8 @@ def from_kiln_error(error: KilnError, prompt_param: str) -> APIError:
     if isinstance(error, ContextLengthError):
         return invalid(str(error), prompt_param, "context_length_exceeded")
     if isinstance(error, QueueFullError):
-        return APIError(429, str(error), "rate_limit_error", None, "queue_full")
+        # Retry-After: a queue slot frees as soon as any request in flight finishes
+        return APIError(429, str(error), "rate_limit_error", None, "queue_full", {"Retry-After": str(RETRY_AFTER_S)})
     if isinstance(error, TokenIdError):
         named = error.field in ("stop_token_ids", "logit_bias")
         return invalid(str(error), error.field if named else prompt_param, "invalid_value")

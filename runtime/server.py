@@ -49,8 +49,8 @@ def create_app(llm, model_name: str | None = None, max_body_bytes: int = DEFAULT
     app.state.llm, app.state.model_name, app.state.metrics = llm, name, metrics
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     app.add_exception_handler(APIError, lambda request, error: error.response())
-    app.add_exception_handler(HTTPException, lambda request, error: APIError(
-        error.status_code, str(error.detail), "invalid_request_error").response())
+    app.add_exception_handler(HTTPException, lambda request, error: APIError(  # a 405 keeps its Allow header
+        error.status_code, str(error.detail), "invalid_request_error", headers=error.headers).response())
     app.add_exception_handler(Exception, lambda request, error: internal(error).response())
 
     @app.get("/health")

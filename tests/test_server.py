@@ -63,12 +63,19 @@ def client(base_url):
 
 def http(method: str, url: str, body: bytes | None = None) -> tuple[int, bytes]:
     """(status, body) of a plain HTTP request, errors included."""
-    request = urllib.request.Request(url, data=body, method=method, headers={"content-type": "application/json"})
+    status, _, answer = http_with_headers(method, url, body)
+    return status, answer
+
+
+def http_with_headers(method: str, url: str, body: bytes | None = None, headers: dict | None = None):
+    """(status, response headers, body) of a plain HTTP request, errors included."""
+    request = urllib.request.Request(url, data=body, method=method,
+                                     headers={"content-type": "application/json", **(headers or {})})
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, response.read()
+            return response.status, response.headers, response.read()
     except urllib.error.HTTPError as error:
-        return error.code, error.read()
+        return error.code, error.headers, error.read()
 
 
 def alone(llm, prompt, max_tokens, **kwargs):
@@ -192,6 +199,14 @@ def test_malformed_json_is_400_and_oversized_body_is_413(base_url):
     assert status == 413 and json.loads(body)["error"]["code"] == "request_too_large"
 
 
+def test_a_wrong_method_is_405_with_an_allow_header(base_url):
+    status, headers, body = http_with_headers("GET", f"{base_url}/v1/completions")
+    assert status == 405 and headers["allow"] == "POST"
+    assert json.loads(body)["error"]["type"] == "invalid_request_error"
+    status, headers, _ = http_with_headers("POST", f"{base_url}/v1/models", b"{}")
+    assert status == 405 and "GET" in headers["allow"]
+
+
 def test_full_queue_is_429_and_the_server_keeps_serving(client, llm):
     bound = llm.engine.max_queue
     llm.engine.max_queue = 0
@@ -199,6 +214,7 @@ def test_full_queue_is_429_and_the_server_keeps_serving(client, llm):
         with pytest.raises(openai.RateLimitError) as caught:
             client.completions.create(model=MODEL, prompt="hi", max_tokens=2)
         assert caught.value.body["code"] == "queue_full"
+        assert caught.value.response.headers["retry-after"] == "1"
     finally:
         llm.engine.max_queue = bound
     assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0).choices[0].text == \
