@@ -1,7 +1,10 @@
 """The OpenAI API's request and response bodies, as pydantic models (the subset Kiln serves).
 
 Requests are strict: an unknown field is an error naming it, rather than a setting silently
-ignored. Kiln's extra sampling settings (top_k, min_p, typical_p, eta, repetition_penalty,
+ignored, and values keep their JSON types (pydantic's strict mode: `"0.5"` is no number and
+`"yes"` no boolean, while an integer is taken where a float is expected, as OpenAI does). Fields
+common clients send that change nothing here (`store`, `metadata`, `service_tier`,
+`parallel_tool_calls`) are accepted and ignored. Kiln's extra sampling settings (top_k, min_p, typical_p, eta, repetition_penalty,
 ignore_eos, stop_token_ids) and output constraints (regex, choices) are accepted as extra body
 fields, as vLLM does; `response_format` takes OpenAI's json_object / json_schema.
 """
@@ -16,8 +19,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from kiln.runtime.sampler import REPETITION_PENALTY_RANGE
 
 
+STRICT = dict(strict=True)  # JSON types as sent: no "0.5" -> 0.5 or "yes" -> True (an int still fills a float)
+
+
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", **STRICT)
 
     include_usage: bool = False
 
@@ -25,7 +31,7 @@ class StreamOptions(BaseModel):
 class JsonSchemaFormat(BaseModel):
     """response_format.json_schema: the schema the output must satisfy (name/strict are accepted)."""
 
-    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    model_config = ConfigDict(extra="allow", populate_by_name=True, **STRICT)
 
     name: str = "response"
     schema_: dict | None = Field(None, alias="schema")
@@ -35,7 +41,7 @@ class JsonSchemaFormat(BaseModel):
 class ResponseFormat(BaseModel):
     """{"type": "text"} | {"type": "json_object"} | {"type": "json_schema", "json_schema": {...}}."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", **STRICT)
 
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
@@ -44,7 +50,7 @@ class ResponseFormat(BaseModel):
 class SamplingFields(BaseModel):
     """What both endpoints accept to steer generation."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)  # json.loads takes NaN and Infinity
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, **STRICT)  # json.loads takes NaN and Infinity
 
     model: str
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -70,6 +76,11 @@ class SamplingFields(BaseModel):
     response_format: ResponseFormat | None = None
     regex: str | None = None
     choices: list[str] | None = None
+    # sent by common clients (the openai SDK's callers, LangChain); accepted and ignored
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -84,6 +95,8 @@ class CompletionRequest(SamplingFields):
 
 
 class TextPart(BaseModel):
+    model_config = ConfigDict(**STRICT)
+
     type: Literal["text"]
     text: str
 
@@ -91,7 +104,7 @@ class TextPart(BaseModel):
 class ChatMessage(BaseModel):
     """A message; content parts other than text are refused (Kiln serves text models)."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", **STRICT)
 
     role: str
     content: str | list[TextPart] | None = None
@@ -159,6 +172,7 @@ class ChatLogprobs(BaseModel):
 class AssistantMessage(BaseModel):
     role: str = "assistant"
     content: str
+    refusal: str | None = None  # OpenAI's shape: null unless the model refused (never, here)
 
 
 class ChatChoice(BaseModel):

@@ -192,6 +192,35 @@ def test_invalid_parameters_are_400_naming_the_parameter(client, bad, param):
     assert caught.value.body["type"] == "invalid_request_error"
 
 
+def test_chat_message_carries_a_null_refusal(base_url):
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2}).encode()
+    status, answer = http("POST", f"{base_url}/v1/chat/completions", body)
+    assert status == 200
+    message = json.loads(answer)["choices"][0]["message"]
+    assert "refusal" in message and message["refusal"] is None
+
+
+@pytest.mark.parametrize("field, value", [("temperature", "0.5"), ("stream", "yes"), ("max_tokens", "4"),
+                                          ("ignore_eos", 1), ("top_p", True), ("seed", 1.0)])
+def test_values_of_the_wrong_json_type_are_400(base_url, field, value):
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
+                       field: value}).encode()
+    status, answer = http("POST", f"{base_url}/v1/chat/completions", body)
+    assert status == 400, answer
+    assert json.loads(answer)["error"]["param"] == field
+
+
+def test_an_int_fills_a_float_and_fields_clients_send_are_ignored(client, llm):
+    messages = [{"role": "user", "content": "Where is Paris?"}]
+    response = client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=6, temperature=0, top_p=1, presence_penalty=0,
+        extra_body={"store": False, "metadata": {"user": "x"}, "service_tier": "auto", "parallel_tool_calls": True})
+    assert response.choices[0].message.content == llm.chat(messages, max_new_tokens=6).text
+    completion = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0,
+                                           extra_body={"store": True, "service_tier": "default"})
+    assert completion.choices[0].text == alone(llm, PROMPTS[0], 4).text
+
+
 def test_malformed_json_is_400_and_oversized_body_is_413(base_url):
     status, body = http("POST", f"{base_url}/v1/completions", b"{not json")
     assert status == 400 and "not valid JSON" in json.loads(body)["error"]["message"]
