@@ -4,7 +4,7 @@
     app = create_app(kiln.load("model.kiln"))          # any ASGI server can run it
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (the model's chat template), GET
-/v1/models, GET /health, GET /metrics (Prometheus). Streaming uses server-sent events. Each
+/v1/models, GET /health, GET /metrics (Prometheus), GET /openapi.json. Streaming uses server-sent events. Each
 request is submitted to `llm.submit` and shares the KV slots with every other request in
 flight; a full waiting queue answers 429, and a client that goes away cancels its request.
 """
@@ -45,7 +45,8 @@ def create_app(llm, model_name: str | None = None, max_body_bytes: int = DEFAULT
     name = model_name or _default_name(llm)
     created = int(time.time())
     metrics = ServerMetrics(getattr(llm, "engine", None))
-    app = FastAPI(title="Kiln", docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(title="Kiln", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    app.openapi = _openapi(app)
     app.state.llm, app.state.model_name, app.state.metrics = llm, name, metrics
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     app.add_exception_handler(APIError, lambda request, error: error.response())
@@ -64,26 +65,73 @@ def create_app(llm, model_name: str | None = None, max_body_bytes: int = DEFAULT
     async def prometheus():
         return Response(metrics.exposition(), media_type=metrics.content_type)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", openapi_extra=_operation(None, api.ModelList))
     async def models():
         return _card_list(name, created, llm.max_seq_len).model_dump()
 
-    @app.get("/v1/models/{model_id:path}")
+    @app.get("/v1/models/{model_id:path}", openapi_extra=_operation(None, api.ModelCard))
     async def model(model_id: str):
         if model_id != name:
             raise model_not_found(model_id, name)
         return _card_list(name, created, llm.max_seq_len).data[0].model_dump()
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=_operation(api.CompletionRequest, api.CompletionResponse))
     async def completions(request: Request):
         return await _counted(metrics, "completions", lambda request_id: _completion(llm, name, request, metrics,
                                                                                      request_id))
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions",
+              openapi_extra=_operation(api.ChatCompletionRequest, api.ChatCompletionResponse, api.ChatCompletionChunk))
     async def chat_completions(request: Request):
         return await _counted(metrics, "chat", lambda request_id: _chat(llm, name, request, metrics, request_id))
 
     return app
+
+
+# -- the OpenAPI document -------------------------------------------------------------------------
+# The generation endpoints take the raw Request (so _parse can answer every bad body in OpenAI's
+# error shape), which leaves FastAPI nothing to describe; the request and response models are
+# declared here instead, for GET /openapi.json only: parsing and validation stay in _parse.
+OPENAPI_MODELS = ((api.CompletionRequest, "validation"), (api.ChatCompletionRequest, "validation"),
+                  (api.CompletionResponse, "serialization"), (api.ChatCompletionResponse, "serialization"),
+                  (api.ChatCompletionChunk, "serialization"), (api.ModelList, "serialization"),
+                  (api.ModelCard, "serialization"))
+SCHEMA_REF = "#/components/schemas/{model}"
+
+
+def _ref(model: type[BaseModel]) -> dict:
+    return {"$ref": SCHEMA_REF.format(model=model.__name__)}
+
+
+def _operation(request: type[BaseModel] | None, response: type[BaseModel], chunk: type[BaseModel] | None = None) -> dict:
+    """An operation's OpenAPI additions: the JSON request body and the 200 answer (streamed as
+    server-sent events of `chunk`, or of `response` again, when the request has stream=true)."""
+    content = {"application/json": {"schema": _ref(response)}}
+    if request is not None:
+        content["text/event-stream"] = {"schema": {"type": "string", "description": (
+            f"with stream=true: `data: <{(chunk or response).__name__} JSON>` events, then `data: [DONE]`")}}
+    extra = {"responses": {"200": {"description": "Successful Response", "content": content}}}
+    if request is not None:  # the generation endpoints: errors are OpenAI error objects
+        extra["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref(request)}}}
+    return extra
+
+
+def _openapi(app: FastAPI):
+    """app.openapi: FastAPI's document with the request/response models added as components."""
+    from fastapi.openapi.utils import get_openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            document = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            schemas = document.setdefault("components", {}).setdefault("schemas", {})
+            for model, mode in OPENAPI_MODELS:
+                schema = model.model_json_schema(ref_template=SCHEMA_REF, mode=mode)
+                schemas.update(schema.pop("$defs", {}))
+                schemas[model.__name__] = schema
+            app.openapi_schema = document
+        return app.openapi_schema
+
+    return openapi
 
 
 # -- the two generation endpoints ----------------------------------------------------------------

@@ -7,6 +7,7 @@ request run directly through `LLM.generate`.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -219,6 +220,32 @@ def test_an_int_fills_a_float_and_fields_clients_send_are_ignored(client, llm):
     completion = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0,
                                            extra_body={"store": True, "service_tier": "default"})
     assert completion.choices[0].text == alone(llm, PROMPTS[0], 4).text
+
+
+def test_openapi_document_describes_the_real_request_and_response_bodies(base_url):
+    status, body = http("GET", f"{base_url}/openapi.json")
+    assert status == 200
+    document = json.loads(body)
+    schemas = document["components"]["schemas"]
+
+    def resolve(schema: dict) -> dict:
+        return schemas[schema["$ref"].rsplit("/", 1)[-1]] if "$ref" in schema else schema
+
+    for path, request, response in (("/v1/completions", "CompletionRequest", "CompletionResponse"),
+                                    ("/v1/chat/completions", "ChatCompletionRequest", "ChatCompletionResponse")):
+        operation = document["paths"][path]["post"]
+        assert operation["requestBody"]["required"] is True
+        assert resolve(operation["requestBody"]["content"]["application/json"]["schema"]) is schemas[request]
+        assert resolve(operation["responses"]["200"]["content"]["application/json"]["schema"]) is schemas[response]
+    chat = schemas["ChatCompletionRequest"]
+    assert set(chat["required"]) == {"model", "messages"}
+    assert chat["properties"]["temperature"]["maximum"] == 2.0 and "top_k" in chat["properties"]
+    assert chat["additionalProperties"] is False
+    assert "prompt" in schemas["CompletionRequest"]["required"]
+    assert "refusal" in schemas["AssistantMessage"]["properties"]
+    refs = re.findall(r'"\$ref": ?"#/components/schemas/([^"]+)"', body.decode())
+    assert refs and all(name in schemas for name in refs)
+    assert http("GET", f"{base_url}/docs")[0] == 404  # the document only; no interactive docs page
 
 
 def test_malformed_json_is_400_and_oversized_body_is_413(base_url):
