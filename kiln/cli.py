@@ -229,6 +229,9 @@ def _serve_arguments(commands) -> None:
     serve.add_argument("--model-name", help="the model id clients send (default: the artifact's directory name)")
     serve.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
                        help="largest request body accepted; larger ones are answered 413 (default 4 MiB)")
+    serve.add_argument("--allowed-hosts", type=lambda text: [h for h in text.split(",") if h.strip()],
+                       help="comma-separated Host header names the server answers, others get a 400 "
+                            "(default: the --host address, localhost, 127.0.0.1, [::1]; '*': any)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                        help="uvicorn's log level (info logs every request)")
 
@@ -258,7 +261,7 @@ def _serve(args) -> int:
     name = args.model_name or Path(args.artifact).resolve().name.removesuffix(".kiln")
     print(f"[kiln serve] {name} on http://{args.host}:{args.port}/v1 (max_batch={llm.max_batch}, "
           f"max_seq_len={llm.max_seq_len})", file=sys.stderr, flush=True)
-    serve(llm, args.host, args.port, name, args.max_body_bytes, args.log_level)
+    serve(llm, args.host, args.port, name, args.max_body_bytes, args.log_level, args.allowed_hosts)
     return 0
 
 

@@ -39,9 +39,12 @@ MAX_JSON_DEPTH = 64  # far beyond any real body (a JSON schema's nesting include
 LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # json.loads makes them from escapes like "\ud800"
 
 
-def create_app(llm, model_name: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES) -> FastAPI:
+def create_app(llm, model_name: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               allowed_hosts: list[str] | None = None) -> FastAPI:
     """The ASGI app serving `llm` (a loaded `kiln.LLM`) under `model_name` (default: the artifact's
-    source directory name)."""
+    source directory name). `allowed_hosts`: the `Host` header values (port aside) answered; any
+    other is a 400, which keeps a web page on another name (DNS rebinding) from reaching a
+    loopback server. None answers any host; "*" in the list does too."""
     name = model_name or _default_name(llm)
     created = int(time.time())
     metrics = ServerMetrics(getattr(llm, "engine", None))
@@ -49,6 +52,11 @@ def create_app(llm, model_name: str | None = None, max_body_bytes: int = DEFAULT
     app.openapi = _openapi(app)
     app.state.llm, app.state.model_name, app.state.metrics = llm, name, metrics
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    if allowed_hosts is not None:
+        app.add_middleware(HostCheck, allowed=allowed_hosts)  # added last: runs first, before the body is read
+    # No CORS middleware: answers carry no Access-Control-Allow-Origin, so a browser keeps other
+    # origins' pages from reading them, and POSTs they could send without a preflight (a "simple"
+    # Content-Type) are refused 415 in _parse.
     app.add_exception_handler(APIError, lambda request, error: error.response())
     app.add_exception_handler(HTTPException, lambda request, error: APIError(  # a 405 keeps its Allow header
         error.status_code, str(error.detail), "invalid_request_error", headers=error.headers).response())
@@ -233,7 +241,15 @@ def _on_failure(request_id: str):
 
 
 async def _parse(request: Request, model: type[BaseModel]):
-    """The request body as `model`: malformed JSON and invalid fields are 400s naming the problem."""
+    """The request body as `model`: malformed JSON and invalid fields are 400s naming the problem;
+    a Content-Type other than application/json is a 415 (text/plain, form data and no type at all
+    are what a cross-origin page can POST without asking the server first)."""
+    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
+    if media_type != "application/json":
+        raise APIError(415, f"The request's Content-Type is {media_type or 'missing'}; this endpoint takes "
+                       "application/json. Fix: send the header Content-Type: application/json (curl: "
+                       "-H 'Content-Type: application/json').", "invalid_request_error", None,
+                       "unsupported_media_type")
     raw = await request.body()
     try:
         body = json.loads(raw)
@@ -441,16 +457,60 @@ def _default_name(llm) -> str:
     return source.rsplit("/", 1)[-1]
 
 
+class HostCheck:
+    """ASGI middleware: a request whose Host header (port aside) is not in `allowed` gets a 400 in
+    OpenAI's error shape ("*" allows any)."""
+
+    def __init__(self, app, allowed: list[str]):
+        self.app = app
+        self.allowed = {_host_form(host) for host in allowed}
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or "*" in self.allowed:
+            return await self.app(scope, receive, send)
+        host = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
+        if _host_name(host) not in self.allowed:
+            error = APIError(400, f"The Host header {host[:100]!r} is not one this server answers to "
+                             f"({', '.join(sorted(self.allowed))}). Fix: use one of those names, or start "
+                             "the server with --allowed-hosts naming this one.", "invalid_request_error",
+                             None, "invalid_host")
+            return await error.response()(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def _host_name(host: str) -> str:
+    """A Host header without its port: "[::1]:8000" -> "[::1]", "Example.com:80" -> "example.com"."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[:host.find("]") + 1] if "]" in host else host
+    return host.split(":", 1)[0]
+
+
+def _host_form(host: str) -> str:
+    """A host name or address as a Host header names it: lowercase, an IPv6 address in brackets."""
+    host = host.strip().lower()
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def default_allowed_hosts(host: str) -> list[str]:
+    """The hosts `kiln serve` answers by default: the bound address and the loopback names."""
+    return [host, "localhost", "127.0.0.1", "[::1]"]
+
+
 # -- running it ----------------------------------------------------------------------------------
 def serve(llm, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
-          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_level: str = "info") -> None:
-    """Serve `llm` until interrupted (loopback only unless `host` says otherwise): uvicorn in a
+          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_level: str = "info",
+          allowed_hosts: list[str] | None = None) -> None:
+    """Serve `llm` until interrupted (loopback only unless `host` says otherwise; Host headers
+    other than `allowed_hosts`, by default `default_allowed_hosts(host)`, are refused): uvicorn in a
     thread of its own, the engine's model calls in the calling (main) thread, where torch's
     OpenMP pool runs at full speed (Engine.run_in_this_thread says why)."""
     import uvicorn
 
-    server = uvicorn.Server(uvicorn.Config(create_app(llm, model_name, max_body_bytes), host=host, port=port,
-                                           log_level=log_level))
+    if allowed_hosts is None:
+        allowed_hosts = default_allowed_hosts(host)
+    app = create_app(llm, model_name, max_body_bytes, allowed_hosts)
+    server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
     stop = threading.Event()
 
     def run_http():

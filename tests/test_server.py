@@ -263,6 +263,51 @@ def test_a_wrong_method_is_405_with_an_allow_header(base_url):
     assert status == 405 and "GET" in headers["allow"]
 
 
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", "multipart/form-data"])
+def test_a_post_that_is_not_application_json_is_415(base_url, content_type):
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 2}).encode()
+    status, _, answer = http_with_headers("POST", f"{base_url}/v1/completions", body, {"content-type": content_type})
+    assert status == 415
+    error = json.loads(answer)["error"]
+    assert error["code"] == "unsupported_media_type" and error["type"] == "invalid_request_error"
+    assert content_type in error["message"] and "Fix:" in error["message"]
+    status, _, answer = http_with_headers("POST", f"{base_url}/v1/completions", body,
+                                          {"content-type": "application/json; charset=utf-8"})
+    assert status == 200, answer
+
+
+def test_no_cors_headers_are_sent(base_url):
+    origin = {"origin": "https://elsewhere.example"}
+    preflight = {**origin, "access-control-request-method": "POST", "access-control-request-headers": "content-type"}
+    status, headers, _ = http_with_headers("OPTIONS", f"{base_url}/v1/chat/completions", None, preflight)
+    assert status == 405 and "access-control-allow-origin" not in headers
+    body = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 1}).encode()
+    for method, path, data in (("GET", "/v1/models", None), ("POST", "/v1/completions", body)):
+        status, headers, _ = http_with_headers(method, f"{base_url}{path}", data, origin)
+        assert status == 200 and not any(name.lower().startswith("access-control-") for name in headers)
+
+
+def test_allowed_hosts_refuse_other_host_headers(llm):
+    from fastapi.testclient import TestClient
+
+    from kiln.runtime.server import default_allowed_hosts
+
+    app = create_app(llm, MODEL, allowed_hosts=default_allowed_hosts("10.1.2.3"))
+    with TestClient(app, base_url="http://127.0.0.1:8000") as client:
+        for host in ("127.0.0.1:8000", "localhost", "LOCALHOST:1234", "[::1]:8000", "10.1.2.3:8000"):
+            assert client.get("/health", headers={"host": host}).status_code == 200, host
+        for host in ("evil.example", "evil.example:8000", "localhost.evil.example", "127.0.0.2", ""):
+            response = client.get("/health", headers={"host": host})
+            assert response.status_code == 400, host
+            assert response.json()["error"]["code"] == "invalid_host"
+        response = client.post("/v1/completions", headers={"host": "evil.example"}, json={"model": MODEL})
+        assert response.status_code == 400 and response.json()["error"]["code"] == "invalid_host"
+    with TestClient(create_app(llm, MODEL, allowed_hosts=["*"])) as client:
+        assert client.get("/health", headers={"host": "anything.example"}).status_code == 200
+    with TestClient(create_app(llm, MODEL)) as client:  # None: any host, as before
+        assert client.get("/health", headers={"host": "anything.example"}).status_code == 200
+
+
 def test_full_queue_is_429_and_the_server_keeps_serving(client, llm):
     bound = llm.engine.max_queue
     llm.engine.max_queue = 0
@@ -370,6 +415,11 @@ def test_kiln_serve_runs_the_engine_in_the_main_thread_and_stops_on_ctrl_c(artif
         status, answer = http("POST", f"http://127.0.0.1:{port}/v1/completions", body)
         assert status == 200, answer
         assert json.loads(answer)["choices"][0]["text"] == alone(llm, PROMPTS[1], 4).text
+        assert http_with_headers("GET", f"http://127.0.0.1:{port}/health", None,
+                                 {"host": f"localhost:{port}"})[0] == 200
+        status, _, answer = http_with_headers("GET", f"http://127.0.0.1:{port}/health", None,
+                                              {"host": f"rebound.example:{port}"})
+        assert status == 400 and json.loads(answer)["error"]["code"] == "invalid_host"
         taken = subprocess.run([sys.executable, "-m", "kiln", "serve", str(artifact), "--port", str(port)],
                                capture_output=True, text=True, timeout=120)
         assert taken.returncode != 0 and "did not start" in taken.stderr
