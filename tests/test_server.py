@@ -7,7 +7,9 @@ request run directly through `LLM.generate`.
 from __future__ import annotations
 
 import json
+import os
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -372,6 +374,28 @@ def test_choices_and_malformed_response_format(client):
     with pytest.raises(openai.BadRequestError, match="json_schema.schema"):
         client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8,
                                   extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}})
+
+
+def test_a_killed_process_leaves_no_unpacked_aoti_package_behind(tiny_model_dirs, tmp_path, monkeypatch):
+    """Loading an inductor artifact unpacks its AOTInductor package under $TMPDIR; Kiln removes
+    that as soon as the load is done, so a server killed outright (no atexit, no destructor)
+    leaves nothing there."""
+    monkeypatch.setenv("KILN_LINEAR_KERNEL", "torch")  # keeps Kiln's own C++ kernels out of the build
+    monkeypatch.setenv("KILN_ATTENTION_KERNEL", "torch")
+    artifact = kiln.compile(str(tiny_model_dirs("llama")), out=tmp_path / "aoti.kiln", backend="inductor",
+                            max_seq_len=32, max_batch=1)
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    code = ("import os, signal, sys, kiln\n"
+            f"llm = kiln.load({str(artifact)!r})\n"
+            "unpacked = [p for p in os.listdir(sys.argv[1]) if 'aoti' in p]\n"
+            "print(unpacked, len(llm.generate('Once', max_new_tokens=2).token_ids), flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGKILL)\n")
+    done = subprocess.run([sys.executable, "-c", code, str(scratch)], env={**os.environ, "TMPDIR": str(scratch)},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == -signal.SIGKILL, done.stderr
+    assert done.stdout.strip() == "[] 2", done.stdout + done.stderr
+    assert not [p for p in scratch.rglob("*") if "aoti" in p.name]
 
 
 def test_serve_refuses_a_tensor_parallel_artifact(tmp_path, capsys):

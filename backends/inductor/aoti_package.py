@@ -14,7 +14,10 @@ needs the weights at compile time and bakes them in, so packages are built unfro
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import tempfile
+import threading
 from pathlib import Path
 
 import torch
@@ -98,7 +101,7 @@ class AOTIExecutable(StatefulRunner):
         with lowering_int8_as(info.get("int8_linear", "i8")):  # packages older than linear_q8: "i8"
             module = graph_to_fx(graph, weights, state=named_caches)
         constants = {**dict(module.named_parameters()), **dict(module.named_buffers())}
-        self.model = torch._inductor.aoti_load_package(str(self.directory / PACKAGE_FILE))
+        self.model = _load_package(self.directory / PACKAGE_FILE)
         # Inductor may fold a small weight into the code (e.g. RoPE's inv_freq): it then needs no feed.
         expected = self.model.get_constant_fqns()
         missing = sorted(set(expected) - set(constants))
@@ -122,6 +125,35 @@ class AOTIExecutable(StatefulRunner):
             if (self.directory / name).resolve() != (directory / name).resolve():
                 shutil.copyfile(self.directory / name, directory / name)
         return [PACKAGE_FILE, PACKAGE_INFO_FILE]
+
+
+# What a load leaves on disk (torch 2.13, CPU): AOTIModelPackageLoader unzips the .pt2 into
+# $TMPDIR/aotinductor_XXXXXX (its wrapper/kernel .cpp, .json and the .so it dlopens) and its C++
+# destructor removes that directory. A normal exit or dropping the model cleans up, but a server
+# killed (SIGKILL, the OOM killer, a crash) leaves one directory per load behind in /tmp. Once the
+# .so is dlopen-ed nothing in the directory is read again (CPU packages load no kernel files
+# lazily; a run after removing it answers the same), so the load is pointed at a private TMPDIR of
+# its own, which is removed as soon as the loader is built; the destructor's later removal of the
+# gone directory is silent. Only the load's own second or so is left exposed to a kill.
+_TMPDIR_LOCK = threading.Lock()  # TMPDIR is process-wide: one load at a time moves it
+
+
+def _load_package(path: Path):
+    """torch._inductor.aoti_load_package(path), leaving nothing unpacked on disk afterwards."""
+    staging = tempfile.mkdtemp(prefix="kiln_aoti_load_")
+    try:
+        with _TMPDIR_LOCK:
+            previous = os.environ.get("TMPDIR")
+            os.environ["TMPDIR"] = staging  # the C++ loader unpacks under std::filesystem::temp_directory_path()
+            try:
+                return torch._inductor.aoti_load_package(str(path))
+            finally:
+                if previous is None:
+                    del os.environ["TMPDIR"]
+                else:
+                    os.environ["TMPDIR"] = previous
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def _direct_runner(model):
