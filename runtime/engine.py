@@ -28,57 +28,16 @@ import numpy as np
 import torch
 
 from kiln.backends.cache_rows import copy_prefix
-from kiln.runtime.decode_loop import GenerationRequest, Row
 from kiln.runtime.errors import QueueFullError
 from kiln.runtime.kv_slots import KvSlots
+from kiln.runtime.request import GenerationSettings, Request, RequestStatus
 from kiln.runtime.request_handle import RequestHandle
-from kiln.runtime.results import GenerationResult, GenerationStats
 from kiln.runtime.token_ids import check_request_ids, model_vocab_size
 
 log = logging.getLogger(__name__)
 
 PREFILL_CHUNK = 128
 MAX_QUEUE = 256
-
-
-class Sequence:
-    """A request inside the engine: its Row (sampling, stop strings, text) and where its cache is."""
-
-    def __init__(self, handle: RequestHandle, row: Row):
-        self.handle, self.row = handle, row
-        self.slot = -1
-        self.fed = 0  # tokens of prompt + generated ones whose keys/values sit in the slot
-        self.reused = 0
-        self.submitted_at = time.perf_counter()
-        self.ttft_s = 0.0
-        self.prefill_s = 0.0
-
-    @property
-    def unfed(self) -> int:
-        """How many tokens wait to be fed (no list built: the scheduler asks every step)."""
-        return len(self.row.prompt) + len(self.row.tokens) - self.fed
-
-    def newest(self) -> int:
-        """The next token to feed (the only one, in a decode step)."""
-        prompt, fed = self.row.prompt, self.fed
-        return prompt[fed] if fed < len(prompt) else self.row.tokens[fed - len(prompt)]
-
-    def pending(self) -> list[int]:
-        """The tokens to feed before the next sampling: the prompt's rest, then generated tokens."""
-        prompt, fed = self.row.prompt, self.fed
-        if fed < len(prompt):
-            return prompt[fed:] + self.row.tokens
-        return self.row.tokens[fed - len(prompt):]
-
-    def result(self) -> GenerationResult:
-        row = self.row
-        return GenerationResult(
-            text=row.text, token_ids=list(row.tokens), finish_reason=row.finish_reason or "length",
-            prompt_token_ids=list(row.prompt), logprobs=row.logprobs,
-            stats=GenerationStats(tokens_in=len(row.prompt), tokens_out=len(row.tokens), ttft_s=self.ttft_s,
-                                  prefill_s=self.prefill_s, decode_s=row.decode_s, max_new_tokens=row.max_new,
-                                  clamped=row.clamped, cached_tokens=self.reused, model_steps=row.model_steps,
-                                  forced_tokens=row.forced_count))
 
 
 class Engine:
@@ -96,8 +55,8 @@ class Engine:
         self.slots = KvSlots(self.max_batch, prefix_caching, getattr(executable, "copies_rows", True))
         # a prompt chunk needs its last position's logits only, where the executable can skip the rest
         self._last_only = {"last_only": True} if getattr(executable, "selects_logits", False) else {}
-        self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
         self._next_id = 0
         self._lock = threading.Lock()  # guards `waiting` and the id counter
         self._work = threading.Event()
@@ -114,20 +73,20 @@ class Engine:
     def slots_in_use(self) -> int:
         return self.slots.in_use
 
-    def submit(self, prompt: list[int], request: GenerationRequest, seed: int, bounded: bool = True,
+    def submit(self, prompt: list[int], settings: GenerationSettings, seed: int, bounded: bool = True,
                sink: queue.SimpleQueue | None = None, tag=None, background: bool = True) -> RequestHandle:
         """Queue a request (its settings validated by the caller; its token ids checked here, as
         an id outside the vocabulary would fail the model call); `bounded` refuses it when
         max_queue wait. `background=False` leaves the stepping to the caller (`drive`) unless the
         engine thread already runs."""
-        check_request_ids(prompt, request, self.vocab_size)
+        check_request_ids(prompt, settings, self.vocab_size)
         with self._lock:
             if bounded and len(self.waiting) >= self.max_queue:
                 raise QueueFullError(self.max_queue)
             handle = RequestHandle(self._next_id, sink, tag)
             self._next_id += 1
             decoder = self.decoder_factory() if self.decoder_factory else None
-            self.waiting.append(Sequence(handle, Row(list(prompt), request, seed, self.max_seq_len, decoder)))
+            self.waiting.append(Request(list(prompt), settings, seed, self.max_seq_len, decoder, handle))
         if background:
             self._ensure_thread()
         self._work.set()
@@ -211,10 +170,10 @@ class Engine:
         try:
             self._drop_cancelled()
             self._admit()
-            prefilling = next((s for s in self.running if s.unfed > 1), None)
+            prefilling = next((r for r in self.running if r.unfed > 1), None)
             if prefilling is not None:
                 self._guarded([prefilling], self._feed_chunk, prefilling)
-            decoding = [s for s in self.running if s.unfed == 1]
+            decoding = [r for r in self.running if r.unfed == 1]
             if decoding:
                 self._guarded(decoding, self._decode, decoding)
         except Exception as error:  # noqa: BLE001 - a scheduler bug: fail the requests, keep the engine
@@ -224,133 +183,135 @@ class Engine:
 
     def _admit(self) -> None:
         while self.waiting:
-            seq = self.waiting[0]
+            request = self.waiting[0]
             try:
-                if not self._admit_next(seq):
+                if not self._admit_next(request):
                     return
             except Exception as error:  # noqa: BLE001 - that request fails, the others go on
-                self._fail(seq, error)
+                self._fail(request, error)
 
-    def _admit_next(self, seq: Sequence) -> bool:
-        """Move `seq` (the first waiting request) into a free row; False when none is free."""
-        placement = self.slots.place(seq.row.prompt)
+    def _admit_next(self, request: Request) -> bool:
+        """Give the first waiting request a free KV row; False when none is free."""
+        placement = self.slots.place(request.prompt)
         if placement is None:
             return False
         with self._lock:
             self.waiting.popleft()
-        if not seq.row.active:  # nothing to generate (max_new_tokens 0)
-            self._finish(seq)
+        if not request.generating:  # nothing to generate (max_new_tokens 0)
+            self._end(request, RequestStatus.DONE)
             return True
-        seq.slot, seq.fed = placement.row, placement.reused
-        seq.reused = placement.reused
-        self.slots.occupy(seq.slot, seq, seq.row.prompt[:placement.reused])
-        self.running.append(seq)
+        request.status = RequestStatus.RUNNING
+        request.kv_row, request.fed = placement.row, placement.reused
+        request.reused = placement.reused
+        self.slots.occupy(request.kv_row, request, request.prompt[:placement.reused])
+        self.running.append(request)
         if placement.copy_from is not None:
             copy_prefix(self.executable.cache_views(), placement.copy_from, placement.row, placement.reused)
         return True
 
-    def _feed_chunk(self, seq: Sequence) -> None:
+    def _feed_chunk(self, request: Request) -> None:
         start = time.perf_counter()
-        tokens = seq.pending()[:self.prefill_chunk]
-        positions = torch.arange(seq.fed, seq.fed + len(tokens), dtype=torch.int64)[None]
-        logits = self.executable.run(torch.tensor([tokens], dtype=torch.int64), positions, first_row=seq.slot,
+        tokens = request.pending()[:self.prefill_chunk]
+        positions = torch.arange(request.fed, request.fed + len(tokens), dtype=torch.int64)[None]
+        logits = self.executable.run(torch.tensor([tokens], dtype=torch.int64), positions, first_row=request.kv_row,
                                      **self._last_only)
-        self.slots.fed(seq.slot, tokens, seq.fed)
-        seq.fed += len(tokens)
-        if not seq.unfed:
-            self._accept(seq, logits[0, -1])
-        seq.prefill_s += time.perf_counter() - start
+        self.slots.fed(request.kv_row, tokens, request.fed)
+        request.fed += len(tokens)
+        if not request.unfed:
+            self._accept(request, logits[0, -1])
+        request.prefill_s += time.perf_counter() - start
 
-    def _decode(self, seqs: list[Sequence]) -> None:
+    def _decode(self, requests: list[Request]) -> None:
+        """One call over KV rows [0, the highest decoding one]: each decoding request's newest token."""
         start = time.perf_counter()
-        rows = max(s.slot for s in seqs) + 1
+        batch_rows = max(r.kv_row for r in requests) + 1
         # Python lists, one tensor each at the end: element-wise writes into a tensor cost
         # microseconds apiece, which the engine would pay every token.
-        tokens = [0] * rows
-        positions = [min(len(self.slots.contents[row]), self.max_seq_len - 1) for row in range(rows)]  # placeholders
-        for seq in seqs:
-            tokens[seq.slot], positions[seq.slot] = seq.newest(), seq.fed
-        logits = self.executable.run(torch.from_numpy(np.array(tokens, dtype=np.int64).reshape(rows, 1)),
-                                     torch.from_numpy(np.array(positions, dtype=np.int64).reshape(rows, 1)),
-                                     **self._logits_out(rows))
+        tokens = [0] * batch_rows
+        positions = [min(len(self.slots.contents[kv_row]), self.max_seq_len - 1)  # placeholders
+                     for kv_row in range(batch_rows)]
+        for request in requests:
+            tokens[request.kv_row], positions[request.kv_row] = request.newest(), request.fed
+        logits = self.executable.run(torch.from_numpy(np.array(tokens, dtype=np.int64).reshape(batch_rows, 1)),
+                                     torch.from_numpy(np.array(positions, dtype=np.int64).reshape(batch_rows, 1)),
+                                     **self._logits_out(batch_rows))
         # rows of logits through numpy views: torch indexing is dispatcher work per row per token
-        rows_logits = logits.numpy()[:, 0] if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
-        for row in range(rows):
-            self.slots.scribbled(row, positions[row])
-        for seq in seqs:
-            self.slots.fed(seq.slot, [tokens[seq.slot]], seq.fed)
-            seq.fed += 1
-            self._accept(seq, torch.from_numpy(rows_logits[seq.slot]) if rows_logits is not None else logits[seq.slot, 0])
+        numpy_logits = logits.numpy()[:, 0] if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
+        for kv_row in range(batch_rows):
+            self.slots.scribbled(kv_row, positions[kv_row])
+        for request in requests:
+            kv_row = request.kv_row
+            self.slots.fed(kv_row, [tokens[kv_row]], request.fed)
+            request.fed += 1
+            self._accept(request, torch.from_numpy(numpy_logits[kv_row]) if numpy_logits is not None
+                         else logits[kv_row, 0])
         elapsed = time.perf_counter() - start
-        for seq in seqs:
-            seq.row.decode_s += elapsed
+        for request in requests:
+            request.decode_s += elapsed
 
-    def _logits_out(self, rows: int) -> dict:
-        """`out=` for a decode call of `rows` rows when the executable can write logits into a
-        buffer it made (`logits_buffer`): one per row count, reused every step (a step's logits
-        are consumed before the next)."""
-        keywords = self._decode_logits.get(rows)
+    def _logits_out(self, batch_rows: int) -> dict:
+        """`out=` for a decode call over `batch_rows` rows when the executable can write logits
+        into a buffer it made (`logits_buffer`): one per row count, reused every step (a step's
+        logits are consumed before the next)."""
+        keywords = self._decode_logits.get(batch_rows)
         if keywords is None:
             make = getattr(self.executable, "logits_buffer", None)
-            buffer = make(rows, 1) if make is not None else None
-            keywords = self._decode_logits[rows] = {} if buffer is None else {"out": buffer}
+            buffer = make(batch_rows, 1) if make is not None else None
+            keywords = self._decode_logits[batch_rows] = {} if buffer is None else {"out": buffer}
         return keywords
 
-    def _accept(self, seq: Sequence, logits: torch.Tensor) -> None:
-        piece = seq.row.accept(logits)
-        # Tokens a constraint forces: alone, a row appends them now and feeds them as one chunk
-        # (fast-forward); beside other rows they ride one per shared decode step instead, which
-        # costs nothing extra there, where a single-row chunk call per row would (measured: 1.6-3x
-        # the CPU time with 8 rows).
-        if seq.row.active and len(self.running) == 1:
-            piece += seq.row.push_forced()
-        if not seq.ttft_s:
-            seq.ttft_s = time.perf_counter() - seq.submitted_at
+    def _accept(self, request: Request, logits: torch.Tensor) -> None:
+        piece = request.accept(logits)
+        # Tokens a constraint forces: alone, a request appends them now and feeds them as one
+        # chunk (fast-forward); beside others they ride one per shared decode step instead, which
+        # costs nothing extra there, where a single-row chunk call per request would (measured:
+        # 1.6-3x the CPU time with 8 rows).
+        if request.generating and len(self.running) == 1:
+            piece += request.push_forced()
+        if not request.ttft_s:
+            request.ttft_s = time.perf_counter() - request.submitted_at
         if piece:
-            seq.handle.post_piece(piece)
-        if not seq.row.active:
-            self._finish(seq)
+            request.handle.post_piece(piece)
+        if not request.generating:
+            self._end(request, RequestStatus.DONE)
 
-    def _guarded(self, seqs: list[Sequence], fn, *args) -> None:
+    def _guarded(self, requests: list[Request], fn, *args) -> None:
         """Run a model call; if it fails, fail the requests it served (the others go on)."""
         try:
             fn(*args)
         except Exception as error:  # noqa: BLE001 - handed to each caller, who re-raises it
-            for seq in seqs:
-                self._fail(seq, error)
+            for request in requests:
+                self._fail(request, error)
 
-    def _fail(self, seq: Sequence, error: Exception) -> None:
+    def _fail(self, request: Request, error: Exception) -> None:
         """End one request with `error` wherever it is (waiting or running)."""
-        with self._lock:
-            if seq in self.waiting:
-                self.waiting.remove(seq)
-        if seq in self.running:
-            self._release(seq)
-            self.slots.contents[seq.slot] = []  # a failed call or copy may have left the row's cache half written
-        if not seq.handle.done:
-            seq.handle.post_error(error)
+        if request.status is RequestStatus.RUNNING:
+            self.slots.contents[request.kv_row] = []  # a failed call or copy may have left the row half written
+        self._end(request, RequestStatus.FAILED, error)
 
     def _fail_all(self, error: Exception) -> None:
-        for seq in [*self.running, *self.waiting]:
-            self._fail(seq, error)
+        for request in [*self.running, *self.waiting]:
+            self._fail(request, error)
 
     def _drop_cancelled(self) -> None:
-        for seq in [s for s in self.running if s.handle.cancel_requested]:
-            seq.row.finish_reason = "cancelled"
-            self._finish(seq)
         with self._lock:
-            cancelled = [s for s in self.waiting if s.handle.cancel_requested]
-            for seq in cancelled:
-                self.waiting.remove(seq)
-        for seq in cancelled:
-            seq.row.finish_reason = "cancelled"
-            seq.handle.post_result(seq.result())
+            cancelled = [r for r in [*self.running, *self.waiting] if r.handle.cancel_requested]
+        for request in cancelled:
+            request.finish_reason = "cancelled"
+            self._end(request, RequestStatus.CANCELLED)
 
-    def _finish(self, seq: Sequence) -> None:
-        if seq in self.running:
-            self._release(seq)
-        seq.handle.post_result(seq.result())
-
-    def _release(self, seq: Sequence) -> None:
-        self.running.remove(seq)
-        self.slots.release(seq.slot)
+    def _end(self, request: Request, status: RequestStatus, error: Exception | None = None) -> None:
+        """Leave the queue or free the KV row, and tell the caller (the result, or the error)."""
+        with self._lock:
+            if request.status is RequestStatus.WAITING and request in self.waiting:
+                self.waiting.remove(request)
+        if request.status is RequestStatus.RUNNING:
+            self.running.remove(request)
+            self.slots.release(request.kv_row)
+        request.status = status
+        if request.handle.done:
+            return
+        if error is not None:
+            request.handle.post_error(error)
+        else:
+            request.handle.post_result(request.result())

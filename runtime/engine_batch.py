@@ -9,7 +9,7 @@ from __future__ import annotations
 import queue
 from typing import Iterator, Sequence
 
-from kiln.runtime.decode_loop import GenerationRequest
+from kiln.runtime.request import GenerationSettings
 from kiln.runtime.request_handle import RequestHandle
 from kiln.runtime.results import GenerationResult
 
@@ -19,14 +19,13 @@ class EngineBatch:
     limit: the caller waits for them anyway) and, unless the engine thread runs, steps the engine
     in the calling thread. Stopping the iteration early cancels the rest."""
 
-    def __init__(self, engine, prompts: Sequence[list[int]], request: GenerationRequest, seeds: Sequence[int]):
-        self.engine, self.prompts, self.request, self.seeds = engine, list(prompts), request, list(seeds)
-        self.rows = self.prompts  # TextStream counts prompts by len(rows)
+    def __init__(self, engine, prompts: Sequence[list[int]], settings: GenerationSettings, seeds: Sequence[int]):
+        self.engine, self.prompts, self.settings, self.seeds = engine, list(prompts), settings, list(seeds)
         self.handles: list[RequestHandle] = []
 
     def __iter__(self) -> Iterator[tuple[int, str]]:
         events: queue.SimpleQueue = queue.SimpleQueue()
-        self.handles = [self.engine.submit(p, self.request, s, bounded=False, sink=events, tag=i, background=False)
+        self.handles = [self.engine.submit(p, self.settings, s, bounded=False, sink=events, tag=i, background=False)
                         for i, (p, s) in enumerate(zip(self.prompts, self.seeds))]
         remaining = len(self.handles)
         try:
@@ -44,20 +43,28 @@ class EngineBatch:
             for handle in self.handles:
                 handle.cancel()  # a no-op for finished ones
 
+    @property
+    def prompt_count(self) -> int:
+        return len(self.prompts)
+
     def results(self) -> list[GenerationResult]:
         return [handle.result() for handle in self.handles]
 
 
 class Exclusive:
-    """A generation (iterable of (row, piece) with `results()`) run while the engine is idle."""
+    """A generation (iterable of (prompt index, piece) pairs, with `prompt_count` and `results()`)
+    run while the engine is idle."""
 
     def __init__(self, engine, generation):
         self.engine, self.generation = engine, generation
-        self.rows = generation.rows
 
     def __iter__(self):
         with self.engine.exclusive():
             yield from self.generation
+
+    @property
+    def prompt_count(self) -> int:
+        return self.generation.prompt_count
 
     def results(self) -> list[GenerationResult]:
         return self.generation.results()

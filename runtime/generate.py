@@ -19,7 +19,7 @@ from typing import Sequence
 import torch
 
 from kiln.runtime.constraint_compiler import pop_constraint
-from kiln.runtime.decode_loop import GenerationRequest
+from kiln.runtime.request import GenerationSettings
 from kiln.runtime.engine import Engine
 from kiln.runtime.engine_batch import EngineBatch, Exclusive
 from kiln.runtime.errors import ContextLengthError, GenerationError, TokenizerError
@@ -101,14 +101,14 @@ class LLM:
         speculative = sampling.pop("speculative", None)
         constraint = pop_constraint(self.tokenizer, sampling)
         params = sampling_params(temperature, top_k, top_p, sampling)
-        single, token_lists, request, seeds = self._plan(prompts, max_new_tokens, params, seed, stop, ignore_eos,
+        single, token_lists, settings, seeds = self._plan(prompts, max_new_tokens, params, seed, stop, ignore_eos,
                                                          stop_token_ids, constraint)
         if speculative is not None and constraint is not None:
             raise GenerationError("speculative decoding does not take json_schema, regex or choices. Fix: drop "
                                   "one of them (forced tokens already skip decode steps without a drafter).")
         if speculative is not None:
-            return TextStream(self._speculative(token_lists, request, seeds, speculative), single)
-        return TextStream([EngineBatch(self.engine, token_lists, request, seeds)], single)
+            return TextStream(self._speculative(token_lists, settings, seeds, speculative), single)
+        return TextStream([EngineBatch(self.engine, token_lists, settings, seeds)], single)
 
     def submit(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                seed: int = 0, stop: str | Sequence[str] | None = None, ignore_eos: bool = False,
@@ -119,11 +119,11 @@ class LLM:
         arguments raise here; a full queue raises QueueFullError."""
         constraint = pop_constraint(self.tokenizer, sampling)
         params = sampling_params(temperature, top_k, top_p, sampling)
-        single, token_lists, request, seeds = self._plan(prompt, max_new_tokens, params, seed, stop, ignore_eos,
+        single, token_lists, settings, seeds = self._plan(prompt, max_new_tokens, params, seed, stop, ignore_eos,
                                                          stop_token_ids, constraint)
         if not single:
             raise GenerationError("submit takes one prompt. Fix: call it once per prompt (or use generate for a list).")
-        return self.engine.submit(token_lists[0], request, seeds[0])
+        return self.engine.submit(token_lists[0], settings, seeds[0])
 
     def chat(self, messages: list[dict], **kwargs) -> GenerationResult:
         """Generate the assistant's reply to a conversation, using the model's chat template."""
@@ -166,13 +166,13 @@ class LLM:
         stop_ids = [int(t) for t in stop_token_ids]
         check_token_ids(stop_ids, vocab_size, "stop_token_ids")
         check_token_set((token for token, _ in params.logit_bias), vocab_size, "logit_bias")
-        request = GenerationRequest(
+        settings = GenerationSettings(
             max_new_tokens=int(max_new_tokens), sampling=params, stop=stops,
             eos_ids=self.tokenizer.eos_ids if self.tokenizer and not ignore_eos else frozenset(),
             stop_token_ids=frozenset(stop_ids), constraint=constraint)
-        return single, token_lists, request, seeds
+        return single, token_lists, settings, seeds
 
-    def _speculative(self, token_lists, request, seeds, speculative) -> list:
+    def _speculative(self, token_lists, settings, seeds, speculative) -> list:
         """Speculative generations of one prompt each, holding the executable alone while they run."""
         from kiln.runtime.speculative import ModelDrafter, PromptLookupDrafter, SpeculativeGeneration
 
@@ -187,7 +187,7 @@ class LLM:
                                   "a draft LLM from kiln.load, or an object with propose() and feedback().")
 
         decoder = self.tokenizer.incremental_decoder if self.tokenizer else None
-        return [Exclusive(self.engine, SpeculativeGeneration(self.executable, prompt, request, seed, drafter(), decoder,
+        return [Exclusive(self.engine, SpeculativeGeneration(self.executable, prompt, settings, seed, drafter(), decoder,
                                                              vocab_size=self.vocab_size))
                 for prompt, seed in zip(token_lists, seeds)]
 

@@ -26,8 +26,8 @@ from typing import Protocol, Sequence
 
 import torch
 
-from kiln.runtime.decode_loop import GenerationRequest, Row
-from kiln.runtime.results import GenerationResult, GenerationStats
+from kiln.runtime.request import GenerationSettings, Request
+from kiln.runtime.results import GenerationResult
 from kiln.runtime.sampler import TokenLogprob
 from kiln.runtime.token_ids import check_request_ids, model_vocab_size
 
@@ -113,45 +113,43 @@ class SpeculativeGeneration:
     """One prompt generated with a drafter. Iterate for (0, text piece) pairs, then read
     `results()`; the same interface as EngineBatch, for a batch of one."""
 
-    def __init__(self, executable, prompt: list[int], request: GenerationRequest, seed: int, drafter: Drafter,
+    prompt_count = 1
+
+    def __init__(self, executable, prompt: list[int], settings: GenerationSettings, seed: int, drafter: Drafter,
                  decoder_factory=None, vocab_size: int | None = None):
         self.executable = executable
         self.vocab_size = vocab_size or model_vocab_size(executable)
-        check_request_ids(prompt, request, self.vocab_size)
+        check_request_ids(prompt, settings, self.vocab_size)
         self.max_seq_len = executable.options.max_seq_len
-        self.row = Row(list(prompt), request, seed, self.max_seq_len, decoder_factory() if decoder_factory else None)
+        self.request = Request(list(prompt), settings, seed, self.max_seq_len,
+                               decoder_factory() if decoder_factory else None)
         self.drafter = drafter
-        self.greedy = request.sampling.greedy
-        self.prefill_s = 0.0
+        self.greedy = settings.sampling.greedy
         self.target_steps = self.drafted = self.accepted = 0
 
     def __iter__(self):
-        row = self.row
-        if not row.active:
+        request = self.request
+        if not request.generating:
             return
         start = time.perf_counter()
-        tokens = torch.tensor([row.prompt])
-        logits = self.executable.run(tokens, torch.arange(len(row.prompt))[None])[0, -1]
-        self.prefill_s = time.perf_counter() - start
-        piece = row.accept(logits)
+        tokens = torch.tensor([request.prompt])
+        logits = self.executable.run(tokens, torch.arange(len(request.prompt))[None])[0, -1]
+        request.prefill_s = request.ttft_s = time.perf_counter() - start
+        piece = request.accept(logits)
         if piece:
             yield 0, piece
-        while row.active:
+        while request.generating:
             start = time.perf_counter()
             pieces = self._step()
-            row.decode_s += time.perf_counter() - start
+            request.decode_s += time.perf_counter() - start
             yield from ((0, p) for p in pieces if p)
-
-    @property
-    def rows(self) -> list[Row]:
-        return [self.row]
 
     def _step(self) -> list[str]:
         """Draft, verify in one target call, emit the accepted tokens and the target's own."""
-        row = self.row
-        context = row.prompt + row.tokens
+        request = self.request
+        context = request.prompt + request.tokens
         position = len(context) - 1  # the newest token's slot
-        room = min(self.max_seq_len - 1 - position, row.max_new - len(row.tokens) - 1)
+        room = min(self.max_seq_len - 1 - position, request.max_new - len(request.tokens) - 1)
         draft = self.drafter.propose(context, room) if room > 0 else []
         # a drafter's guesses as the target can take them: within the room left, ids it knows
         draft = list(draft[:_valid_prefix(draft[:room], self.vocab_size)])
@@ -162,13 +160,13 @@ class SpeculativeGeneration:
         pieces, accepted = [], 0
         for i, guess in enumerate(draft):
             choice = self._judge(logits[i], guess)
-            pieces.append(row.push(choice))
-            if choice.token != guess or not row.active:
+            pieces.append(request.push(choice))
+            if choice.token != guess or not request.generating:
                 break
             accepted += 1
         else:
-            if row.active:  # every draft accepted: the target's token after the last one is free
-                pieces.append(row.accept(logits[len(draft)]))
+            if request.generating:  # every draft accepted: the target's token after the last one is free
+                pieces.append(request.accept(logits[len(draft)]))
         self.drafted += len(draft)
         self.accepted += accepted
         self.drafter.feedback(len(draft), accepted)
@@ -176,10 +174,10 @@ class SpeculativeGeneration:
 
     def _judge(self, logits: torch.Tensor, guess: int) -> TokenLogprob:
         """The token to emit where the drafter guessed `guess` (the guess itself when accepted)."""
-        row = self.row
-        sampler = row.sampler
+        request = self.request
+        sampler = request.sampler
         raw = logits.detach().float()
-        processed = sampler.process(raw, row.prompt, row.tokens)
+        processed = sampler.process(raw, request.prompt, request.tokens)
         if self.greedy:
             token = int(torch.argmax(processed))
         else:
@@ -193,12 +191,8 @@ class SpeculativeGeneration:
         return sampler._with_logprobs(raw, token)
 
     def results(self) -> list[GenerationResult]:
-        row = self.row
-        steps = max(self.target_steps, 1)
-        stats = GenerationStats(tokens_in=len(row.prompt), tokens_out=len(row.tokens), ttft_s=self.prefill_s,
-                                prefill_s=self.prefill_s, decode_s=row.decode_s, max_new_tokens=row.max_new,
-                                clamped=row.clamped, target_steps=self.target_steps, drafted_tokens=self.drafted,
-                                accepted_tokens=self.accepted,
-                                tokens_per_target_step=(len(row.tokens) - 1) / steps if self.target_steps else 0.0)
-        return [GenerationResult(text=row.text, token_ids=list(row.tokens), finish_reason=row.finish_reason or "length",
-                                 prompt_token_ids=list(row.prompt), stats=stats, logprobs=row.logprobs)]
+        request = self.request
+        return [request.result(
+            model_steps=self.target_steps + 1, target_steps=self.target_steps, drafted_tokens=self.drafted,
+            accepted_tokens=self.accepted,
+            tokens_per_target_step=(len(request.tokens) - 1) / self.target_steps if self.target_steps else 0.0)]

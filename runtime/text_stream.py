@@ -27,10 +27,10 @@ class TextStream:
     def _pieces(self):
         offset = 0
         for batch in self._batches:
-            for row, piece in batch:
-                yield piece if self._single else (offset + row, piece)
+            for index, piece in batch:
+                yield piece if self._single else (offset + index, piece)
             self._done.extend(batch.results())
-            offset += len(batch.rows)
+            offset += batch.prompt_count
 
     @property
     def results(self) -> GenerationResult | list[GenerationResult]:

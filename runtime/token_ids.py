@@ -57,8 +57,8 @@ def check_token_set(ids: Iterable[int], vocab_size: int | None, field: str) -> N
             raise TokenIdError(token, field, None, vocab_size)
 
 
-def check_request_ids(prompt: Sequence[int], request, vocab_size: int | None) -> None:
-    """Every id a GenerationRequest for `prompt` names: the prompt's, stop_token_ids, logit_bias keys."""
+def check_request_ids(prompt: Sequence[int], settings, vocab_size: int | None) -> None:
+    """Every id a request for `prompt` with `settings` names: the prompt's, stop_token_ids, logit_bias keys."""
     check_token_ids(prompt, vocab_size, "the prompt")
-    check_token_set(request.stop_token_ids, vocab_size, "stop_token_ids")
-    check_token_set((token for token, _ in request.sampling.logit_bias), vocab_size, "logit_bias")
+    check_token_set(settings.stop_token_ids, vocab_size, "stop_token_ids")
+    check_token_set((token for token, _ in settings.sampling.logit_bias), vocab_size, "logit_bias")

@@ -17,6 +17,7 @@ from kiln.backends.executable import BackendOptions
 from kiln.backends.reference import ReferenceExecutable
 from kiln.runtime.errors import QueueFullError
 from kiln.runtime.generate import LLM
+from kiln.runtime.request import GenerationSettings, RequestStatus
 from test_generate_loop import MAX_SEQ_LEN, tiny_stateful_graph, tokenizer  # noqa: F401 - a fixture
 
 ROWS = 4
@@ -170,6 +171,29 @@ def test_cancel_frees_the_row_and_reports_cancelled():
     assert handle.result(timeout=60).finish_reason == "cancelled"
     assert waiting.result(timeout=60).token_ids == alone([6], max_new_tokens=3).token_ids
     assert llm.engine.slots_in_use == 0
+
+
+def test_a_request_goes_from_waiting_to_running_in_a_kv_row_to_done_cancelled_or_failed(monkeypatch):
+    engine = LLM(executable(1)).engine
+    settings = GenerationSettings(max_new_tokens=3)
+    first, second = (engine.submit(prompt, settings, seed=0, background=False) for prompt in ([3, 4], [5]))
+    requests = list(engine.waiting)
+    assert [r.status for r in requests] == [RequestStatus.WAITING] * 2
+    engine.drive()
+    assert (requests[0].status, requests[0].kv_row) == (RequestStatus.RUNNING, 0)
+    assert (requests[1].status, requests[1].kv_row) == (RequestStatus.WAITING, None)
+    second.cancel()
+    while engine.drive():
+        pass
+    assert requests[0].status is RequestStatus.DONE and first.result().finish_reason == "length"
+    assert requests[1].status is RequestStatus.CANCELLED and second.result().finish_reason == "cancelled"
+    monkeypatch.setattr(engine.executable, "run", lambda *args, **kwargs: 1 / 0)
+    failing = engine.submit([6], settings, seed=0, background=False)
+    request = engine.waiting[0]
+    engine.drive()
+    assert request.status is RequestStatus.FAILED and engine.slots_in_use == 0
+    with pytest.raises(ZeroDivisionError):
+        failing.result(timeout=1)
 
 
 def test_a_full_queue_refuses_new_requests():

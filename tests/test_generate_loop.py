@@ -14,7 +14,7 @@ import torch
 from kiln.backends.executable import BackendOptions
 from kiln.backends.reference import ReferenceExecutable
 from kiln.ir import Graph, TensorType, symbol
-from kiln.runtime.decode_loop import GenerationRequest
+from kiln.runtime.request import GenerationSettings
 from kiln.runtime.engine_batch import EngineBatch
 from kiln.runtime.errors import ContextLengthError
 from kiln.runtime.generate import LLM
@@ -131,7 +131,7 @@ def test_a_full_context_prompt_still_gets_one_token():
 def test_generation_stops_at_eos_and_keeps_it_in_the_token_ids():
     free = LLM(executable()).generate(LONG, max_new_tokens=8).token_ids
     eos = free[3]
-    run = EngineBatch(LLM(executable()).engine, [LONG], GenerationRequest(max_new_tokens=8, eos_ids=frozenset({eos})), [0])
+    run = EngineBatch(LLM(executable()).engine, [LONG], GenerationSettings(max_new_tokens=8, eos_ids=frozenset({eos})), [0])
     list(run)
     (result,) = run.results()
     assert result.token_ids == free[:free.index(eos) + 1] and result.finish_reason == "eos"
@@ -234,7 +234,7 @@ def test_speculative_sampling_keeps_the_target_distribution():
     """The accept/reject rule: emitted tokens follow the target's distribution whatever the draft."""
     import collections
 
-    from kiln.runtime.decode_loop import GenerationRequest
+    from kiln.runtime.request import GenerationSettings
     from kiln.runtime.sampler import SamplingParams
     from kiln.runtime.speculative import SpeculativeGeneration
 
@@ -251,7 +251,7 @@ def test_speculative_sampling_keeps_the_target_distribution():
         def run(self, tokens, positions):
             return torch.tensor([0.6, 0.3, 0.1]).log().expand(*tokens.shape, 3)
 
-    request = GenerationRequest(max_new_tokens=3, sampling=SamplingParams(temperature=1.0))
+    request = GenerationSettings(max_new_tokens=3, sampling=SamplingParams(temperature=1.0))
     counts = collections.Counter()
     for seed in range(1500):
         generation = SpeculativeGeneration(Static(), [0], request, seed, Fixed())

@@ -67,9 +67,9 @@ def test_every_entry_point_checks_token_ids_before_any_model_call():
 
 
 def _request():
-    from kiln.runtime.decode_loop import GenerationRequest
+    from kiln.runtime.request import GenerationSettings
 
-    return GenerationRequest(max_new_tokens=2)
+    return GenerationSettings(max_new_tokens=2)
 
 
 def test_a_drafted_token_outside_the_vocabulary_is_rejected_unread():

@@ -15,7 +15,7 @@ import pytest
 import kiln
 from kiln.runtime.constraint_compiler import compile_constraint
 from kiln.runtime.constraint_spec import constraint_spec
-from kiln.runtime.decode_loop import GenerationRequest
+from kiln.runtime.request import GenerationSettings
 from kiln.runtime.engine_batch import EngineBatch
 from kiln.runtime.errors import ConstraintError
 from kiln.runtime.sampler import SamplingParams
@@ -79,7 +79,7 @@ def test_constraint_masks_sampling_but_logprobs_stay_the_models(tiny_llm):
 def batch(llm, prompts, seeds, temperature=0.0, **constraint):
     """Run prompts through the engine to the end; their results."""
     spec = constraint_spec(**constraint)
-    request = GenerationRequest(max_new_tokens=100, sampling=SamplingParams(temperature=temperature),
+    request = GenerationSettings(max_new_tokens=100, sampling=SamplingParams(temperature=temperature),
                                 eos_ids=llm.tokenizer.eos_ids, constraint=compile_constraint(llm.tokenizer, spec))
     run = EngineBatch(llm.engine, prompts, request, seeds)
     for _ in run:

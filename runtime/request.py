@@ -1,0 +1,195 @@
+"""One request as the runtime sees it: `GenerationSettings` (what is asked) and `Request` (where
+it is, what it has generated, and how it samples). The caller holds a `RequestHandle`
+(request_handle.py) to read it from another thread; everything else about a request is here.
+
+A `Request` goes WAITING -> RUNNING (it holds a KV-cache row, `kv_row`) -> DONE, CANCELLED or
+FAILED (`status`). While running, `fed` counts the prompt and generated tokens whose keys and
+values sit in its row; `unfed` more wait to be fed (a prompt chunk when more than one, else
+a decode step). Whoever runs the model (the engine, or a speculative generation) calls
+`accept(logits)` with the logits after the newest token: the request samples (or takes the token
+a constraint forces), appends it, and sets `finish_reason` when its generation ends.
+
+A request with a constraint (json_schema / regex / choices, constraints.py) samples only tokens
+its grammar allows and takes forced tokens without sampling. Fast-forward appends the forced
+tokens ahead (`push_forced`); the engine then feeds them with the newest token in one
+multi-token call.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kiln.runtime.constraints import CompiledConstraint
+from kiln.runtime.detokenizer import IncrementalDecoder
+from kiln.runtime.results import GenerationResult, GenerationStats
+from kiln.runtime.sampler import Sampler, SamplingParams, TokenLogprob
+from kiln.runtime.stop_strings import StopStringMatcher
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """What every prompt of a `generate` call (or one `submit`) is asked for."""
+
+    max_new_tokens: int = 64
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    eos_ids: frozenset[int] = frozenset()
+    stop_token_ids: frozenset[int] = frozenset()  # end like EOS, with finish_reason "stop"
+    constraint: CompiledConstraint | None = None  # json_schema / regex / choices (constraint_compiler.py)
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"  # queued for a KV row
+    RUNNING = "running"  # holds `kv_row`: prefilling or decoding
+    DONE = "done"  # generation ended (finish_reason says why); the row is free again
+    CANCELLED = "cancelled"
+    FAILED = "failed"
+
+    @property
+    def ended(self) -> bool:
+        return self in (RequestStatus.DONE, RequestStatus.CANCELLED, RequestStatus.FAILED)
+
+
+def max_new_tokens_that_fit(prompt_len: int, requested: int, max_seq_len: int) -> int:
+    """Every token fed to the model needs a cache slot; the last new token is never fed, so a
+    prompt of length L can get up to max_seq_len - L + 1 new tokens."""
+    return max(0, min(requested, max_seq_len - prompt_len + 1))
+
+
+class Request:
+    """One prompt from submission to its result (see the module docstring).
+
+    `model_steps` counts `accept` calls (the model calls whose logits it used), `forced_count`
+    the tokens a constraint forced."""
+
+    def __init__(self, prompt: list[int], settings: GenerationSettings, seed: int, max_seq_len: int,
+                 decoder: IncrementalDecoder | None = None, handle=None):
+        self.prompt = prompt
+        self.settings = settings
+        self.handle = handle  # the caller's RequestHandle (None outside the engine)
+        self.status = RequestStatus.WAITING
+        self.kv_row: int | None = None
+        self.fed = 0
+        self.reused = 0  # prompt tokens whose keys and values a cached prefix supplied
+        self.max_new = max_new_tokens_that_fit(len(prompt), settings.max_new_tokens, max_seq_len)
+        self.clamped = self.max_new < settings.max_new_tokens
+        self.logprobs = [] if settings.sampling.logprobs is not None else None
+        self.seed = seed
+        self.sampler = Sampler(settings.sampling, seed)
+        self.decoder = decoder
+        self.stop = StopStringMatcher(settings.stop)
+        self.constraint = settings.constraint.start() if settings.constraint is not None else None
+        self.tokens: list[int] = []
+        self.text = ""
+        self.finish_reason: str | None = None if self.max_new > 0 else ("context" if self.clamped else "length")
+        self.model_steps = 0
+        self.forced_count = 0
+        self.submitted_at = time.perf_counter()
+        self.ttft_s = self.prefill_s = self.decode_s = 0.0
+
+    @property
+    def id(self) -> int | None:
+        return self.handle.id if self.handle is not None else None
+
+    @property
+    def generating(self) -> bool:
+        """Whether more tokens are to come (no finish_reason yet)."""
+        return self.finish_reason is None
+
+    # -- what to feed ----------------------------------------------------------------------
+    @property
+    def unfed(self) -> int:
+        """How many tokens wait to be fed (no list built: the scheduler asks every step)."""
+        return len(self.prompt) + len(self.tokens) - self.fed
+
+    def newest(self) -> int:
+        """The next token to feed (the only one, in a decode step)."""
+        prompt, fed = self.prompt, self.fed
+        return prompt[fed] if fed < len(prompt) else self.tokens[fed - len(prompt)]
+
+    def pending(self) -> list[int]:
+        """The tokens to feed before the next sampling: the prompt's rest, then generated tokens."""
+        prompt, fed = self.prompt, self.fed
+        if fed < len(prompt):
+            return prompt[fed:] + self.tokens
+        return self.tokens[fed - len(prompt):]
+
+    # -- sampling ----------------------------------------------------------------------------
+    def accept(self, logits: torch.Tensor) -> str:
+        """Sample the next token from logits [vocab] (among the tokens a constraint allows, or
+        the one it forces); return the text it completes."""
+        self.model_steps += 1
+        if self.constraint is None:
+            return self.push(self.sampler.choose(logits, self.prompt, self.tokens))
+        forced = self.constraint.forced(1)
+        if forced:
+            return self.push(self.sampler.score(logits, forced[0]))
+        allowed = self.constraint.allowed(logits.shape[-1])
+        return self.push(self.sampler.choose(logits, self.prompt, self.tokens, allowed=allowed))
+
+    def forced_tokens(self) -> list[int]:
+        """The tokens the constraint forces next, within the token budget: what `push_forced`
+        would append. Empty without a constraint, when fast-forward is off, or when
+        log-probabilities were asked for (forced tokens then come one decode step each, scored)."""
+        if self.constraint is None or not self.constraint.fast_forward or self.logprobs is not None:
+            return []
+        if not self.generating:
+            return []
+        return self.constraint.forced(self.max_new - len(self.tokens))
+
+    def push_forced(self) -> str:
+        """Append `forced_tokens()` without sampling; return the text they complete. The caller
+        feeds them (they have no keys and values yet)."""
+        return "".join(self.push(TokenLogprob(token, 0.0)) for token in self.forced_tokens() if self.generating)
+
+    def push(self, choice: TokenLogprob) -> str:
+        """Append a chosen token; return the text it completes."""
+        token = choice.token
+        if self.constraint is not None and self.constraint.advance(token):
+            self.forced_count += 1
+        self.tokens.append(token)
+        if self.logprobs is not None:
+            self.logprobs.append(choice)
+        piece = ""
+        if token in self.settings.eos_ids:
+            self.finish_reason = "eos"
+        elif token in self.settings.stop_token_ids:
+            self.finish_reason = "stop"
+        else:
+            if self.decoder is not None:
+                piece = self.stop.push(self.decoder.push(token))
+            if self.stop.stopped:
+                self.finish_reason = "stop"
+            elif self.constraint is not None and self.constraint.complete:
+                piece += self._remaining_text()  # before finishing: "stop" would drop the held text
+                self.finish_reason = self.finish_reason or "stop"
+            elif len(self.tokens) >= self.max_new:
+                self.finish_reason = "context" if self.clamped else "length"
+        if not self.generating:
+            piece += self._remaining_text()
+        self.text += piece
+        return piece
+
+    def _remaining_text(self) -> str:
+        if self.decoder is None or self.finish_reason == "stop":
+            return ""
+        piece = self.stop.push(self.decoder.finish())
+        if self.stop.stopped:
+            self.finish_reason = "stop"
+        return piece + self.stop.flush()
+
+    # -- the end -------------------------------------------------------------------------------
+    def result(self, **stats_of_the_caller) -> GenerationResult:
+        """The result so far; `stats_of_the_caller` sets GenerationStats fields that whoever
+        ran the model knows (a speculative generation's target steps)."""
+        stats = dict(tokens_in=len(self.prompt), tokens_out=len(self.tokens), ttft_s=self.ttft_s,
+                     prefill_s=self.prefill_s, decode_s=self.decode_s, max_new_tokens=self.max_new,
+                     clamped=self.clamped, cached_tokens=self.reused, model_steps=self.model_steps,
+                     forced_tokens=self.forced_count)
+        stats.update(stats_of_the_caller)
+        return GenerationResult(text=self.text, token_ids=list(self.tokens), finish_reason=self.finish_reason or "length",
+                                prompt_token_ids=list(self.prompt), logprobs=self.logprobs,
+                                stats=GenerationStats(**stats))
