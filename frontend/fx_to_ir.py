@@ -16,10 +16,10 @@ import torch.fx
 from kiln.ir import Graph, TensorType, Value, from_torch, symbol
 from kiln.ir.dims import dims_equal, format_dim, normalize
 
-from .errors import UnsupportedOpError
+from .errors import KilnError, UnsupportedOpError
 
 
-class ConversionError(RuntimeError):
+class ConversionError(KilnError, RuntimeError):
     """A mapped ATen op produced an IR type that disagrees with what torch.export recorded."""
 
 
@@ -133,11 +133,12 @@ class FxToIr:
             return
         handler = ATEN_TO_IR.get(node.target)
         if handler is None:
-            raise UnsupportedOpError(_op_name(node.target), _arg_shapes(node), source_line(node))
+            raise UnsupportedOpError.in_capture(_op_name(node.target), _arg_shapes(node), source_line(node))
         try:
             result = handler(self, *node.args, **node.kwargs)
         except NotImplementedError as e:
-            raise UnsupportedOpError(f"{_op_name(node.target)} ({e})", _arg_shapes(node), source_line(node)) from None
+            raise UnsupportedOpError.in_capture(f"{_op_name(node.target)} ({e})", _arg_shapes(node),
+                                              source_line(node)) from None
         self.env[node] = result
         if isinstance(result, Value) and isinstance(val, torch.Tensor):
             self._check_type(node, result)

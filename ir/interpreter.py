@@ -12,12 +12,13 @@ import torch
 
 from .dims import evaluate, free_symbols
 from .dtypes import to_torch
+from .errors import KilnError
 from .graph import Graph, Value, freeze_attr
 from .printer import format_node
 from .registry import get_op
 
 
-class InterpreterError(RuntimeError):
+class InterpreterError(KilnError, RuntimeError):
     """Inputs do not match the graph, or a node produced something its type does not allow."""
 
 

@@ -5,12 +5,13 @@ import json
 import re
 
 from .dims import parse_dim
+from .errors import KilnError
 from .graph import Graph, Value
 from .printer import FORMAT_VERSION
 from .tensor_type import TensorType
 
 
-class ParseError(ValueError):
+class ParseError(KilnError, ValueError):
     """The IR text is malformed; the message names the line."""
 
 

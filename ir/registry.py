@@ -4,12 +4,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+from .errors import KilnError
 from .tensor_type import TensorType
 
 REQUIRED = object()  # marks an attribute with no default
 
 
-class OpError(ValueError):
+class OpError(KilnError, ValueError):
     """An op was applied to inputs or attributes its schema rejects."""
 
 

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 from .dims import dims_equal
+from .errors import KilnError
 from .graph import Graph, Value
 from .printer import format_node
 from .registry import OpError, get_op
 
 
-class VerificationError(ValueError):
+class VerificationError(KilnError, ValueError):
     """The graph is malformed; the message names the offending node or value."""
 
 

@@ -16,10 +16,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable
 
-import torch
-
 from kiln.backends.executable import BackendOptions
 from kiln.backends.registry import backend_version, get_backend
+from kiln.compile_options import CompileOptions, check_memory
 from kiln.runtime.artifact import read_artifact, save_artifact
 from kiln.runtime.generate import LLM
 from kiln.runtime.tokenizer import Tokenizer
@@ -92,21 +91,15 @@ def compile(model=None, out: str | Path = "model.kiln", backend: str = "inductor
     from kiln.frontend.checkpoint import load_model
     from kiln.frontend.compile_breaks import check_graph_breaks, report_files
     from kiln.passes.pipeline import run_pipeline
-    from kiln.passes.quant_schemes import get_scheme
 
     report = progress or (lambda message: None)
     started = time.perf_counter()
-    quantize = None if quantize in (None, "none") else quantize
-    _check_target(dtype, backend, device, quantize)
-    scheme = get_scheme(quantize) if quantize else None  # an unknown name fails before the slow steps
-    if scheme is not None and scheme.needs_calibration:
-        from kiln.calibration import check_source
-
-        check_source(calibration)
-    options = BackendOptions(max_batch=max_batch, max_seq_len=max_seq_len, dtype=dtype, quantize=quantize,
-                             quantize_embeddings=quantize_embeddings, device=device)
-    backend_module = get_backend(backend)  # fail before the slow steps if the backend is unusable
-    _check_tensor_parallel(tensor_parallel, backend, quantize)
+    checked = CompileOptions.checked(  # every option, before the slow steps
+        model=model, out=out, backend=backend, max_seq_len=max_seq_len, max_batch=max_batch, dtype=dtype,
+        device=device, quantize=quantize, quantize_embeddings=quantize_embeddings, calibration=calibration,
+        tensor_parallel=tensor_parallel, dump_ir=dump_ir)
+    quantize, scheme, options = checked.quantize, checked.scheme, checked.backend_options()
+    backend_module = get_backend(backend)
     if model is None:
         from kiln.frontend.default_model import default_model_dir
 
@@ -114,6 +107,7 @@ def compile(model=None, out: str | Path = "model.kiln", backend: str = "inductor
             model = default_model_dir()
     with _step(report, f"load {model}"):
         loaded = load_model(model)
+    check_memory(loaded.model.config, checked)
     tokens, calibration_source = None, None
     if scheme is not None and scheme.needs_calibration:
         from kiln.calibration import calibration_tokens
@@ -127,7 +121,7 @@ def compile(model=None, out: str | Path = "model.kiln", backend: str = "inductor
     def capture_and_lower():
         with _step(report, "capture the forward into IR"):
             graph = capture_causal_lm(loaded.model, max_batch=max_batch, max_seq_len=max_seq_len,
-                                      dtype=COMPUTE_DTYPES[dtype])
+                                      dtype=checked.torch_dtype)
         with _step(report, "run the pass pipeline"):
             graph = run_pipeline(graph, options, dump_dir=dump_ir, calibration=tokens)
         if tensor_parallel > 1:
@@ -165,47 +159,11 @@ def compile(model=None, out: str | Path = "model.kiln", backend: str = "inductor
             "backend_version": backend_version(backend_module),
             "source": str(loaded.checkpoint_dir),
             "source_hash": loaded.source_hash,
-            "options": {**dataclasses.asdict(options), "calibration": calibration_source},
+            "options": checked.manifest_options(calibration_source),
             "graph_stats": {**graph_stats(graph), "compile_s": round(time.perf_counter() - started, 3)},
             "graph_breaks": breaks.counts,
         })
     return path
-
-
-COMPUTE_DTYPES = {"f32": torch.float32, "f16": torch.float16}
-
-
-def _check_target(dtype: str, backend: str, device: str, quantize: str | None) -> None:
-    """Fail before the slow steps on a dtype or device the target cannot run (the manifest records them)."""
-    if dtype not in COMPUTE_DTYPES:
-        raise ValueError(f"dtype {dtype!r} is not one Kiln compiles. Fix: use one of {sorted(COMPUTE_DTYPES)} "
-                         "(and quantize='int8' or 'int4-g32' for smaller weights).")
-    if dtype != "f32" and (backend != "onnxruntime" or device.split(":")[0] == "cpu"):
-        raise ValueError(f"dtype {dtype!r} is for GPUs: Kiln lowers it with backend='onnxruntime' for "
-                         f"device='cuda' (got backend={backend!r}, device={device!r}); CPUs without native half "
-                         "precision run f16 matmuls far slower than f32. Fix: dtype='f32' on the CPU (with "
-                         "quantize='int8' or 'int4-g32' for smaller weights), or backend='onnxruntime', device='cuda'.")
-    if device.split(":")[0] != "cpu" and backend != "onnxruntime":
-        raise ValueError(f"device {device!r}: the {backend} backend runs on the CPU only so far. Fix: "
-                         "device='cpu', or backend='onnxruntime' (CUDA through onnxruntime-gpu).")
-    if dtype != "f32" and quantize is not None:  # the quantizer reads f32 weights only
-        raise ValueError(f"quantize={quantize!r} with dtype {dtype!r} is not supported yet: Kiln quantizes f32 "
-                         "weights. Fix: dtype='f32' with quantize, or dtype='f16' without it.")
-
-
-def _check_tensor_parallel(ranks: int, backend: str, quantize: str | None) -> None:
-    if not isinstance(ranks, int) or ranks < 1:
-        raise ValueError(f"tensor_parallel must be a positive integer, got {ranks!r}")
-    if ranks > 1 and backend not in ("inductor", "reference"):
-        from kiln.passes.shard_tensor_parallel import ShardingError
-
-        raise ShardingError(f"the {backend} backend cannot run a tensor-parallel graph. "
-                            "Fix: use --backend inductor (or reference), or drop --tensor-parallel")
-    if ranks > 1 and quantize:
-        from kiln.passes.shard_tensor_parallel import ShardingError
-
-        raise ShardingError("tensor parallelism does not shard quantized weights yet. "
-                            "Fix: drop --quantize or --tensor-parallel")
 
 
 def _shard(graph, ranks: int):

@@ -47,8 +47,8 @@ def calibration_tokens(source, tokenizer_path: Path, max_seq_len: int) -> tuple[
 def check_source(source) -> None:
     """Fail early (before the model loads) on a calibration file that does not exist."""
     if isinstance(source, (str, Path)) and not Path(source).is_file():
-        raise CalibrationSourceError(f"calibration file {source} does not exist; give a UTF-8 text file "
-                                     "(or leave it out for the bundled Moby-Dick chapters)")
+        raise CalibrationSourceError(f"calibration file {source} does not exist. Fix: give a UTF-8 text file "
+                                     "(or leave it out for the bundled Moby-Dick chapters).")
 
 
 def _text(source) -> tuple[str, str]:

@@ -8,8 +8,9 @@
     kiln ir MODEL|ARTIFACT|FILE.kir [--stateful]   (print a graph's IR)
     kiln serve model.kiln [--host 127.0.0.1] [--port 8000]   (OpenAI-compatible HTTP server)
 
-A Kiln error prints one line to stderr and exits with status 2; there is no traceback for
-mistakes the user can fix.
+Every mistake the user can fix prints one line to stderr, naming it and the fix, and exits with
+status 2: a Kiln error, a flag argparse refuses, an option out of range. Options are checked
+before any slow step (loading a model or an artifact).
 """
 from __future__ import annotations
 
@@ -19,9 +20,20 @@ import time
 from pathlib import Path
 
 from kiln.backends.registry import BACKENDS
-from kiln.ir.errors import KilnError
+from kiln.ir.errors import KilnError, OptionError
 
 EXIT_USAGE = 2
+
+
+class UsageError(OptionError):
+    """The command line itself is malformed: an unknown flag, a missing argument, a value argparse cannot parse."""
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with its errors raised as one-line UsageErrors (not a usage block and SystemExit)."""
+
+    def error(self, message: str):
+        raise UsageError(f"{self.prog}: {message}. Fix: see `{self.prog} --help`.")
 
 
 def _run(main, argv) -> int:
@@ -29,11 +41,28 @@ def _run(main, argv) -> int:
     try:
         return main(argv)
     except KilnError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {_one_line(str(e))}", file=sys.stderr)
+        return EXIT_USAGE
+    except MemoryError:
+        print("error: out of memory. Fix: a smaller --max-seq-len or --max-batch (or a smaller model).",
+              file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+
+
+def _one_line(message: str) -> str:
+    return " ".join(line.strip() for line in message.splitlines() if line.strip())
+
+
+def _check_positive(args, *names: str) -> None:
+    """Flags that count something (tokens, rows, requests, bytes) must be at least 1."""
+    for name in names:
+        value = getattr(args, name)
+        if value < 1:
+            flag = "--" + name.replace("_", "-")
+            raise OptionError(f"{flag} must be at least 1, got {value}. Fix: pass a positive number ({flag} N).")
 
 
 # -- compile-model -----------------------------------------------------------------------------
@@ -42,11 +71,9 @@ def compile_model_main(argv: list[str] | None = None) -> int:
     return _run(_compile_model, argv)
 
 
-def _compile_model(argv) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["explain"]:  # a model directory named "explain" is passed as ./explain
-        return _explain(argv[1:])
-    parser = argparse.ArgumentParser(prog="compile-model", description="Compile a causal LM into a Kiln artifact. "
+def compile_parser() -> argparse.ArgumentParser:
+    """The parser of `compile-model` (not of `compile-model explain`: explain_parser)."""
+    parser = Parser(prog="compile-model", description="Compile a causal LM into a Kiln artifact. "
                                      "`compile-model explain --help`: explain its graph breaks.")
     parser.add_argument("model", nargs="?", help="local Hugging Face directory or .gguf file "
                         "(default: the bundled SmolLM2-135M-Instruct)")
@@ -70,7 +97,14 @@ def _compile_model(argv) -> int:
                         "(default: bundled Moby-Dick chapters)")
     parser.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                         help="shard over N ranks (run with torchrun --nproc-per-node N -m kiln generate ...)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _compile_model(argv) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["explain"]:  # a model directory named "explain" is passed as ./explain
+        return _explain(argv[1:])
+    args = compile_parser().parse_args(argv)
 
     import json
 
@@ -99,8 +133,8 @@ def _compile_model(argv) -> int:
     return 0
 
 
-def _explain(argv) -> int:
-    parser = argparse.ArgumentParser(
+def explain_parser() -> argparse.ArgumentParser:
+    parser = Parser(
         prog="compile-model explain",
         description="Capture a model with Dynamo and explain every graph break and recompile it meets: where, "
                     "why in plain words, what it costs, whether Kiln removes it, and how to fix it.")
@@ -111,7 +145,20 @@ def _explain(argv) -> int:
     parser.add_argument("--sections", default="forward,stateless,generate",
                         help="for a model, what to capture, comma-separated: forward (with a DynamicCache, prefill "
                              "and decode), stateless (what Kiln compiles), generate (model.generate)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _explain(argv) -> int:
+    from kiln.frontend.explain_targets import SECTIONS
+
+    args = explain_parser().parse_args(argv)
+    if args.out:
+        _check_output_file(Path(args.out))
+    sections = tuple(s.strip() for s in args.sections.split(",") if s.strip())
+    unknown = sorted(set(sections) - set(SECTIONS))
+    if unknown or not sections:
+        raise OptionError(f"--sections {args.sections!r} names no section or unknown ones {unknown}. "
+                          f"Fix: a comma-separated list of {', '.join(SECTIONS)}.")
 
     import json
 
@@ -126,15 +173,15 @@ def _explain(argv) -> int:
         from kiln.frontend.default_model import default_model_dir
 
         target = str(default_model_dir())
-    sections = []
-    for subject in load_target(target, tuple(s.strip() for s in args.sections.split(",") if s.strip())):
+    analyzed = []
+    for subject in load_target(target, sections):
         started = time.perf_counter()
         print(f"[compile-model explain] capture {subject.name} ...", file=sys.stderr, flush=True)
-        sections.append(analyze(subject))
-        print(f"[compile-model explain] {subject.name}: {sections[-1].summary_line()}, "
-              f"{sections[-1].counts['recompiles']} recompile(s) ({time.perf_counter() - started:.1f}s)",
+        analyzed.append(analyze(subject))
+        print(f"[compile-model explain] {subject.name}: {analyzed[-1].summary_line()}, "
+              f"{analyzed[-1].counts['recompiles']} recompile(s) ({time.perf_counter() - started:.1f}s)",
               file=sys.stderr, flush=True)
-    report = make_report(target, sections)
+    report = make_report(target, analyzed)
     render = {"md": render_markdown, "html": render_html,
               "json": lambda r: json.dumps(r.to_json(), indent=2) + "\n"}[args.format]
     text = render(report)
@@ -145,6 +192,18 @@ def _explain(argv) -> int:
         print(text, end="")
     print(report.summary_line(), file=sys.stderr)
     return 0
+
+
+def _check_output_file(path: Path) -> None:
+    """A report file can be written at `path` (checked before the minutes of analysis)."""
+    try:
+        fits = not path.is_dir() and path.parent.is_dir()
+    except OSError as error:
+        raise OptionError(f"-o {str(path)[:80]!r} cannot be used: {error.strerror or error}. "
+                          "Fix: choose another path.") from None
+    if not fits:
+        raise OptionError(f"-o {path}: {'is a directory' if path.is_dir() else f'{path.parent} is not a directory'}. "
+                          "Fix: give a file path in an existing directory.")
 
 
 # -- kiln generate / kiln chat -----------------------------------------------------------------
@@ -167,8 +226,9 @@ def _sampling_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
 
 
-def _kiln(argv) -> int:
-    parser = argparse.ArgumentParser(prog="kiln", description="Run a compiled Kiln artifact.")
+def kiln_parser() -> argparse.ArgumentParser:
+    """The parser of `kiln` and its commands."""
+    parser = Parser(prog="kiln", description="Run a compiled Kiln artifact.")
     commands = parser.add_subparsers(dest="command", required=True)
     gen = commands.add_parser("generate", help="generate text for one prompt")
     gen.add_argument("artifact")
@@ -186,22 +246,24 @@ def _kiln(argv) -> int:
     show.add_argument("--max-seq-len", type=int, default=1024)
     show.add_argument("--max-batch", type=int, default=1)
     _serve_arguments(commands)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _kiln(argv) -> int:
+    args = kiln_parser().parse_args(argv)
     if args.command == "serve":
         return _serve(args)
     if args.command == "ir":
         from kiln.ir_listing import show_ir
 
+        _check_positive(args, "max_seq_len", "max_batch")
         print(show_ir(args.target, stateful=args.stateful, max_batch=args.max_batch, max_seq_len=args.max_seq_len))
         return 0
 
     import kiln
 
+    sampling = _checked_sampling(args)
     llm = kiln.load(args.artifact)
-    sampling = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                    top_p=args.top_p, min_p=args.min_p, typical_p=args.typical_p, eta=args.eta,
-                    repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
-                    frequency_penalty=args.frequency_penalty, seed=args.seed)
     from kiln.runtime.distributed import is_main_rank
 
     if args.command == "generate":
@@ -217,6 +279,23 @@ def _kiln(argv) -> int:
               file=sys.stderr)
         return EXIT_USAGE
     return _chat_loop(llm, args.system, sampling)
+
+
+def _checked_sampling(args) -> dict:
+    """generate's keyword arguments from the sampling flags, refused before the artifact loads."""
+    from kiln.runtime.generate import SEED_LIMIT
+    from kiln.runtime.sampler import SamplingParams
+
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
+                    typical_p=args.typical_p, eta=args.eta, repetition_penalty=args.repetition_penalty,
+                    presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
+    SamplingParams(**sampling)  # GenerationError naming the setting and its range
+    if args.max_new_tokens < 0:
+        raise OptionError(f"--max-new-tokens must be 0 or more, got {args.max_new_tokens}. "
+                          "Fix: e.g. --max-new-tokens 128.")
+    if not 0 <= args.seed < SEED_LIMIT:
+        raise OptionError(f"--seed must be in [0, 2**63), got {args.seed}. Fix: e.g. --seed 0.")
+    return dict(max_new_tokens=args.max_new_tokens, seed=args.seed, **sampling)
 
 
 def _serve_arguments(commands) -> None:
@@ -237,6 +316,15 @@ def _serve_arguments(commands) -> None:
 
 
 def _serve(args) -> int:
+    _check_positive(args, "max_queue", "max_body_bytes")
+    if not 0 < args.port < 65536:
+        raise OptionError(f"--port must be in [1, 65535], got {args.port}. Fix: e.g. --port 8000.")
+    if args.allowed_hosts is not None and not args.allowed_hosts:
+        raise OptionError("--allowed-hosts names no host. Fix: a comma-separated list (e.g. localhost,127.0.0.1), "
+                          "'*' for any, or leave it out for the default.")
+    if args.model_name is not None and not args.model_name.strip():
+        raise OptionError("--model-name is empty. Fix: give the id clients send, or leave it out for the "
+                          "artifact's directory name.")
     try:
         import fastapi  # noqa: F401
         import prometheus_client  # noqa: F401

@@ -12,9 +12,10 @@ serves prefill and decode at every position: positions are data, not shapes.
 from __future__ import annotations
 
 from kiln.ir import Graph, Node, TensorType, Value
+from kiln.ir.errors import KilnError
 
 
-class KVCacheInsertionError(ValueError):
+class KVCacheInsertionError(KilnError, ValueError):
     """The graph does not have the shape this pass expects (a stateless causal LM forward)."""
 
 

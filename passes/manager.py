@@ -17,9 +17,10 @@ from typing import Callable, Mapping
 import torch
 
 from kiln.ir import Graph, VerificationError, print_graph, run_graph, to_torch, verify
+from kiln.ir.errors import KilnError
 
 
-class PassError(RuntimeError):
+class PassError(KilnError, RuntimeError):
     """A pass broke the graph (verifier or interpreter check); the message names the pass."""
 
 

@@ -55,7 +55,7 @@ def get_scheme(name: str) -> QuantScheme:
         return SCHEMES[name]
     except KeyError:
         raise UnknownSchemeError(f"unknown quantization scheme {name!r}; known schemes: {', '.join(SCHEMES)} "
-                                 "(or none)") from None
+                                 "(or none). Fix: pick one of those (--quantize SCHEME).") from None
 
 
 def scheme_names() -> list[str]:

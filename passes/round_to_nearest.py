@@ -19,6 +19,8 @@ import torch
 
 from kiln.ir.ops.quantized import dequantize, group_count, pack_int4
 
+from .quant_schemes import UnknownSchemeError
+
 
 @dataclass
 class QuantizedWeight:
@@ -55,8 +57,8 @@ def quantize_weight(w: torch.Tensor, bits: int, group_size: int, symmetric: bool
                     clip: torch.Tensor | None = None) -> QuantizedWeight:
     """Round-to-nearest `w` [N, K] on the grid above. `clip`: None or [N, groups] ratios."""
     if bits not in (4, 8) or (bits == 8 and not symmetric):
-        raise ValueError(f"supported grids: 8-bit symmetric, 4-bit symmetric or asymmetric; got {bits}-bit "
-                         f"{'symmetric' if symmetric else 'asymmetric'}")
+        raise UnknownSchemeError(f"supported grids: 8-bit symmetric, 4-bit symmetric or asymmetric; got {bits}-bit "
+                         f"{'symmetric' if symmetric else 'asymmetric'}. Fix: use a scheme of kiln.passes.quant_schemes.")
     n, k = w.shape
     wg = grouped(w.detach().float(), group_size)
     ratio = 1.0 if clip is None else clip[..., None]

@@ -99,7 +99,7 @@ def save_artifact(directory, graph: Graph, executable, tokenizer_dir=None, manif
     else there is refused.
     """
     directory = Path(directory)
-    _check_replaceable(directory)
+    check_replaceable(directory)
     directory.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{directory.name}.", dir=directory.parent))
     try:
@@ -128,7 +128,8 @@ def save_artifact(directory, graph: Graph, executable, tokenizer_dir=None, manif
     return directory
 
 
-def _check_replaceable(directory: Path) -> None:
+def check_replaceable(directory: Path) -> None:
+    """Refuse a `directory` that exists and holds something other than an artifact (or nothing)."""
     if directory.exists() and not (directory.is_dir() and (not any(directory.iterdir()) or (directory / MANIFEST).is_file())):
         raise ArtifactError(f"{directory} exists and is not a Kiln artifact; refusing to overwrite it. "
                             "Fix: choose another output path, or delete it first.")

@@ -4,12 +4,7 @@ They derive from `KilnError` (defined in `kiln.ir.errors`, which every stage may
 """
 from __future__ import annotations
 
-from kiln.ir.errors import KilnError
-
-
-class ArtifactError(KilnError):
-    """An artifact directory is missing, foreign, too new, truncated or damaged."""
-
+from kiln.ir.errors import ArtifactError, KilnError  # noqa: F401  (re-exported: backends raise it too)
 
 class TokenizerError(KilnError):
     """The tokenizer files are missing or unusable, or there is no chat template."""

@@ -16,7 +16,7 @@ from kiln.runtime.errors import ContextLengthError, QueueFullError, TokenIdError
 RETRY_AFTER_S = 1  # what a 429 (queue full) asks the client to wait, in seconds
 
 
-class APIError(Exception):
+class APIError(KilnError):
     """A request that cannot be served, with the HTTP status and OpenAI error fields to answer."""
 
     def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,

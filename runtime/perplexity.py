@@ -17,7 +17,7 @@ from typing import Sequence
 
 import torch
 
-from kiln.runtime.errors import ContextLengthError
+from kiln.runtime.errors import ContextLengthError, GenerationError
 
 
 @dataclass(frozen=True)
@@ -32,7 +32,8 @@ def token_windows(ids: Sequence[int], length: int, count: int) -> torch.Tensor:
     """Up to `count` non-overlapping windows of `length` tokens from the start of `ids`: [count, length]."""
     available = len(ids) // length
     if available == 0:
-        raise ValueError(f"the text has {len(ids)} tokens, fewer than one window of {length}")
+        raise GenerationError(f"the text has {len(ids)} tokens, fewer than one window of {length}. "
+                              "Fix: give a longer text, or a shorter window.")
     count = min(count, available)
     return torch.tensor(list(ids[:count * length]), dtype=torch.int64).view(count, length)
 

@@ -16,13 +16,15 @@ import torch
 
 from . import fast_linear  # registers Kiln's GEMV kernel as the lowering of fp32 linears
 from . import fast_attention  # registers Kiln's cached-attention kernel for attention over KV buffers
+from kiln.backends.errors import FeedError, LoweringError
+from kiln.ir.errors import UnsupportedOpError
 from kiln.ir.ops.collectives import tensor_parallel_size
 
 from .aoti_package import AOTIExecutable, PackageError
 from .aoti_package import load as load_package
-from .executable import FeedError, InductorExecutable, lower
-from .lower_to_fx import (FX_LOWERINGS, LoweringError, UnsupportedOpError, check_lowering_table, graph_to_fx,
-                          register_attention_lowering, register_linear_lowering)
+from .executable import InductorExecutable, lower
+from .lower_to_fx import (FX_LOWERINGS, check_lowering_table, graph_to_fx, register_attention_lowering,
+                          register_linear_lowering)
 
 NAME = "inductor"
 

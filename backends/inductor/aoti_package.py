@@ -25,6 +25,7 @@ from torch.export import Dim
 
 from kiln.backends.executable import BackendOptions
 from kiln.ir import Graph
+from kiln.ir.errors import ArtifactError
 
 from .executable import StatefulRunner, apply_threads, dynamic_dims, without_stack_traces
 from .lower_to_fx import graph_to_fx
@@ -48,8 +49,7 @@ PACKAGE_CONFIGS = {
 }
 
 
-class PackageError(RuntimeError):
-    """The AOTInductor package is missing, foreign, or does not match the graph/weights given."""
+PackageError = ArtifactError  # the AOTInductor package is missing, foreign, or does not match the graph
 
 
 def example_feeds(graph: Graph) -> tuple[torch.Tensor, torch.Tensor]:

@@ -26,13 +26,10 @@ from torch._inductor.compile_fx import compile_fx
 from kiln.backends.cache_rows import check_rows, checked_feeds, run_at_rows
 from kiln.backends.executable import BackendOptions, cache_inputs
 from kiln.ir import Graph, evaluate, to_torch, verify
+from kiln.ir.errors import OptionError
 from kiln.ir.ops.collectives import check_world, tensor_parallel_size
 
 from .lower_to_fx import graph_to_fx
-
-
-class FeedError(ValueError):
-    """tokens/positions do not fit the executable (shape, batch or position out of range)."""
 
 
 def apply_threads(options: BackendOptions) -> None:
@@ -81,8 +78,8 @@ class StatefulRunner:
 
     def _init_state(self, graph: Graph, options: BackendOptions) -> dict[str, torch.Tensor]:
         if options.device != "cpu":
-            raise ValueError(f"the inductor backend runs on the CPU only so far, not {options.device!r}; "
-                             "use device='cpu' or another backend")
+            raise OptionError(f"the inductor backend runs on the CPU only so far, not {options.device!r}. "
+                              "Fix: device='cpu', or backend='onnxruntime' for CUDA.")
         verify(graph)
         if tensor_parallel_size(graph) > 1:  # fail here, not inside a compiled collective
             check_world(tensor_parallel_size(graph))
@@ -97,7 +94,7 @@ class StatefulRunner:
     def check_feeds(self, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """int64 tokens/positions of equal shape [batch, seq], batch and positions within the buffers."""
         # contiguous: compiled graphs also guard on strides
-        return checked_feeds(tokens, positions, self.max_batch, self.max_seq_len, FeedError)
+        return checked_feeds(tokens, positions, self.max_batch, self.max_seq_len)
 
     def reset(self) -> None:
         """Forget all cached keys and values (zero the buffers in place)."""

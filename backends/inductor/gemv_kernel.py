@@ -50,6 +50,9 @@ from pathlib import Path
 
 import torch
 
+from kiln.backends.errors import LoweringError
+from kiln.ir.errors import KilnError, OptionError
+
 __all__ = [
     "ensure_loaded",
     "library_path",
@@ -71,7 +74,7 @@ _lock = threading.Lock()
 _loaded_path: str | None = None
 
 
-class KernelBuildError(RuntimeError):
+class KernelBuildError(KilnError, RuntimeError):
     """The C++ kernel could not be built or loaded (no compiler, unsupported CPU, ...)."""
 
 
@@ -215,7 +218,8 @@ def kernel_chosen(env_switch: str, kernel: str, alternative: str) -> bool:
     """`env_switch` ("kiln", the default, or "torch") asks for Kiln's kernel or torch's ops."""
     choice = os.environ.get(env_switch, "kiln").lower()
     if choice not in ("kiln", "torch"):
-        raise ValueError(f"{env_switch}={choice!r}: use 'kiln' ({kernel}) or 'torch' ({alternative})")
+        raise OptionError(f"{env_switch}={choice!r} is not a choice. Fix: set it to 'kiln' ({kernel}) or 'torch' "
+                          f"({alternative}), or unset it.")
     return choice == "kiln"
 
 
@@ -287,7 +291,7 @@ def pack_linear_weight(w: torch.Tensor, layout: str = "auto") -> torch.Tensor:
     row-dot GEMV on the square and tall weights too (o 1.57x, k/v 1.30x, down 1.15x faster,
     measured with bench/gemv.py). To serialize, save the original weight and re-pack at load."""
     if w.dim() != 2:
-        raise ValueError(f"pack_linear_weight: expected a 2-D [N, K] weight, got {tuple(w.shape)}")
+        raise LoweringError(f"pack_linear_weight: expected a 2-D [N, K] weight, got {tuple(w.shape)}")
     if layout == "auto":
         layout = "kn"
     w = w.detach().to(torch.float32)
@@ -295,7 +299,7 @@ def pack_linear_weight(w: torch.Tensor, layout: str = "auto") -> torch.Tensor:
         return w.t().contiguous()
     if layout == "nk":
         return w.contiguous().t()  # shares storage with a contiguous fp32 w (no copy)
-    raise ValueError(f"pack_linear_weight: layout must be 'auto', 'kn' or 'nk', got {layout!r}")
+    raise LoweringError(f"pack_linear_weight: layout must be 'auto', 'kn' or 'nk', got {layout!r}")
 
 
 def packed_layout(packed: torch.Tensor) -> str:
@@ -308,7 +312,7 @@ def pack_linear_weight_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     """nn.Linear weight ``[N, K]`` -> (int8 ``[K, N]``, fp32 scales ``[N]``): symmetric
     per-output-channel round-to-nearest, scale = max|w_n| / 127."""
     if w.dim() != 2:
-        raise ValueError(f"pack_linear_weight_int8: expected a 2-D [N, K] weight, got {tuple(w.shape)}")
+        raise LoweringError(f"pack_linear_weight_int8: expected a 2-D [N, K] weight, got {tuple(w.shape)}")
     w = w.detach().to(torch.float32)
     scales = (w.abs().amax(dim=1) / 127.0).clamp_min(1e-12)
     q = torch.round(w / scales[:, None]).clamp_(-127, 127).to(torch.int8)

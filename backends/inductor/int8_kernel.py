@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from kiln.backends.errors import LoweringError
+
 from . import gemv_kernel
 
 _SRC = Path(__file__).with_name("int8_kernel.cpp")
@@ -60,12 +62,12 @@ def pack_int8_weight(qweight: torch.Tensor) -> torch.Tensor:
     [ceil(N/16), K/4, 64]: panels of 16 channels, each channel's 4 K-consecutive values side by
     side, stored + 128 (VNNI's unsigned operand). Channels past N are zero weights."""
     if qweight.dim() != 2 or qweight.dtype != torch.int8:
-        raise ValueError(f"pack_int8_weight: expected an int8 [N, K] weight, got {qweight.dtype} {tuple(qweight.shape)}")
+        raise LoweringError(f"pack_int8_weight: expected an int8 [N, K] weight, got {qweight.dtype} {tuple(qweight.shape)}")
     n, k = qweight.shape
     if not supports(k):
-        raise ValueError(f"pack_int8_weight: K must be a multiple of {BLOCK}, got {k}")
+        raise LoweringError(f"pack_int8_weight: K must be a multiple of {BLOCK}, got {k}")
     if (qweight == -128).any():
-        raise ValueError("pack_int8_weight: weights must be in -127..127 (AVX2's sign trick cannot negate -128)")
+        raise LoweringError("pack_int8_weight: weights must be in -127..127 (AVX2's sign trick cannot negate -128)")
     panels = -(-n // PANEL)
     padded = torch.zeros(panels * PANEL, k, dtype=torch.int16)
     padded[:n] = qweight

@@ -21,19 +21,13 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from kiln.backends.errors import LoweringError
 from kiln.ir import Graph, Node, all_ops, to_torch
+from kiln.ir.errors import UnsupportedOpError
 
 from . import composite_ops
 from .collectives import COLLECTIVE_LOWERINGS
 from .quantized_linear import QUANTIZED_LOWERINGS
-
-
-class UnsupportedOpError(NotImplementedError):
-    """An IR op has no entry in FX_LOWERINGS."""
-
-
-class LoweringError(ValueError):
-    """The graph cannot be lowered as given (unbound symbol, misused cache input, ...)."""
 
 
 class FxBuilder:

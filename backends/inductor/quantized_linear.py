@@ -28,6 +28,7 @@ from contextlib import contextmanager
 
 import torch
 
+from kiln.ir.errors import OptionError
 from kiln.ir.ops.quantized import embedding_q_reference, linear_q_reference
 
 INT8_ENV_SWITCH = "KILN_INT8_KERNEL"  # "q8" (default) or "i8"
@@ -57,7 +58,8 @@ def _int8_activations_wanted() -> bool:
     load an artifact compiled before linear_q8, whose package names the [K, N] constants)."""
     choice = os.environ.get(INT8_ENV_SWITCH, "q8").lower()
     if choice not in ("q8", "i8"):
-        raise ValueError(f"{INT8_ENV_SWITCH}={choice!r}: use 'q8' (int8 x int8) or 'i8' (f32 activations)")
+        raise OptionError(f"{INT8_ENV_SWITCH}={choice!r} is not a choice. Fix: set it to 'q8' (int8 x int8) or 'i8' "
+                          "(f32 activations), or unset it.")
     return choice == "q8"
 
 

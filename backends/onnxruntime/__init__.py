@@ -20,7 +20,7 @@ import torch
 from kiln.backends.executable import BackendOptions
 from kiln.ir import Graph, verify
 
-from .errors import FeedError, OnnxLoweringError, ProviderError
+from .errors import ArtifactError, FeedError, OnnxLoweringError, ProviderError
 from .executable import OrtExecutable, OrtModelForAnotherMachine
 from .model_files import DATA_FILE, MODEL_FILE, check_model, write_model
 from .op_lowerings import ONNX_LOWERINGS, check_lowering_table
@@ -58,7 +58,7 @@ def load(directory: Path, graph: Graph, weights: dict[str, torch.Tensor], option
     """Open an artifact's model.onnx (no lowering: graph and weights are not needed to run it)."""
     path = Path(directory) / MODEL_FILE
     if not path.is_file():
-        raise OnnxLoweringError(f"{path} is missing: the artifact was not compiled with --backend onnxruntime. "
+        raise ArtifactError(f"{path} is missing: the artifact was not compiled with --backend onnxruntime. "
                                 "Fix: recompile it with --backend onnxruntime.")
     return OrtExecutable(path, options)
 

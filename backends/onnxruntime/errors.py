@@ -1,16 +1,11 @@
 """Errors of the ONNX Runtime backend: each names the problem and the fix."""
 from __future__ import annotations
 
-from kiln.ir.errors import KilnError
+from kiln.backends.errors import FeedError, LoweringError  # noqa: F401  (re-exported: one class each)
+from kiln.ir.errors import ArtifactError, KilnError, UnsupportedOpError  # noqa: F401  (re-exported)
 
-
-class OnnxLoweringError(KilnError):
-    """An IR graph cannot be written as ONNX (an op without a lowering, an unbound symbol, ...)."""
+OnnxLoweringError = LoweringError  # the name this backend's callers know; an IR graph it cannot write as ONNX
 
 
 class ProviderError(KilnError):
     """The execution provider asked for is not installed, or cannot run an op of the model."""
-
-
-class FeedError(KilnError, ValueError):
-    """tokens/positions do not fit the executable (shape, batch, range, or positions not contiguous)."""

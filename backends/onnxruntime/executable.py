@@ -120,7 +120,7 @@ class OrtExecutable:
         return self.caches
 
     def _check_feeds(self, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens, positions = checked_feeds(tokens, positions, self.max_batch, self.max_seq_len, FeedError)
+        tokens, positions = checked_feeds(tokens, positions, self.max_batch, self.max_seq_len)
         if self.info["contiguous_positions"] and positions.size(1) > 1:
             expected = positions[:, :1] + torch.arange(positions.size(1))
             if not torch.equal(positions, expected):

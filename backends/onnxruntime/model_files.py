@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from .errors import OnnxLoweringError
+from .errors import ArtifactError
 from .to_onnx import INFO_KEY, OnnxProgram
 
 MODEL_FILE = "model.onnx"
@@ -55,7 +55,7 @@ def read_info(model_path: Path) -> dict:
     for prop in model.metadata_props:
         if prop.key == INFO_KEY:
             return json.loads(prop.value)
-    raise OnnxLoweringError(f"{model_path} has no {INFO_KEY} metadata: it was not written by Kiln's "
+    raise ArtifactError(f"{model_path} has no {INFO_KEY} metadata: it was not written by Kiln's "
                             "onnxruntime backend. Fix: recompile the model with --backend onnxruntime.")
 
 

@@ -21,7 +21,7 @@ from kiln.ir.ops.shape import BIG
 from kiln.ir.ops.shape_rules import result_dtype
 
 from . import plain_attention, quantized_lowerings
-from .errors import OnnxLoweringError
+from .errors import OnnxLoweringError, UnsupportedOpError
 from .onnx_builder import INT64_MAX, MS_DOMAIN, NUMPY_DTYPES, OnnxBuilder, elem_type
 
 Lowering = Callable[[OnnxBuilder, Node], "str | list[str]"]
@@ -271,7 +271,7 @@ ONNX_LOWERINGS: dict[str, Lowering] = {
 def _refuse_collective(b, node):
     if node.attrs["world_size"] == 1:  # a world of one rank: the identity
         return b.op("Identity", b.value(node.inputs[0]))
-    raise OnnxLoweringError(
+    raise UnsupportedOpError(
         f"the onnxruntime backend cannot run a tensor-parallel graph (it has {node.op}). "
         "Fix: compile with --backend inductor (or reference), or without --tensor-parallel")
 
@@ -280,8 +280,8 @@ ONNX_LOWERINGS.update(all_reduce=_refuse_collective, all_gather=_refuse_collecti
 
 
 def check_lowering_table() -> None:
-    """Raise OnnxLoweringError naming every registered IR op that ONNX_LOWERINGS lacks."""
+    """Raise UnsupportedOpError naming every registered IR op that ONNX_LOWERINGS lacks."""
     missing = sorted(set(all_ops()) - set(ONNX_LOWERINGS))
     if missing:
-        raise OnnxLoweringError(f"the onnxruntime backend has no lowering for IR op(s) {missing}; "
+        raise UnsupportedOpError(f"the onnxruntime backend has no lowering for IR op(s) {missing}; "
                                 "add them to ONNX_LOWERINGS in backends/onnxruntime/op_lowerings.py")

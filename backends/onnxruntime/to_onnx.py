@@ -26,7 +26,7 @@ from kiln.backends.executable import cache_inputs
 from kiln.ir import Graph, Node
 
 from .contrib_patterns import SEQLENS_K, TOTAL_LENGTH, Plan, plan_contrib_ops
-from .errors import OnnxLoweringError
+from .errors import OnnxLoweringError, UnsupportedOpError
 from .onnx_builder import MS_DOMAIN, OnnxBuilder, elem_type, layer_scopes, node_label, onnx_dims
 from .op_lowerings import ONNX_LOWERINGS, check_lowering_table
 from .providers import attention_dtypes
@@ -137,7 +137,7 @@ def _lower_nodes(graph: Graph, b: OnnxBuilder, plan: Plan, head: Node | None = N
 
 def _lower_one(b: OnnxBuilder, node) -> str | list[str]:
     if node.op not in ONNX_LOWERINGS:
-        raise OnnxLoweringError(f"IR op {node.op!r} has no ONNX lowering; add it to ONNX_LOWERINGS "
+        raise UnsupportedOpError(f"IR op {node.op!r} has no ONNX lowering; add it to ONNX_LOWERINGS "
                                 "in backends/onnxruntime/op_lowerings.py")
     return ONNX_LOWERINGS[node.op](b, node)
 

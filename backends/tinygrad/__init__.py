@@ -10,9 +10,12 @@
 """
 from __future__ import annotations
 
+from kiln.backends.errors import FeedError
+from kiln.ir.errors import UnsupportedOpError
+
 from .artifact_files import TinygradArtifactError, load, tinygrad_version
-from .executable import FeedError, TinygradExecutable, compiled_program_count, lower
-from .op_lowerings import TENSOR_LOWERINGS, UnsupportedOpError, check_lowering_table
+from .executable import TinygradExecutable, compiled_program_count, lower
+from .op_lowerings import TENSOR_LOWERINGS, check_lowering_table
 from .toolchain import CompilerNotFoundError, TinygradDeviceError, require_cpu_compiler
 
 NAME = "tinygrad"

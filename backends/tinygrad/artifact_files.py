@@ -16,7 +16,7 @@ from pathlib import Path
 
 from kiln.backends.executable import BackendOptions
 from kiln.ir import Graph
-from kiln.ir.errors import KilnError
+from kiln.ir.errors import ArtifactError
 
 from .executable import TinygradExecutable
 from .toolchain import chosen_renderer
@@ -25,9 +25,7 @@ INFO_FILE = "tinygrad.json"
 INFO_FORMAT = 1
 
 
-class TinygradArtifactError(KilnError):
-    """The artifact's tinygrad.json is missing, damaged, or was written by another tinygrad."""
-
+TinygradArtifactError = ArtifactError  # tinygrad.json is missing, damaged, or written by another tinygrad
 
 def tinygrad_version() -> str:
     return version("tinygrad")

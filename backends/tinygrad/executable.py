@@ -25,9 +25,9 @@ import torch
 from tinygrad import Tensor, TinyJit, UOp
 
 from kiln.backends.cache_rows import check_rows, run_at_rows
+from kiln.backends.errors import FeedError
 from kiln.backends.executable import BackendOptions, cache_inputs
 from kiln.ir import Graph, evaluate, verify
-from kiln.ir.errors import KilnError
 
 from .cpu_graph import install_cpu_graph
 from .graph_to_tensors import LoweringContext, graph_to_tensors
@@ -37,10 +37,6 @@ from .toolchain import configure_cpu_device
 from .weight_layouts import plan_weights, stored_weight
 
 PREFILL_CHUNK = 64
-
-
-class FeedError(KilnError, ValueError):
-    """tokens/positions do not fit the executable (shape, batch, positions not consecutive or out of range)."""
 
 
 def decode_beam() -> int:

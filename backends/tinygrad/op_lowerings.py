@@ -18,7 +18,7 @@ from typing import Callable
 from tinygrad import Tensor, dtypes
 
 from kiln.ir import Node, all_ops
-from kiln.ir.errors import KilnError
+from kiln.ir.errors import UnsupportedOpError
 from kiln.ir.ops.shape import BIG
 
 from . import cache_attention, quantized_lowerings
@@ -28,10 +28,6 @@ TINYGRAD_DTYPES = {
     "i64": dtypes.int64, "i32": dtypes.int32, "i16": dtypes.int16, "i8": dtypes.int8, "u8": dtypes.uint8,
     "bool": dtypes.bool,
 }
-
-
-class UnsupportedOpError(KilnError, NotImplementedError):
-    """An IR op has no entry in TENSOR_LOWERINGS."""
 
 
 def tiny_dtype(name: str):

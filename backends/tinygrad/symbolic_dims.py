@@ -9,11 +9,9 @@ from __future__ import annotations
 
 import sympy
 
-from kiln.ir.errors import KilnError
+from kiln.backends.errors import LoweringError
 
-
-class DimLoweringError(KilnError):
-    """A dim expression uses an unbound symbol or arithmetic tinygrad sizes cannot express."""
+DimLoweringError = LoweringError  # a dim with an unbound symbol, or arithmetic tinygrad sizes cannot express
 
 
 def to_size(d, bindings: dict):

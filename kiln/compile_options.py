@@ -1,0 +1,217 @@
+"""What `kiln.compile` is asked for, checked before any slow step.
+
+`CompileOptions.checked(...)` takes `kiln.compile`'s arguments and refuses, with a `KilnError`
+that names the option and the fix, every value the compile could not finish with: a wrong type,
+a number out of range, a dtype or device the backend cannot target, an unknown backend or
+quantization scheme, options that do nothing without another (calibration without an -awq
+scheme), an output path that cannot be written. So a mistake costs milliseconds, not the
+minutes of capture and lowering it used to run first.
+
+What needs the model's own shape (the KV cache's size) is checked as soon as the model is
+loaded, before the capture: `check_memory`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kiln.backends.executable import BackendOptions
+from kiln.ir.errors import OptionError
+
+COMPUTE_DTYPES = {"f32": torch.float32, "f16": torch.float16}
+DEVICE = re.compile(r"(cpu|cuda)(:\d+)?")
+BACKENDS_WITH_TENSOR_PARALLEL = ("inductor", "reference")
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """Every option of one compile, checked (build it with `CompileOptions.checked`)."""
+
+    model: str | Path | None
+    out: Path
+    backend: str = "inductor"
+    max_seq_len: int = 1024
+    max_batch: int = 1
+    dtype: str = "f32"
+    device: str = "cpu"
+    quantize: str | None = None
+    quantize_embeddings: bool = False
+    calibration: object = None
+    tensor_parallel: int = 1
+    dump_ir: Path | None = None
+
+    @classmethod
+    def checked(cls, **given) -> CompileOptions:
+        """The options, or the KilnError of the first one that is wrong (in the order below)."""
+        options = cls(**{**given, "quantize": None if given.get("quantize") in (None, "none") else given["quantize"]})
+        for check in (_check_numbers, _check_target, _check_quantize, _check_tensor_parallel, _check_paths):
+            check(options)
+        from kiln.backends.registry import get_backend
+
+        get_backend(options.backend)  # an unknown or unusable backend fails here, not after the capture
+        return options
+
+    @property
+    def scheme(self):
+        """The quantization scheme, or None."""
+        from kiln.passes.quant_schemes import get_scheme
+
+        return get_scheme(self.quantize) if self.quantize else None
+
+    @property
+    def needs_calibration(self) -> bool:
+        return self.scheme is not None and self.scheme.needs_calibration
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return COMPUTE_DTYPES[self.dtype]
+
+    def backend_options(self) -> BackendOptions:
+        """What the passes and the backend are told (the manifest records it)."""
+        return BackendOptions(max_batch=self.max_batch, max_seq_len=self.max_seq_len, dtype=self.dtype,
+                              quantize=self.quantize, quantize_embeddings=self.quantize_embeddings, device=self.device)
+
+    def manifest_options(self, calibration_source: str | None) -> dict:
+        return {**dataclasses.asdict(self.backend_options()), "calibration": calibration_source}
+
+
+def _positive_int(name: str, flag: str, value, example: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise OptionError(f"{name} must be a whole number of at least 1, got {value!r}. "
+                          f"Fix: pass e.g. {name}={example} ({flag} {example}).")
+
+
+def _check_numbers(options: CompileOptions) -> None:
+    _positive_int("max_seq_len", "--max-seq-len", options.max_seq_len, 1024)
+    _positive_int("max_batch", "--max-batch", options.max_batch, 1)
+    _positive_int("tensor_parallel", "--tensor-parallel", options.tensor_parallel, 1)
+    if not isinstance(options.quantize_embeddings, bool):
+        raise OptionError(f"quantize_embeddings must be True or False, got {options.quantize_embeddings!r}.")
+
+
+def _check_target(options: CompileOptions) -> None:
+    """A dtype or device the target cannot run (the manifest records them)."""
+    dtype, backend, device, quantize = options.dtype, options.backend, options.device, options.quantize
+    if not isinstance(backend, str):
+        raise OptionError(f"backend must be a name, got {backend!r}. Fix: backend='inductor' (--backend inductor).")
+    if dtype not in COMPUTE_DTYPES:
+        raise OptionError(f"dtype {dtype!r} is not one Kiln compiles. Fix: use one of {sorted(COMPUTE_DTYPES)} "
+                          "(and quantize='int8' or 'int4-g32' for smaller weights).")
+    if not isinstance(device, str) or not DEVICE.fullmatch(device):
+        raise OptionError(f"device {device!r} is not one Kiln targets. Fix: device='cpu', or 'cuda' / 'cuda:N' "
+                          "(--device cpu|cuda[:N]).")
+    if dtype != "f32" and (backend != "onnxruntime" or device.split(":")[0] == "cpu"):
+        raise OptionError(f"dtype {dtype!r} is for GPUs: Kiln lowers it with backend='onnxruntime' for "
+                          f"device='cuda' (got backend={backend!r}, device={device!r}); CPUs without native half "
+                          "precision run f16 matmuls far slower than f32. Fix: dtype='f32' on the CPU (with "
+                          "quantize='int8' or 'int4-g32' for smaller weights), or backend='onnxruntime', device='cuda'.")
+    if device.split(":")[0] != "cpu" and backend != "onnxruntime":
+        raise OptionError(f"device {device!r}: the {backend} backend runs on the CPU only so far. Fix: "
+                          "device='cpu', or backend='onnxruntime' (CUDA through onnxruntime-gpu).")
+    if dtype != "f32" and quantize is not None:  # the quantizer reads f32 weights only
+        raise OptionError(f"quantize={quantize!r} with dtype {dtype!r} is not supported yet: Kiln quantizes f32 "
+                          "weights. Fix: dtype='f32' with quantize, or dtype='f16' without it.")
+
+
+def _check_quantize(options: CompileOptions) -> None:
+    if options.quantize is not None and not isinstance(options.quantize, str):
+        raise OptionError(f"quantize must be a scheme name, got {options.quantize!r}. Fix: e.g. quantize='int8'.")
+    scheme = options.scheme  # an unknown name raises UnknownSchemeError, listing the known ones
+    if options.quantize_embeddings and scheme is None:
+        raise OptionError("quantize_embeddings quantizes the lm_head and embedding with the quantize scheme, "
+                          "and no scheme is given. Fix: add --quantize SCHEME (e.g. int8), or drop "
+                          "--quantize-embeddings.")
+    if options.calibration is not None and not options.needs_calibration:
+        raise OptionError(f"calibration is read only by the data-aware (-awq) schemes, not quantize="
+                          f"{options.quantize!r}. Fix: pick an -awq scheme (e.g. int4-g64-awq), or drop --calibration.")
+    if options.needs_calibration:
+        from kiln.calibration import check_source
+
+        with _path_errors("calibration", options.calibration):
+            check_source(options.calibration)
+
+
+def _check_tensor_parallel(options: CompileOptions) -> None:
+    if options.tensor_parallel == 1:
+        return
+    from kiln.passes.shard_tensor_parallel import ShardingError
+
+    if options.backend not in BACKENDS_WITH_TENSOR_PARALLEL:
+        raise ShardingError(f"the {options.backend} backend cannot run a tensor-parallel graph. "
+                            "Fix: use --backend inductor (or reference), or drop --tensor-parallel")
+    if options.quantize:
+        raise ShardingError("tensor parallelism does not shard quantized weights yet. "
+                            "Fix: drop --quantize or --tensor-parallel")
+
+
+def _check_paths(options: CompileOptions) -> None:
+    """The artifact and the IR dumps must be writable where asked, or the compile would fail at its end."""
+    from kiln.runtime.artifact import check_replaceable
+
+    if not isinstance(options.out, (str, Path)) or not str(options.out):
+        raise OptionError(f"out must be a directory path, got {options.out!r}. Fix: e.g. out='model.kiln' (-o model.kiln).")
+    with _path_errors("out", options.out):
+        check_replaceable(Path(options.out))
+        _check_writable_dir("out", Path(options.out))
+    if options.dump_ir is not None:
+        dump = Path(options.dump_ir)
+        with _path_errors("dump_ir", dump):
+            if dump.exists() and not dump.is_dir():
+                raise OptionError(f"dump_ir {dump} exists and is not a directory. Fix: give a directory (--dump-ir DIR).")
+            _check_writable_dir("dump_ir", dump)
+
+
+@contextmanager
+def _path_errors(name: str, path):
+    """An OSError looking at `path` (a name too long, a permission) as the option's error."""
+    try:
+        yield
+    except OSError as error:
+        raise OptionError(f"{name} {str(path)[:80]!r} cannot be used: {error.strerror or error}. "
+                          "Fix: choose another path.") from None
+
+
+def _check_writable_dir(name: str, path: Path) -> None:
+    """`path` (a directory to create or fill) can be written: its nearest existing ancestor is a
+    writable directory."""
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if existing != path and not existing.is_dir():
+        raise OptionError(f"{name} {path} cannot be created: {existing} is a file. Fix: choose another path.")
+    if not os.access(existing, os.W_OK):
+        raise OptionError(f"{name} {path} cannot be written: {existing} is not writable. Fix: choose another path.")
+
+
+def kv_cache_bytes(config, options: CompileOptions) -> int | None:
+    """The bytes of the static KV buffers (and rope tables) the compile allocates for `config`, a
+    Hugging Face model config; None when the config does not say its shape."""
+    config = getattr(config, "text_config", None) or config
+    layers, heads = getattr(config, "num_hidden_layers", None), getattr(config, "num_attention_heads", None)
+    hidden = getattr(config, "hidden_size", None)
+    if not all(isinstance(n, int) and n > 0 for n in (layers, heads, hidden)):
+        return None
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    element = torch.finfo(options.torch_dtype).bits // 8
+    per_position = 2 * layers * options.max_batch * kv_heads * head_dim * element + head_dim * 4
+    return per_position * options.max_seq_len
+
+
+def check_memory(config, options: CompileOptions) -> None:
+    """Refuse a max_batch x max_seq_len whose KV cache could not fit this machine's memory (a CPU
+    target allocates it here, while lowering)."""
+    needed = kv_cache_bytes(config, options)
+    if options.device.split(":")[0] != "cpu" or needed is None:
+        return
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if needed > total:
+        raise OptionError(f"max_batch={options.max_batch} x max_seq_len={options.max_seq_len} needs a KV cache of "
+                          f"{needed / 1e9:.1f} GB for this model, more than this machine's {total / 1e9:.1f} GB of "
+                          "memory. Fix: a smaller --max-seq-len or --max-batch.")
