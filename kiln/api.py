@@ -86,10 +86,10 @@ def compile(model=None, out: str | Path = "model.kiln", backend: str = "inductor
     `tensor_parallel` N > 1 shards the graph over N ranks (kiln.passes.shard_tensor_parallel) and
     writes one artifact with every rank's weights; run it with `torchrun --nproc-per-node N`.
     """
-    from kiln.frontend.background_break_check import CleanBreaks, start_if_worthwhile
+    from kiln.frontend.breaks.background_check import CleanBreaks, start_if_worthwhile
+    from kiln.frontend.breaks.compile_check import check_graph_breaks, report_files
     from kiln.frontend.capture import capture_causal_lm
     from kiln.frontend.checkpoint import load_model
-    from kiln.frontend.compile_breaks import check_graph_breaks, report_files
     from kiln.passes.pipeline import run_pipeline
 
     report = progress or (lambda message: None)

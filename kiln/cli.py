@@ -124,7 +124,7 @@ def _compile_model(argv) -> int:
     print(f"graph      {stats.get('nodes', '?')} nodes ({top_ops})")
     print(f"params     {stats.get('params', '?')} tensors, {stats.get('param_bytes', 0) / 1e6:.1f} MB")
     if "graph_breaks" in manifest:
-        from kiln.frontend.report_model import summary_line
+        from kiln.frontend.breaks.report_model import summary_line
 
         print(f"breaks     {summary_line(manifest['graph_breaks'])} (report.md in the artifact)")
     print(f"options    max_seq_len={args.max_seq_len} max_batch={args.max_batch} dtype={args.dtype} device={args.device} "
@@ -149,7 +149,7 @@ def explain_parser() -> argparse.ArgumentParser:
 
 
 def _explain(argv) -> int:
-    from kiln.frontend.explain_targets import SECTIONS
+    from kiln.frontend.breaks.targets import SECTIONS
 
     args = explain_parser().parse_args(argv)
     if args.out:
@@ -162,11 +162,11 @@ def _explain(argv) -> int:
 
     import json
 
-    from kiln.frontend.break_analysis import analyze
-    from kiln.frontend.explain_targets import load_target
-    from kiln.frontend.report_html import render_html
-    from kiln.frontend.report_markdown import render_markdown
-    from kiln.frontend.report_model import make_report
+    from kiln.frontend.breaks.analysis import analyze
+    from kiln.frontend.breaks.targets import load_target
+    from kiln.frontend.breaks.report_html import render_html
+    from kiln.frontend.breaks.report_markdown import render_markdown
+    from kiln.frontend.breaks.report_model import make_report
 
     target = args.target
     if target is None:

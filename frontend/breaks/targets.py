@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from .break_analysis import Subject
-from .capture import EXAMPLE_BATCH, EXAMPLE_SEQ, StatelessForward
-from .errors import KilnError
+from ..capture import EXAMPLE_BATCH, EXAMPLE_SEQ, StatelessForward
+from ..errors import KilnError
+from .analysis import Subject
 
 SECTIONS = ("forward", "stateless", "generate")
 PROMPT_TOKENS = 7  # not 0/1, which Dynamo specializes
@@ -42,7 +42,7 @@ def load_target(target: str, sections: tuple[str, ...] = SECTIONS) -> list[Subje
     if ".py:" in target:
         module, inputs = load_module_factory(target)
         return module_subjects(module, inputs, target)
-    from .checkpoint import load_model
+    from ..checkpoint import load_model
 
     return model_subjects(load_model(target).model, sections)
 

@@ -8,7 +8,7 @@ torch 2.13 reports these in three places, each hooked only for the length of one
   one it suppresses, with the exception and the frame);
 - `convert_frame.get_and_maybe_log_recompilation_reasons`: one call per recompile, with the guards.
 The backend records each graph Dynamo hands it and returns it wrapped in a timer, so that
-`break_cost` can time the same compiled code afterwards without compiling again. Graphs run
+`cost.py` can time the same compiled code afterwards without compiling again. Graphs run
 eagerly (`gm.forward`): the capture is about where the graphs end, not about kernels.
 """
 from __future__ import annotations

@@ -18,11 +18,11 @@ from typing import Callable
 import torch
 from torch.utils._pytree import tree_leaves
 
-from .break_categories import CATEGORIES, Diagnosis, diagnose, parse_message
-from .break_cost import CostMeasurement, break_costs, measure_cost
-from .break_remedies import REMEDIES, dynamo_config, rewrite_branches
-from .graph_breaks import DynamoCapture, FoundBreak, Workload, capture_with_dynamo, distinct_breaks
+from .categories import CATEGORIES, Diagnosis, diagnose, parse_message
+from .cost import CostMeasurement, break_costs, measure_cost
 from .guard_failures import diagnose_guard
+from .recording import DynamoCapture, FoundBreak, Workload, capture_with_dynamo, distinct_breaks
+from .remedies import REMEDIES, dynamo_config, rewrite_branches
 from .report_model import (FOLLOW_ON, BreakEntry, FragmentEntry, Location, OpsSummary, RecompileEntry, Section,
                            SourceLine, Timing)
 

@@ -13,7 +13,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from .graph_breaks import DynamoCapture, FoundBreak, Workload
+from .recording import DynamoCapture, FoundBreak, Workload
 
 MIN_SECONDS = 0.2  # fast workloads run until this much time is measured, for stable means
 MAX_RUNS = 100

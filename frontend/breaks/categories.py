@@ -15,7 +15,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Callable
 
-from .graph_breaks import SourceFrame
+from .recording import SourceFrame
 
 
 @dataclass(frozen=True)

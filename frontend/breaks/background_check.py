@@ -8,7 +8,7 @@ to remove, the common case). Otherwise the parent runs the check itself: that on
 GraphBreakError with the full report, or applies Kiln's branch rewrites to the model it is
 about to capture (which a child cannot do), and the caller captures again.
 
-    python -m kiln.frontend.background_break_check MODEL_DIR OUT.json   (what the child runs)
+    python -m kiln.frontend.breaks.background_check MODEL_DIR OUT.json   (what the child runs)
 """
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ class BackgroundBreakCheck:
     def __init__(self, model_dir: Path, target: str):
         self._out = Path(tempfile.mkstemp(prefix="kiln-breaks-", suffix=".json")[1])
         env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the parent's threads keep the other core
-        self._process = subprocess.Popen([sys.executable, "-m", "kiln.frontend.background_break_check",
+        self._process = subprocess.Popen([sys.executable, "-m", "kiln.frontend.breaks.background_check",
                                           str(model_dir), target, str(self._out)], env=env,
                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
 
@@ -76,8 +76,8 @@ def start_if_worthwhile(model_dir: Path, param_bytes: int, target: str) -> Backg
 def _main(model_dir: str, target: str, out: str) -> int:
     import torch
 
+    from kiln.frontend.breaks.compile_check import check_graph_breaks, report_files
     from kiln.frontend.checkpoint import load_model
-    from kiln.frontend.compile_breaks import check_graph_breaks, report_files
 
     torch.set_num_threads(1)
     report = check_graph_breaks(load_model(model_dir).model, target)  # GraphBreakError: exit 1, parent rechecks

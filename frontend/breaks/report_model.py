@@ -11,8 +11,8 @@ import dataclasses
 import datetime
 from dataclasses import dataclass, field
 
-from .break_categories import CATEGORIES
-from .break_remedies import REMEDIES
+from .categories import CATEGORIES
+from .remedies import REMEDIES
 
 SCHEMA_VERSION = 1
 FOLLOW_ON = "follow_on"  # a break that disappeared with the remedy of the break that caused it
@@ -44,7 +44,7 @@ class OpsSummary:
 @dataclass
 class BreakEntry:
     id: str  # "B1", "B2", ... ordered by cost
-    category: str  # a key of break_categories.CATEGORIES
+    category: str  # a key of categories.CATEGORIES
     category_title: str
     gb_type: str  # Dynamo's name for it
     dynamo_reason: str  # Dynamo's words: the graph's compile reason or its explanation

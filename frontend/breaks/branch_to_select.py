@@ -22,8 +22,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils._pytree import tree_map
 
-from .errors import KilnError
-from .graph_breaks import SourceFrame
+from ..errors import KilnError
+from .recording import SourceFrame
 
 SELECT = "__kiln_select_branch"
 IMPURE_CALLS = {"print", "setattr", "delattr", "exec", "eval", "open", "input", "globals", "locals", "vars"}

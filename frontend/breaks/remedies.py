@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from .branch_to_select import BranchRewrite, rewrite_branch
-from .graph_breaks import SourceFrame
+from .recording import SourceFrame
 
 
 @dataclass(frozen=True)

@@ -9,11 +9,11 @@ import json
 
 import torch
 
-from .break_analysis import analyze
-from .errors import KilnError
-from .explain_targets import stateless_forward_subject
+from ..errors import KilnError
+from .analysis import analyze
 from .report_markdown import render_markdown, short_path
 from .report_model import Report, make_report
+from .targets import stateless_forward_subject
 
 REPORT_FILES = ("report.md", "report.json")
 COST_RUNS = 1  # the forward is timed once (after a warm-up): a compile should not wait on timing
