@@ -79,8 +79,10 @@ class Constraint:
         """Take `token` (sampled or forced); whether it was the forced one. A token the grammar
         does not allow raises ConstraintError."""
         if not self._matcher.consume_token(int(token)):
-            raise ConstraintError(f"Token {token} does not fit {self.description} "
-                                  f"({self._matcher.get_error()[:200]}). Fix: choose tokens from allowed().")
+            raise ConstraintError(f"Token {token} does not fit {self.description} ({_first_line(self._matcher)}). "
+                                  "Fix: choose tokens from allowed(); if it came from there, the constraint needs "
+                                  "text this model's vocabulary cannot spell (a character whose bytes it lacks): "
+                                  "constrain to other text.")
         was_forced = bool(self._forced) and self._forced[0] == token
         if was_forced:
             self._forced.popleft()
@@ -92,5 +94,11 @@ class Constraint:
     def _check(self) -> None:
         if self._matcher.is_error():
             raise ConstraintError(f"No output can satisfy {self.description} from here "
-                                  f"({self._matcher.get_error().splitlines()[0][:200]}). Fix: check that some text "
+                                  f"({_first_line(self._matcher)}). Fix: check that some text "
                                   "matches the constraint.")
+
+
+def _first_line(matcher) -> str:
+    """llguidance's error without the parser state it appends (many lines of it)."""
+    lines = matcher.get_error().strip().splitlines()
+    return (lines[0] if lines else "no detail")[:200]

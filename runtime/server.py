@@ -27,6 +27,7 @@ from starlette.responses import JSONResponse, Response
 from kiln.ir.errors import KilnError
 from kiln.runtime import openai_protocol as api
 from kiln.runtime.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
+from kiln.runtime.errors import ConstraintError
 from kiln.runtime.openai_errors import (APIError, from_kiln_error, from_validation_error, internal, invalid,
                                         model_not_found)
 from kiln.runtime.server_metrics import RequestTimer, ServerMetrics
@@ -60,7 +61,7 @@ def create_app(llm, model_name: str | None = None, max_body_bytes: int = DEFAULT
     app.add_exception_handler(APIError, lambda request, error: error.response())
     app.add_exception_handler(HTTPException, lambda request, error: APIError(  # a 405 keeps its Allow header
         error.status_code, str(error.detail), "invalid_request_error", headers=error.headers).response())
-    app.add_exception_handler(Exception, lambda request, error: internal(error).response())
+    app.add_exception_handler(Exception, _unexpected)
 
     @app.get("/health")
     async def health():
@@ -94,6 +95,12 @@ def create_app(llm, model_name: str | None = None, max_body_bytes: int = DEFAULT
         return await _counted(metrics, "chat", lambda request_id: _chat(llm, name, request, metrics, request_id))
 
     return app
+
+
+def _unexpected(request: Request, error: Exception) -> Response:
+    """A 500 for an exception outside the generation endpoints (they answer their own), logged."""
+    log.error("%s %s failed", request.method, request.url.path, exc_info=error)
+    return internal(error).response()
 
 
 # -- the OpenAPI document -------------------------------------------------------------------------
@@ -151,10 +158,11 @@ async def _completion(llm, name: str, request: Request, metrics: ServerMetrics, 
         param = "echo" if req.echo else "suffix" if req.suffix is not None else "best_of"
         raise invalid(f"{param} is not supported by this server. Fix: leave it out.", param)
     prompt = _single_prompt(req.prompt)
-    handle = await _submit(llm, prompt, "prompt", _sampling(llm, req, req.max_tokens, req.logprobs))
+    failed = _on_failure(request_id, _constraint_param(req))
+    handle = await _submit(llm, prompt, "prompt", _sampling(llm, req, req.max_tokens, req.logprobs), failed)
     if req.stream:
-        return event_stream(_completion_events(handle, req, name, timer), handle, _on_failure(request_id))
-    result = await _collect(handle, timer, request)
+        return event_stream(_completion_events(handle, req, name, timer), handle, failed)
+    result = await _collect(handle, timer, request, failed)
     choice = api.CompletionChoice(text=result.text, finish_reason=FINISH_REASONS.get(result.finish_reason),
                                   logprobs=_completion_logprobs(llm, result) if req.logprobs is not None else None)
     return _json(api.CompletionResponse(model=name, choices=[choice], usage=_usage(result)))
@@ -171,10 +179,11 @@ async def _chat(llm, name: str, request: Request, metrics: ServerMetrics, reques
         raise invalid(str(error), "messages") from None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     top = (req.top_logprobs or 0) if req.logprobs else None
-    handle = await _submit(llm, prompt, "messages", _sampling(llm, req, max_tokens, top))
+    failed = _on_failure(request_id, _constraint_param(req))
+    handle = await _submit(llm, prompt, "messages", _sampling(llm, req, max_tokens, top), failed)
     if req.stream:
-        return event_stream(_chat_events(handle, req, name, timer), handle, _on_failure(request_id))
-    result = await _collect(handle, timer, request)
+        return event_stream(_chat_events(handle, req, name, timer), handle, failed)
+    result = await _collect(handle, timer, request, failed)
     choice = api.ChatChoice(message=api.AssistantMessage(content=result.text),
                             finish_reason=FINISH_REASONS.get(result.finish_reason),
                             logprobs=_chat_logprobs(llm, result) if req.logprobs else None)
@@ -219,9 +228,7 @@ async def _counted(metrics: ServerMetrics, endpoint: str, handler) -> Response:
     request_id = f"req_{uuid.uuid4().hex}"
     try:
         response = await handler(request_id)
-    except APIError as error:
-        if error.status >= 500:
-            log.error("request %s failed: %s", request_id, error.message)
+    except APIError as error:  # a 500 among them was logged where it was made (_on_failure)
         response = error.response()
     except Exception as error:  # noqa: BLE001 - a bug must not take the server down
         response = _on_failure(request_id)(error).response()
@@ -230,10 +237,15 @@ async def _counted(metrics: ServerMetrics, endpoint: str, handler) -> Response:
     return response
 
 
-def _on_failure(request_id: str):
-    """What a request's unexpected exception becomes: logged with its id, a 500 for it alone."""
+def _on_failure(request_id: str, constraint_param: str | None = None):
+    """What an exception inside a request becomes, logged with the request's id: a 400 when its
+    output constraint cannot be followed (e.g. it needs a character the vocabulary cannot spell,
+    found only while generating), otherwise a 500 for that request alone."""
 
     def failed(error: BaseException) -> APIError:
+        if isinstance(error, ConstraintError):
+            log.warning("request %s: its constraint failed: %s", request_id, error)
+            return invalid(str(error), constraint_param, "invalid_value")
         log.error("request %s failed", request_id, exc_info=error)
         return internal(error, request_id)
 
@@ -329,6 +341,14 @@ def _sampling(llm, req: api.SamplingFields, max_tokens: int | None, logprobs: in
         logit_bias=_logit_bias(req.logit_bias), logprobs=logprobs, **_constraint(req))
 
 
+def _constraint_param(req: api.SamplingFields) -> str | None:
+    """The request field that holds its output constraint, if any (for errors naming it)."""
+    fmt = req.response_format
+    if fmt is not None and fmt.type != "text":
+        return "response_format"
+    return "regex" if req.regex is not None else "choices" if req.choices is not None else None
+
+
 def _constraint(req: api.SamplingFields) -> dict:
     """The structured-output keywords of a request (json_schema, regex or choices), if any."""
     chosen = {}
@@ -371,16 +391,19 @@ def _token_key(key: str) -> int | None:
     return int(key)
 
 
-async def _submit(llm, prompt, prompt_param: str, sampling: dict):
+async def _submit(llm, prompt, prompt_param: str, sampling: dict, failed):
     """Queue the request (validation and tokenizing run off the event loop)."""
     try:
         return await asyncio.to_thread(llm.submit, prompt, **sampling)
+    except ConstraintError as error:  # a malformed or unsatisfiable constraint, found at compiling
+        raise failed(error) from None
     except KilnError as error:
         raise from_kiln_error(error, prompt_param) from None
 
 
-async def _collect(handle, timer: RequestTimer, request: Request):
-    """The finished result of a non-streamed request; cancels it if the client goes away first."""
+async def _collect(handle, timer: RequestTimer, request: Request, failed):
+    """The finished result of a non-streamed request; cancels it if the client goes away first.
+    An exception that ended the request becomes `failed(exception)`."""
 
     async def drain():
         async for _ in handle:
@@ -403,8 +426,8 @@ async def _collect(handle, timer: RequestTimer, request: Request):
         raise APIError(499, "The client closed the connection.", "client_closed_request")
     try:
         result = generation.result()
-    except KilnError as error:
-        raise internal(error) from None
+    except Exception as error:  # noqa: BLE001 - the request's failure, answered as its error
+        raise failed(error) from None
     _finished(timer, result)
     return result
 

@@ -280,3 +280,58 @@ def test_a_failing_model_call_fails_its_request_alone(served, inductor_llm, monk
         assert response.status_code == 500 and "the model call failed" in response.json()["error"]["message"]
     monkeypatch.undo()
     assert greedy(client) == first
+
+
+# -- a constraint the vocabulary cannot spell -----------------------------------------------------
+# U+9D537 is F2 9D 94 B7 in UTF-8, and this tokenizer (like SmolLM2's) has no token for F2:
+# llguidance's first mask still allows a token, which it then refuses, mid-generation.
+RARE = "\U0009d537"
+
+
+@pytest.fixture(scope="module")
+def lacking_llm(tmp_path_factory) -> LLM:
+    from tiny_models import tokenizer_config, tokenizer_json
+
+    from kiln.runtime.tokenizer import Tokenizer
+
+    directory = tmp_path_factory.mktemp("lacking_tokenizer")
+    (directory / "tokenizer.json").write_text(tokenizer_json(lacking_bytes=(0xF1, 0xF2)))
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config()))
+    return reference_llm(Tokenizer.from_dir(directory))
+
+
+def test_a_constraint_the_vocabulary_cannot_spell_is_a_one_line_constraint_error(lacking_llm):
+    from kiln.runtime.errors import ConstraintError
+
+    first = lacking_llm.generate("Once upon", max_new_tokens=5).token_ids
+    with pytest.raises(ConstraintError) as caught:
+        lacking_llm.generate("Once upon", max_new_tokens=8, regex="a" + RARE)
+    message = str(caught.value)
+    assert "\n" not in message and "regex 'a" in message and "cannot spell" in message
+    assert lacking_llm.generate("Once upon", max_new_tokens=5).token_ids == first
+
+
+@pytest.mark.parametrize("fields, param", [({"regex": RARE}, "regex"), ({"choices": ["x" + RARE]}, "choices")])
+def test_a_constraint_failing_mid_generation_is_a_logged_400(lacking_llm, caplog, fields, param):
+    with TestClient(create_app(lacking_llm, MODEL), raise_server_exceptions=False) as client:
+        first = greedy(client)
+        with caplog.at_level(logging.WARNING, logger="kiln.runtime.server"):
+            response = client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 8, **fields})
+        assert_400(response.status_code, response.json(), param, "cannot spell")
+        request_id = response.headers["x-request-id"]
+        assert any(request_id in record.getMessage() and "constraint" in record.getMessage()
+                   for record in caplog.records)
+        assert greedy(client) == first
+
+
+def test_a_streamed_request_whose_constraint_fails_ends_with_a_400_error_event(lacking_llm):
+    with TestClient(create_app(lacking_llm, MODEL), raise_server_exceptions=False) as client:
+        first = greedy(client)
+        response = client.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"const": RARE}}}})
+        events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
+        error = events[-1]["error"]
+        assert error["type"] == "invalid_request_error" and error["param"] == "response_format", error
+        assert response.text.endswith("data: [DONE]\n\n")
+        assert greedy(client) == first

@@ -1,10 +1,11 @@
 """Tiny random-weight causal LMs, saved as local checkpoints for tests.
 
-Every architecture Kiln claims gets a model small enough to build in well under a second
-(hidden 64, 2-4 layers), with seeded weights, saved like a real Hugging Face checkpoint:
-`config.json`, `model.safetensors`, `generation_config.json`, `tokenizer.json` and
-`tokenizer_config.json`. All of them share one byte-level BPE tokenizer, trained here
-deterministically on `TRAINING_TEXT`. `save_tiny_gguf` writes the llama model as a GGUF file.
+Every architecture Kiln claims (ARCHITECTURES, and the FAMILIES of test_architectures.py) gets a
+model small enough to build in well under a second (hidden 64, 2-4 layers), with seeded weights,
+saved like a real Hugging Face checkpoint: `config.json`, `model.safetensors`,
+`generation_config.json`, `tokenizer.json` and `tokenizer_config.json`. All of them share one
+byte-level BPE tokenizer, trained here deterministically on `TRAINING_TEXT`. `save_tiny_gguf`
+writes the llama model as a GGUF file.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from pathlib import Path
 import torch
 
 ARCHITECTURES = ["gpt2", "llama", "qwen2", "mistral", "gemma3"]
+# Families with their own attention or routing, tested in test_architectures.py: ALiBi (BLOOM,
+# MPT), multi-query (Falcon), attention-logit soft-capping (Gemma 2).
+FAMILIES = ["bloom", "mpt", "falcon", "gemma2"]
 
 VOCAB_SIZE = 512
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
@@ -60,8 +64,10 @@ Because sunlight scatters in the air, and blue light scatters more than red ligh
 
 
 @functools.cache
-def tokenizer_json() -> str:
-    """The shared tokenizer as `tokenizer.json` text: byte-level BPE with `VOCAB_SIZE` tokens."""
+def tokenizer_json(lacking_bytes: tuple[int, ...] = ()) -> str:
+    """The shared tokenizer as `tokenizer.json` text: byte-level BPE with `VOCAB_SIZE` tokens.
+    `lacking_bytes`: bytes left out of its alphabet (as real vocabularies lack bytes their
+    training text never had, e.g. SmolLM2 lacks 0xF1 and 0xF2, so it cannot spell U+9D537)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     tokenizer = Tokenizer(models.BPE())
@@ -72,7 +78,7 @@ def tokenizer_json() -> str:
         vocab_size=VOCAB_SIZE,
         min_frequency=1,
         special_tokens=SPECIAL_TOKENS,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        initial_alphabet=sorted(set(pre_tokenizers.ByteLevel.alphabet()) - {byte_level_char(b) for b in lacking_bytes}),
         show_progress=False,
     )
     tokenizer.train_from_iterator(TRAINING_TEXT.splitlines(keepends=True), trainer)
@@ -82,6 +88,14 @@ def tokenizer_json() -> str:
             "lengthen TRAINING_TEXT or lower VOCAB_SIZE"
         )
     return tokenizer.to_str()
+
+
+def byte_level_char(byte: int) -> str:
+    """The character a byte-level BPE vocabulary (GPT-2's mapping) writes `byte` as."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    if byte in printable:
+        return chr(byte)
+    return chr(256 + [b for b in range(256) if b not in printable].index(byte))
 
 
 def tokenizer_config() -> dict:
@@ -100,10 +114,14 @@ def tokenizer_config() -> dict:
 def tiny_config(arch: str, **overrides):
     """The transformers config of the tiny `arch` model; `overrides` replace its fields."""
     from transformers import (
+        BloomConfig,
+        FalconConfig,
+        Gemma2Config,
         Gemma3TextConfig,
         GPT2Config,
         LlamaConfig,
         MistralConfig,
+        MptConfig,
         Qwen2Config,
     )
 
@@ -142,8 +160,26 @@ def tiny_config(arch: str, **overrides):
             final_logit_softcapping=30.0,
             tie_word_embeddings=False,  # tied, the sqrt(hidden)-scaled embedding makes it echo its input
         )
+    elif arch == "bloom":  # ALiBi, fused qkv, layer norm on the embeddings
+        config = BloomConfig(hidden_size=64, n_layer=2, n_head=4, **tokens)
+    elif arch == "mpt":  # ALiBi from a table of max_seq_len keys; above the compiled 128 (see README)
+        config = MptConfig(d_model=64, n_layers=2, n_heads=4, expansion_ratio=2, max_seq_len=2 * MAX_POSITIONS,
+                           **tokens)
+    elif arch == "falcon":  # multi-query: one k/v head, picked out of the fused qkv by index lists
+        config = FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, multi_query=True,
+                              new_decoder_architecture=False, parallel_attn=True, alibi=False, bias=False,
+                              max_position_embeddings=MAX_POSITIONS, **tokens)
+    elif arch == "gemma2":
+        config = Gemma2Config(
+            **decoder,
+            head_dim=16,
+            sliding_window=SLIDING_WINDOW,
+            query_pre_attn_scalar=32,
+            attn_logit_softcapping=5.0,  # small, so that the tanh bends the tiny model's scores
+            final_logit_softcapping=30.0,
+        )
     else:
-        raise ValueError(f"no tiny model for {arch!r}; choose one of {ARCHITECTURES}")
+        raise ValueError(f"no tiny model for {arch!r}; choose one of {ARCHITECTURES + FAMILIES}")
     for name, value in overrides.items():
         setattr(config, name, value)
     return config
