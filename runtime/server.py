@@ -30,6 +30,7 @@ from kiln.runtime.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from kiln.runtime.errors import ConstraintError
 from kiln.runtime.openai_errors import (APIError, from_kiln_error, from_validation_error, internal, invalid,
                                         model_not_found)
+from kiln.runtime.openai_logprobs import chat_logprobs, completion_logprobs
 from kiln.runtime.server_metrics import RequestTimer, ServerMetrics
 from kiln.runtime.sse import event, event_stream
 
@@ -163,8 +164,9 @@ async def _completion(llm, name: str, request: Request, metrics: ServerMetrics, 
     if req.stream:
         return event_stream(_completion_events(handle, req, name, timer), handle, failed)
     result = await _collect(handle, timer, request, failed)
+    logprobs = await asyncio.to_thread(completion_logprobs, llm, result) if req.logprobs is not None else None
     choice = api.CompletionChoice(text=result.text, finish_reason=FINISH_REASONS.get(result.finish_reason),
-                                  logprobs=_completion_logprobs(llm, result) if req.logprobs is not None else None)
+                                  logprobs=logprobs)
     return _json(api.CompletionResponse(model=name, choices=[choice], usage=_usage(result)))
 
 
@@ -184,9 +186,9 @@ async def _chat(llm, name: str, request: Request, metrics: ServerMetrics, reques
     if req.stream:
         return event_stream(_chat_events(handle, req, name, timer), handle, failed)
     result = await _collect(handle, timer, request, failed)
+    logprobs = await asyncio.to_thread(chat_logprobs, llm, result) if req.logprobs else None
     choice = api.ChatChoice(message=api.AssistantMessage(content=result.text),
-                            finish_reason=FINISH_REASONS.get(result.finish_reason),
-                            logprobs=_chat_logprobs(llm, result) if req.logprobs else None)
+                            finish_reason=FINISH_REASONS.get(result.finish_reason), logprobs=logprobs)
     return _json(api.ChatCompletionResponse(model=name, choices=[choice], usage=_usage(result)))
 
 
@@ -444,31 +446,6 @@ def _json(model: BaseModel) -> JSONResponse:
 def _usage(result) -> api.Usage:
     prompt, completion = len(result.prompt_token_ids), len(result.token_ids)
     return api.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
-
-
-def _token_text(llm, token: int) -> str:
-    return llm.tokenizer.decode([token], skip_special_tokens=False) if llm.tokenizer else str(token)
-
-
-def _completion_logprobs(llm, result) -> api.CompletionLogprobs:
-    tokens, offsets, offset = [], [], 0
-    for entry in result.logprobs or []:
-        tokens.append(_token_text(llm, entry.token))
-        offsets.append(offset)
-        offset += len(tokens[-1])
-    return api.CompletionLogprobs(
-        tokens=tokens, token_logprobs=[e.logprob for e in result.logprobs or []], text_offset=offsets,
-        top_logprobs=[{_token_text(llm, t): lp for t, lp in e.top} for e in result.logprobs or []])
-
-
-def _chat_logprobs(llm, result) -> api.ChatLogprobs:
-    def entry(token: int, logprob: float) -> dict:
-        text = _token_text(llm, token)
-        return dict(token=text, logprob=logprob, bytes=list(text.encode("utf-8")))
-
-    return api.ChatLogprobs(content=[
-        api.TokenLogprobEntry(**entry(e.token, e.logprob), top_logprobs=[api.TopLogprob(**entry(t, lp)) for t, lp in e.top])
-        for e in result.logprobs or []])
 
 
 def _card_list(name: str, created: int, max_seq_len: int) -> api.ModelList:

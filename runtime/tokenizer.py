@@ -5,6 +5,7 @@ It reads only what an artifact (or a Hugging Face directory) ships; transformers
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
 from pathlib import Path
@@ -70,6 +71,11 @@ class Tokenizer:
 
     def _id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
+
+    @functools.cached_property
+    def special_ids(self) -> frozenset[int]:
+        """The ids decoding leaves out of the text (skip_special_tokens): EOS, chat markers, ..."""
+        return frozenset(i for i, token in self._tok.get_added_tokens_decoder().items() if token.special)
 
     @property
     def vocab_size(self) -> int:

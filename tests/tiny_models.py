@@ -90,6 +90,37 @@ def tokenizer_json(lacking_bytes: tuple[int, ...] = ()) -> str:
     return tokenizer.to_str()
 
 
+BYTE_FALLBACK_SPECIAL_TOKENS = ["<unk>", "<s>", "</s>"]  # ids 0, 1, 2; then <0x00>..<0xFF> at 3..258
+
+
+@functools.cache
+def byte_fallback_tokenizer_json() -> str:
+    """A Llama/Mistral-style tokenizer with `VOCAB_SIZE` tokens: sentencepiece BPE over "▁"-joined
+    words, trained on `TRAINING_TEXT` (ASCII), whose other characters fall back to byte tokens
+    `<0xE6>`; its decoder drops the text's leading space."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    def pieces_of(tokenizer) -> Tokenizer:
+        tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+        return tokenizer
+
+    special, byte_tokens = BYTE_FALLBACK_SPECIAL_TOKENS, [f"<0x{b:02X}>" for b in range(256)]
+    learner = pieces_of(Tokenizer(models.BPE(unk_token="<unk>")))
+    learner.train_from_iterator(TRAINING_TEXT.splitlines(keepends=True), trainers.BpeTrainer(
+        vocab_size=VOCAB_SIZE - len(byte_tokens), min_frequency=1, special_tokens=special, show_progress=False))
+    learned = json.loads(learner.to_str())["model"]
+    pieces = sorted((t for t in learned["vocab"] if t not in special), key=learned["vocab"].get)
+    vocab = {token: i for i, token in enumerate(special + byte_tokens + pieces)}
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in learned["merges"]]
+    tokenizer = pieces_of(Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True)))
+    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                           decoders.Strip(" ", 1, 0)])
+    tokenizer.add_special_tokens(special)
+    if tokenizer.get_vocab_size() != VOCAB_SIZE:
+        raise RuntimeError(f"the byte-fallback tokenizer has {tokenizer.get_vocab_size()} tokens, not {VOCAB_SIZE}")
+    return tokenizer.to_str()
+
+
 def byte_level_char(byte: int) -> str:
     """The character a byte-level BPE vocabulary (GPT-2's mapping) writes `byte` as."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
