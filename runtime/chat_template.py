@@ -53,10 +53,37 @@ def select_chat_template(template) -> str | None:
 
 
 def render_chat(source: str, messages: list[dict], add_generation_prompt: bool = True, **variables) -> str:
-    """The prompt text for `messages` ([{"role": ..., "content": ...}, ...])."""
+    """The prompt text for `messages` ([{"role": ..., "content": ...}, ...]; an assistant message
+    may hold `tool_calls`, a `tool` message a call's result). A template that leaves a tool call
+    or a tool result out of the prompt raises TokenizerError rather than losing it silently."""
     try:
-        return compile_chat_template(source).render(
+        prompt = compile_chat_template(source).render(
             messages=messages, add_generation_prompt=add_generation_prompt, **variables)
     except jinja2.TemplateError as e:
         raise TokenizerError(f"The chat template refused these messages: {e}. "
                              "Fix: check the roles and their order (e.g. system first, user/assistant alternating).") from None
+    _check_tool_messages(messages, prompt)
+    return prompt
+
+
+def _check_tool_messages(messages: list[dict], prompt: str) -> None:
+    """TokenizerError naming the first tool call (by its function's name) or tool result (by its
+    text) that the rendered prompt does not hold."""
+    for index, message in enumerate(messages):
+        for call in message.get("tool_calls") or []:
+            name = (call.get("function") or {}).get("name") or call.get("name")
+            if name and name not in prompt:
+                raise TokenizerError(f"This model's chat template does not render tool calls: message {index}'s call "
+                                     f"of {name!r} is not in the prompt. Fix: use a model whose chat template renders "
+                                     "tool_calls, or put the call into the assistant message's content as text.")
+        content = message.get("content")
+        if message.get("role") == "tool" and isinstance(content, str) and not _rendered(content, prompt):
+            raise TokenizerError(f"This model's chat template does not render tool results: message {index} (role "
+                                 "'tool') is not in the prompt. Fix: use a model whose chat template renders tool "
+                                 "messages, or send the result as a user message.")
+
+
+def _rendered(text: str, prompt: str) -> bool:
+    """Whether the prompt holds `text` as templates write it: as is, trimmed, or JSON-escaped (tojson)."""
+    text = text.strip()
+    return not text or text in prompt or json.dumps(text, ensure_ascii=False)[1:-1] in prompt

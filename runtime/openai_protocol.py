@@ -101,13 +101,35 @@ class TextPart(BaseModel):
     text: str
 
 
+class FunctionCall(BaseModel):
+    model_config = ConfigDict(extra="forbid", **STRICT)
+
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    """A tool call an assistant message made earlier in the conversation."""
+
+    model_config = ConfigDict(extra="forbid", **STRICT)
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
-    """A message; content parts other than text are refused (Kiln serves text models)."""
+    """A message; content parts other than text are refused (Kiln serves text models). An
+    assistant message may carry `tool_calls`, and a `tool` message answers one (`tool_call_id`):
+    both go to the chat template."""
 
     model_config = ConfigDict(extra="allow", **STRICT)
 
     role: str
     content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
 
     def text(self) -> str:
         if isinstance(self.content, list):

@@ -174,7 +174,7 @@ async def _chat(llm, name: str, request: Request, metrics: ServerMetrics, reques
     timer = metrics.timer()
     req = await _parse(request, api.ChatCompletionRequest)
     _check_request(req, name)
-    messages = [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in req.messages]
+    messages = [_template_message(message, index) for index, message in enumerate(req.messages)]
     try:
         prompt = await asyncio.to_thread(llm.encode_chat, messages)
     except KilnError as error:
@@ -190,6 +190,34 @@ async def _chat(llm, name: str, request: Request, metrics: ServerMetrics, reques
     choice = api.ChatChoice(message=api.AssistantMessage(content=result.text),
                             finish_reason=FINISH_REASONS.get(result.finish_reason), logprobs=logprobs)
     return _json(api.ChatCompletionResponse(model=name, choices=[choice], usage=_usage(result)))
+
+
+def _template_message(message: api.ChatMessage, index: int) -> dict:
+    """A chat message as chat templates take it (Hugging Face's convention): tool calls' JSON
+    arguments parsed into objects, `developer` as `system`."""
+    out = {"role": "system" if message.role == "developer" else message.role, "content": message.text()}
+    if message.name is not None:
+        out["name"] = message.name
+    if message.tool_call_id is not None:
+        out["tool_call_id"] = message.tool_call_id
+    if message.tool_calls:
+        out["tool_calls"] = [{"id": call.id, "type": call.type, "function": {
+            "name": call.function.name, "arguments": _tool_arguments(call.function.arguments,
+                                                                     f"messages.{index}.tool_calls.{number}")}}
+            for number, call in enumerate(message.tool_calls)]
+    return out
+
+
+def _tool_arguments(arguments: str, param: str) -> dict:
+    try:
+        parsed = json.loads(arguments)
+    except (ValueError, RecursionError):  # RecursionError: nested past Python's limit
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise invalid(f"{param}.function.arguments is not a JSON object ({arguments!r:.60}). Fix: send the "
+                      "call's arguments as the text of a JSON object, e.g. '{\"city\": \"Paris\"}'.",
+                      f"{param}.function.arguments", "invalid_value")
+    return parsed
 
 
 async def _completion_events(handle, req: api.CompletionRequest, name: str, timer: RequestTimer):
