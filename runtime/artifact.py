@@ -1,7 +1,8 @@
 """The artifact directory: everything a runtime needs to generate, with no re-tracing.
 
     model.kiln/
-      manifest.json          format, versions, source hash, options, IR hash, {file: sha256, bytes}
+      manifest.json          format, versions, source hash, options, IR hash, {file: sha256, bytes},
+                             and fields_sha256 over all of those
       graph.kir              the stateful graph's text form (kiln.ir.print_graph)
       weights.safetensors    graph.weights (safetensors only: loading never unpickles)
       weights.rank1.safetensors, ...   a tensor-parallel artifact's other ranks' shards (manifest
@@ -10,9 +11,16 @@
       tokenizer.json, tokenizer_config.json, generation_config.json, chat_template.jinja (as present)
       ...                    the backend's own files (Executable.save)
 
-`read_artifact` checks the manifest, every listed file's size and sha256, that graph.kir parses
-and verifies, and that the weights match the graph's parameters; any failure is an
-`ArtifactError` naming the file and what is wrong with it.
+`read_artifact` checks the manifest (its fields against its fields_sha256: options such as
+max_seq_len or threads are fixed at compile time, so an edited manifest is refused), every listed
+file's size and sha256, that graph.kir parses and verifies, and that the weights match the
+graph's parameters; any failure is an `ArtifactError` naming the file and what is wrong with it.
+
+The sha256 of manifest.json itself stands for the whole artifact, since the manifest holds
+every other file's sha256: `read_artifact(path, expected_sha256=...)` (`kiln.load`, `kiln
+generate/serve --expect-sha256`) pins an artifact to the one compiled. Pin artifacts you did not
+compile yourself: an artifact is code (an Inductor artifact's package holds a shared library
+that loading runs), and hashes the artifact carries prove nothing against whoever made it.
 """
 from __future__ import annotations
 
@@ -38,6 +46,7 @@ MANIFEST = "manifest.json"
 GRAPH_FILE = "graph.kir"
 WEIGHTS_FILE = "weights.safetensors"
 REQUIRED_KEYS = ("format_version", "backend", "options", "files")
+FIELDS_HASH = "fields_sha256"
 
 
 @dataclass
@@ -121,7 +130,7 @@ def save_artifact(directory, graph: Graph, executable, tokenizer_dir=None, manif
             "ir_hash": hashlib.sha256(graph_text.encode("utf-8")).hexdigest(),
             "files": {n: {"sha256": file_sha256(staging / n), "bytes": (staging / n).stat().st_size} for n in names},
         }
-        (staging / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        (staging / MANIFEST).write_text(json.dumps(sealed(manifest), indent=2, sort_keys=True) + "\n", encoding="utf-8")
         _move_into_place(staging, directory)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -185,12 +194,35 @@ def _move_into_place(staging: Path, directory: Path) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+def fields_sha256(manifest: dict) -> str:
+    """The sha256 of a manifest's fields but fields_sha256 (as canonical JSON: sorted keys, compact)."""
+    fields = {key: value for key, value in manifest.items() if key != FIELDS_HASH}
+    return hashlib.sha256(json.dumps(fields, sort_keys=True, separators=(",", ":")).encode("utf-8")).hexdigest()
+
+
+def sealed(manifest: dict) -> dict:
+    """The manifest with its fields_sha256 (what save_artifact writes)."""
+    return {**manifest, FIELDS_HASH: fields_sha256(manifest)}
+
+
+def manifest_sha256(directory) -> str:
+    """The sha256 of an artifact's manifest.json: what `expected_sha256` pins (the manifest holds
+    every other file's sha256, so this one hash stands for the whole artifact)."""
+    return hashlib.sha256((Path(directory) / MANIFEST).read_bytes()).hexdigest()
+
+
 # -- reading ---------------------------------------------------------------------------------
-def read_artifact(directory, check_hashes: bool = True, rank: int = 0) -> ArtifactContents:
+def read_artifact(directory, check_hashes: bool = True, rank: int = 0,
+                  expected_sha256: str | None = None) -> ArtifactContents:
     """Open and check an artifact (with `rank`'s weights, for a tensor-parallel one); raise
-    ArtifactError saying which file is wrong and how. Other ranks' shards are size-checked only."""
+    ArtifactError saying which file is wrong and how. Other ranks' shards are size-checked only.
+    `expected_sha256`: the sha256 manifest.json must have (see `manifest_sha256`); it pins the
+    whole artifact, so it needs check_hashes."""
     directory = Path(directory)
-    manifest = read_manifest(directory)
+    if expected_sha256 is not None and not check_hashes:
+        raise ArtifactError("expected_sha256 pins an artifact only when every file is checked against the manifest. "
+                            "Fix: leave check_hashes on (the default) when giving expected_sha256.")
+    manifest = read_manifest(directory, expected_sha256)
     ranks = manifest.get("tensor_parallel", 1)
     if not 0 <= rank < ranks:
         raise ArtifactError(f"{directory} has weights for {ranks} rank(s), not for rank {rank}. "
@@ -203,8 +235,9 @@ def read_artifact(directory, check_hashes: bool = True, rank: int = 0) -> Artifa
     return ArtifactContents(directory, manifest, graph)
 
 
-def read_manifest(directory: Path) -> dict:
-    """The manifest, checked for format, version and required keys."""
+def read_manifest(directory: Path, expected_sha256: str | None = None) -> dict:
+    """The manifest, checked for format, version, required keys and its fields_sha256 (and, given
+    `expected_sha256`, that manifest.json's own sha256 is that)."""
     if not directory.is_dir():
         raise ArtifactError(f"Artifact directory {directory} does not exist. Fix: check the path, or create it "
                             "with `compile-model MODEL -o " + str(directory) + "`.")
@@ -212,8 +245,11 @@ def read_manifest(directory: Path) -> dict:
     if not path.is_file():
         raise ArtifactError(f"{directory} is not a Kiln artifact: {MANIFEST} is missing. Fix: point at a directory "
                             "written by `compile-model`, or recompile.")
+    data = path.read_bytes()  # read once: what is hashed is what is parsed
+    if expected_sha256 is not None:
+        _check_pin(path, data, expected_sha256)
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
+        manifest = json.loads(data.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ArtifactError(f"{path} is not valid JSON ({e}). The artifact is damaged: recompile it.") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
@@ -233,7 +269,23 @@ def read_manifest(directory: Path) -> dict:
     for name in (GRAPH_FILE, WEIGHTS_FILE):
         if name not in manifest["files"]:
             raise ArtifactError(f"{path} does not list {name}. The artifact is damaged: recompile it.")
+    # Artifacts written before fields_sha256 have none; their fields are taken as they are.
+    if FIELDS_HASH in manifest and manifest[FIELDS_HASH] != fields_sha256(manifest):
+        raise ArtifactError(f"{path} was edited after compiling: its fields no longer match its {FIELDS_HASH} "
+                            "(options such as max_seq_len and threads are fixed when the artifact is compiled). "
+                            "Fix: restore the original manifest.json, or recompile with the options you want.")
     return manifest
+
+
+def _check_pin(path: Path, data: bytes, expected: str) -> None:
+    if not isinstance(expected, str) or len(expected.strip()) != 64:
+        raise ArtifactError(f"expected_sha256 {expected!r:.80} is not a sha256 (64 hex digits). Fix: pass the "
+                            f"sha256 of the artifact's {MANIFEST} (`sha256sum {path}`).")
+    actual = hashlib.sha256(data).hexdigest()
+    if actual != expected.strip().lower():
+        raise ArtifactError(f"{path} has sha256 {actual}, not the expected {expected.strip().lower()}: this is not "
+                            "the artifact that was pinned (changed, or another one). Fix: load the artifact you "
+                            "pinned, or pin this one only if you trust where it came from.")
 
 
 def _check_file(directory: Path, name: str, entry: dict, check_hash: bool) -> None:

@@ -13,7 +13,7 @@ from kiln.backends.executable import BackendOptions
 from kiln.backends.reference import ReferenceExecutable
 from kiln.cli import kiln_main
 from kiln.ir import Graph, TensorType, print_graph, symbol
-from kiln.runtime.artifact import FORMAT_VERSION, read_artifact, save_artifact
+from kiln.runtime.artifact import FORMAT_VERSION, read_artifact, save_artifact, sealed
 from kiln.runtime.errors import ArtifactError
 from kiln.runtime.generate import LLM
 from kiln.runtime.tokenizer import Tokenizer
@@ -57,17 +57,18 @@ def manifest(artifact) -> dict:
 
 
 def replace_file(artifact, name: str, data: bytes) -> None:
-    """Change a file and update the manifest to match, so only the content itself is wrong."""
+    """Change a file and update (and reseal) the manifest to match, so only the content itself is wrong."""
     (artifact / name).write_bytes(data)
     m = manifest(artifact)
     m["files"][name] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
     if name == "graph.kir":
         m["ir_hash"] = hashlib.sha256(data).hexdigest()
-    (artifact / "manifest.json").write_text(json.dumps(m))
+    (artifact / "manifest.json").write_text(json.dumps(sealed(m)))
 
 
 def edit_manifest(artifact, **changes) -> None:
-    (artifact / "manifest.json").write_text(json.dumps({**manifest(artifact), **changes}))
+    """Change manifest fields and reseal it (fields_sha256), as a deliberate rewrite would."""
+    (artifact / "manifest.json").write_text(json.dumps(sealed({**manifest(artifact), **changes})))
 
 
 def test_round_trip_keeps_graph_weights_and_manifest(artifact):
@@ -183,7 +184,7 @@ def test_weight_with_the_wrong_shape(artifact, tmp_path):
 def test_file_listed_outside_the_artifact_is_refused(artifact):
     m = manifest(artifact)
     m["files"]["../secret"] = {"sha256": "0", "bytes": 1}
-    (artifact / "manifest.json").write_text(json.dumps(m))
+    (artifact / "manifest.json").write_text(json.dumps(sealed(m)))
     with pytest.raises(ArtifactError, match="outside the artifact"):
         read_artifact(artifact)
 
@@ -219,3 +220,28 @@ def test_a_dtype_the_target_cannot_run_is_refused_before_any_work(tmp_path):
     with pytest.raises(ValueError, match=r"quantize='int8' with dtype 'f16' is not supported yet"):
         kiln.compile(str(tmp_path / "missing-model"), out=tmp_path / "m.kiln", dtype="f16", device="cuda",
                      backend="onnxruntime", quantize="int8")
+
+
+# -- the manifest's own integrity, and pinning an artifact ----------------------------------------
+@pytest.mark.parametrize("option, value", [("max_seq_len", 4096), ("threads", -5)])
+def test_an_edited_manifest_option_is_refused_naming_the_manifest(artifact, option, value):
+    m = manifest(artifact)
+    m["options"][option] = value  # edited by hand: fields_sha256 left as it was
+    (artifact / "manifest.json").write_text(json.dumps(m))
+    with pytest.raises(ArtifactError, match=r"manifest.json was edited after compiling.*max_seq_len and threads"):
+        read_artifact(artifact)
+
+
+def test_an_artifact_pinned_by_its_manifest_sha256_loads_and_any_other_is_refused(artifact, tmp_path):
+    from kiln.runtime.artifact import manifest_sha256
+
+    pin = manifest_sha256(artifact)
+    assert pin == hashlib.sha256((artifact / "manifest.json").read_bytes()).hexdigest()
+    assert read_artifact(artifact, expected_sha256=pin.upper()).manifest == manifest(artifact)
+    edit_manifest(artifact, source="elsewhere")  # a resealed manifest: consistent, but not the one pinned
+    with pytest.raises(ArtifactError, match=r"manifest.json has sha256 [0-9a-f]{64}, not the expected " + pin):
+        read_artifact(artifact, expected_sha256=pin)
+    with pytest.raises(ArtifactError, match="is not a sha256"):
+        read_artifact(artifact, expected_sha256="abc")
+    with pytest.raises(ArtifactError, match="leave check_hashes on"):
+        read_artifact(artifact, check_hashes=False, expected_sha256=pin)
