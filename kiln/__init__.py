@@ -11,7 +11,7 @@ stays light and never imports the runtime or the frontend.
 import importlib
 
 _EXPORTS = {
-    "compile": "kiln.api", "load": "kiln.api",
+    "compile": "kiln.api", "load": "kiln.api", "quality": "kiln.runtime.quality",
     "LLM": "kiln.runtime.generate",
     "GenerationResult": "kiln.runtime.results", "GenerationStats": "kiln.runtime.results",
     "KilnError": "kiln.frontend.errors", "CheckpointError": "kiln.frontend.errors",

@@ -7,6 +7,7 @@
     kiln chat model.kiln
     kiln ir MODEL|ARTIFACT|FILE.kir [--stateful]   (print a graph's IR)
     kiln serve model.kiln [--host 127.0.0.1] [--port 8000]   (OpenAI-compatible HTTP server)
+    kiln quality model.kiln --reference f32.kiln --text FILE   (KL divergence and more against a reference)
 
 Every mistake the user can fix prints one line to stderr, naming it and the fix, and exits with
 status 2: a Kiln error, a flag argparse refuses, an option out of range. Options are checked
@@ -246,6 +247,7 @@ def kiln_parser() -> argparse.ArgumentParser:
     show.add_argument("--max-seq-len", type=int, default=1024)
     show.add_argument("--max-batch", type=int, default=1)
     _serve_arguments(commands)
+    _quality_arguments(commands)
     return parser
 
 
@@ -253,6 +255,8 @@ def _kiln(argv) -> int:
     args = kiln_parser().parse_args(argv)
     if args.command == "serve":
         return _serve(args)
+    if args.command == "quality":
+        return _quality(args)
     if args.command == "ir":
         from kiln.ir_listing import show_ir
 
@@ -350,6 +354,33 @@ def _serve(args) -> int:
     print(f"[kiln serve] {name} on http://{args.host}:{args.port}/v1 (max_batch={llm.max_batch}, "
           f"max_seq_len={llm.max_seq_len})", file=sys.stderr, flush=True)
     serve(llm, args.host, args.port, name, args.max_body_bytes, args.log_level, args.allowed_hosts)
+    return 0
+
+
+def _quality_arguments(commands) -> None:
+    quality = commands.add_parser("quality", help="compare an artifact's next-token distributions with a reference's "
+                                  "(KL divergence, delta p, same top token, perplexity ratio)")
+    quality.add_argument("artifact")
+    quality.add_argument("--reference", required=True, help="the reference artifact (e.g. compiled without "
+                         "--quantize), or a reference-logits file written by --save-reference")
+    quality.add_argument("--text", help="text file to score (needed with a reference artifact)")
+    quality.add_argument("--window", type=int, default=512, help="tokens per window (default 512)")
+    quality.add_argument("--windows", type=int, help="how many windows (default: all the text holds)")
+    quality.add_argument("--first", type=int, help="first scored position of a window (default: window // 2, "
+                         "as llama-perplexity)")
+    quality.add_argument("--top-k", type=int, default=256, help="reference tokens kept per position (default 256)")
+    quality.add_argument("--save-reference", metavar="FILE", help="also write the reference's logits to FILE")
+    quality.add_argument("--json", action="store_true", help="print the measures as JSON")
+
+
+def _quality(args) -> int:
+    import json
+
+    from kiln.runtime.quality import quality
+
+    result = quality(args.artifact, args.reference, Path(args.text) if args.text else None, length=args.window,
+                     windows=args.windows, first=args.first, top_k=args.top_k, save_reference=args.save_reference)
+    print(json.dumps(result.to_dict(), indent=1) if args.json else result.summary())
     return 0
 
 
