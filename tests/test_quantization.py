@@ -233,10 +233,10 @@ def test_a_packaged_int8_form_is_lowered_as_recorded_whatever_this_cpu_picks(for
 
 @pytest.mark.parametrize("vnni", [True, False])
 def test_int4_kernel_over_many_rows_equals_it_row_by_row(vnni):
-    """Up to 64 rows of x (odd counts too) in one call: symmetric weights take the rows two at a
-    time (each weight byte read once for both; VNNI or AVX2 dot products), other rows one at a
-    time. Same integer sums, the float steps summed in another order (512-bit steps): equal to the
-    one-row calls to fp32 rounding; the tests above hold those to the dequantized reference."""
+    """Up to 128 rows of x (odd counts too) in one call: each panel of weight rows is staged once
+    and every row of x runs over it (VNNI or AVX2 dot products; symmetric and zero-point weights).
+    Same integer sums, the float steps summed in another order: equal to the one-row calls to fp32
+    rounding; the tests above hold those to the dequantized reference."""
     from kiln.backends.inductor.quantized_linear import int4_kernel_available
 
     if not int4_kernel_available():
@@ -250,7 +250,7 @@ def test_int4_kernel_over_many_rows_equals_it_row_by_row(vnni):
                                             (33, 576, 32, False)]:
             q = quantize_weight(torch.randn(n, k), 4, group_size, symmetric)
             bias = torch.randn(n)
-            for rows in (2, 3, 8, 9, 17, 64):
+            for rows in (2, 3, 8, 9, 17, 64, 128):
                 x = torch.randn(rows, k)
                 for half in ((None, q.scales.half()) if symmetric else (None,)):
                     got = torch.ops.kiln.linear_q4(x, q.qweight, q.scales, q.zeros, bias, group_size, half)

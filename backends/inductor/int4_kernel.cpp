@@ -1,7 +1,9 @@
 // Kiln CPU kernel for 4-bit weight-only linears (decode, verification, batched decode, prefill
 // chunks: M = 1..kSmallM = 128 rows of x, 2x the dequantize + GEMM it replaced at 96-128 rows).
-// Symmetric weights take the rows of x two at a time (int4_rows_of_x.h), with AVX-512 VNNI dot
-// products where the CPU has them, in 512-bit steps for group size 32.
+// One row of x (decode) streams the weight rows as described below; 2..128 rows (int4_many_rows.h)
+// stage each panel of 16 (AVX-512 VNNI) or 8 (AVX2) weight rows once into L1, transposed so that
+// one code vector holds a dword of every row, and run every row of x over it: each weight byte is
+// read from memory once per call whatever M is.
 //
 // Weight layout = the IR's linear_q (ir/ops/quantized.py), read as is, no repacking:
 //   qweight u8 [N, K/2]: row n holds w[n, 2j] in the low nibble of byte j and w[n, 2j+1] in the
@@ -43,13 +45,18 @@ void kiln_q4_rows_f16(const int8_t* xe, const int8_t* xo, const float* block_sca
 void kiln_q4_rows(const int8_t* xe, const int8_t* xo, const float* block_scale, const float* block_quarter,
                   const uint8_t* q, const float* scales, const uint8_t* zeros, int64_t K, int64_t group_size,
                   int64_t n0, int64_t n1, const float* bias, float* y);
-// y[m][n] for two prepared rows of x at once (m = 0, 1; row 1's xe/xo K/2 bytes and its block terms
-// K/32 floats after row 0's), symmetric weights: each weight byte read once for both rows. Uses
-// AVX-512 VNNI dot products where the CPU has them (kiln_q4_use_vnni), else AVX2.
-void kiln_q4_rows_x2(const int8_t* xe, const int8_t* xo, const float* block_scale, const float* block_quarter,
-                     const uint8_t* q, const float* scales, const uint16_t* half_scales, int64_t K, int64_t group_size,
-                     int64_t n0, int64_t n1, const float* bias, float* y, int64_t ldy);
-// Whether kiln_q4_rows_x2 uses VNNI (where the CPU has it; the default); returns the choice in force.
+// Several rows of x: each row rounded once into a record of kiln_q4_record_bytes(K) bytes (the
+// int8 halves and per-lane block terms, padded to whole 512-bit steps); record m of `records` at
+// m * kiln_q4_record_bytes(K).
+int64_t kiln_q4_record_bytes(int64_t K);
+void kiln_q4_prepare_rows(const float* x, int64_t K, int64_t m0, int64_t m1, uint8_t* records);
+// y[m * N + n] for n in [n0, n1) and all M prepared rows: each weight row read from memory once
+// and staged in L1 for all rows of x. Scales f32, or f16 (half_scales, symmetric weights only).
+void kiln_q4_many_rows(const uint8_t* records, int64_t M, const uint8_t* q, const float* scales,
+                       const uint16_t* half_scales, const uint8_t* zeros, int64_t K, int64_t group_size, int64_t n0,
+                       int64_t n1, const float* bias, float* y, int64_t N);
+// Whether kiln_q4_many_rows uses AVX-512 VNNI (where the CPU has it; the default); returns the
+// choice in force.
 bool kiln_q4_use_vnni(bool wanted);
 // Rows [n0, n1) of the f32 weight w [N, K] (prefill's GEMM operand), one pass over the codes.
 void kiln_q4_dequantize(const uint8_t* q, const float* scales, const uint8_t* zeros, int64_t K, int64_t group_size,
@@ -61,6 +68,7 @@ void kiln_q4_dequantize(const uint8_t* q, const float* scales, const uint8_t* ze
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 namespace kiln_q4 {
 
@@ -196,137 +204,277 @@ static void rows_times_x(const int8_t* xe, const int8_t* xo, const float* block_
   }
 }
 
+// ---- several rows of x (int4_many_rows.h) ----
+
+static inline float to_f32(float s) { return s; }
+static inline float to_f32(uint16_t s) { return _cvtsh_ss(s); }
+static inline float to_f32(uint8_t z) { return z; }
+static inline __m128 load_four(const float* p) { return _mm_loadu_ps(p); }
+static inline __m128 load_four(const uint16_t* p) {
+  return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+}
+static inline __m128 load_four(const uint8_t* p) {
+  int32_t four;
+  std::memcpy(&four, p, sizeof four);
+  return _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(four)));
+}
+static inline int32_t four_bytes(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+// One prepared row of x (kiln_q4_prepare_rows): a record of record_bytes(K).
+struct XRow {
+  const int8_t* even;  // [K / 2] x[2j] rounded to int8 in its block of 32
+  const int8_t* odd;   // [K / 2] x[2j + 1]
+  const float* scale;  // [K / 32] the block's scale: max|x| / 127
+  const float* zero;   // [K / 32] 8 * (the block's rounded x summed) * scale: zero point 8's share
+};
+
+static inline int64_t record_bytes(int64_t K) { return (K + K / 4 + 63) / 64 * 64; }
+
+static inline XRow x_row(const uint8_t* records, int64_t K, int64_t m) {
+  const uint8_t* record = records + m * record_bytes(K);
+  const float* scale = reinterpret_cast<const float*>(record + K);
+  return {reinterpret_cast<const int8_t*>(record), reinterpret_cast<const int8_t*>(record + K / 2), scale,
+          scale + K / 32};
+}
+
+constexpr int64_t kTileRows = 16;  // results of this many rows of each slab gather before going to y
+
+// Bytes of a staged panel: per block of 32 weights, 4 code vectors, scales and zero points / 8.
+static inline int64_t panel_bytes(int64_t K) { return K / 32 * 6 * 64; }
+
 namespace avx2 {
-static inline __m256i dot_codes(__m256i lo, __m256i hi, __m256i e, __m256i o) {
-  const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, e), _mm256_maddubs_epi16(hi, o));
+using Codes = __m256i;
+using Lanes = __m256;
+constexpr int64_t kVectorBytes = 32;
+constexpr int kGroups = 2;       // of four rows: a panel of 8 weight rows
+constexpr int kLanes = 8;
+constexpr int kMostRowsOfX = 4;  // accumulators (and 8 code vectors) in 16 ymm registers
+static inline Codes load_codes(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
+static inline Codes load_half(const void* p) { return load_codes(p); }  // never: K / 2 is whole vectors
+static inline void store_codes(Codes* p, Codes c) { _mm256_store_si256(p, c); }
+static inline Codes low_nibbles(Codes c) { return _mm256_and_si256(c, _mm256_set1_epi8(0x0F)); }
+static inline Codes high_nibbles(Codes c) { return _mm256_and_si256(_mm256_srli_epi16(c, 4), _mm256_set1_epi8(0x0F)); }
+// Four rows' vectors to four chunk vectors: v[j] dword r of 128-bit lane k = row r's dword j there.
+static inline void transpose_rows(Codes (&v)[4]) {
+  const __m256i t0 = _mm256_unpacklo_epi32(v[0], v[1]), t1 = _mm256_unpackhi_epi32(v[0], v[1]);
+  const __m256i t2 = _mm256_unpacklo_epi32(v[2], v[3]), t3 = _mm256_unpackhi_epi32(v[2], v[3]);
+  v[0] = _mm256_unpacklo_epi64(t0, t2);
+  v[1] = _mm256_unpackhi_epi64(t0, t2);
+  v[2] = _mm256_unpacklo_epi64(t1, t3);
+  v[3] = _mm256_unpackhi_epi64(t1, t3);
+}
+// 128-bit lane k of v[g] to lane g of v[k].
+static inline void transpose_lanes(Codes (&v)[kGroups]) {
+  const __m256i low = _mm256_permute2x128_si256(v[0], v[1], 0x20), high = _mm256_permute2x128_si256(v[0], v[1], 0x31);
+  v[0] = low;
+  v[1] = high;
+}
+static inline Lanes join_groups(const __m128 (&g)[kGroups]) { return _mm256_set_m128(g[1], g[0]); }
+// The block's dot for every row (int32 lanes) with x's 16 even / odd bytes there, a dword of x
+// broadcast per code vector; the int16 sums stay below 8 * 2 * 15 * 127 = 30480.
+static inline Codes block_dot(const Codes (&lo)[4], const Codes (&hi)[4], const int8_t* xe, const int8_t* xo) {
+  __m256i pairs = _mm256_setzero_si256();
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; j++) {
+    pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(lo[j], _mm256_set1_epi32(four_bytes(xe + 4 * j))));
+    pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(hi[j], _mm256_set1_epi32(four_bytes(xo + 4 * j))));
+  }
   return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
-#define KILN_Q4_DOT dot_codes
-#include "int4_rows_of_x.h"
-#undef KILN_Q4_DOT
+static inline void store_groups(float* out, int64_t g_stride, Lanes v) {
+  _mm_storeu_ps(out, _mm256_castps256_ps128(v));
+  _mm_storeu_ps(out + g_stride, _mm256_extractf128_ps(v, 1));
+}
+static inline Lanes broadcast(const float* p) { return _mm256_broadcast_ss(p); }
+static inline Lanes set_lanes(float v) { return _mm256_set1_ps(v); }
+static inline Codes as_codes(Lanes v) { return _mm256_castps_si256(v); }
+static inline Lanes as_lanes(Codes v) { return _mm256_castsi256_ps(v); }
+// The first `count` (1..8; even for f16) of eight values as f32, zeros after (masked: never past them).
+static inline __m256i first_lanes(int64_t count) {
+  return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+static inline Lanes load_values(const float* p, int64_t count) {
+  return count >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, first_lanes(count));
+}
+static inline Lanes load_values(const uint16_t* p, int64_t count) {
+  const __m128i halves = count >= 8 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))
+                                    : _mm_maskload_epi32(reinterpret_cast<const int*>(p),
+                                                         _mm256_castsi256_si128(first_lanes(count / 2)));
+  return _mm256_cvtph_ps(halves);
+}
+static inline Lanes load_values(const uint8_t* p, int64_t count) {
+  alignas(8) uint8_t v[8] = {};
+  std::memcpy(v, p, std::min<int64_t>(count, 8));
+  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v))));
+}
+static inline Lanes load_lanes(const float* p) { return _mm256_load_ps(p); }
+static inline void store_lanes(float* p, Lanes v) { _mm256_store_ps(p, v); }
+static inline Lanes zero_lanes() { return _mm256_setzero_ps(); }
+static inline Lanes to_float(Codes c) { return _mm256_cvtepi32_ps(c); }
+static inline Lanes fmadd(Lanes a, Lanes b, Lanes c) { return _mm256_fmadd_ps(a, b, c); }
+static inline Lanes fmsub(Lanes a, Lanes b, Lanes c) { return _mm256_fmsub_ps(a, b, c); }
+static inline Lanes mul(Lanes a, Lanes b) { return _mm256_mul_ps(a, b); }
+#include "int4_many_rows.h"
 }  // namespace avx2
 
 #pragma GCC push_options
-#pragma GCC target("avx512f,avx512vl,avx512bw,avx512vnni")
+#pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx512vnni")
 namespace vnni {
-static inline __m256i dot_codes(__m256i lo, __m256i hi, __m256i e, __m256i o) {
-  return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(_mm256_setzero_si256(), lo, e), hi, o);
+using Codes = __m512i;
+using Lanes = __m512;
+constexpr int64_t kVectorBytes = 64;
+constexpr int kGroups = 4;       // a panel of 16 weight rows
+constexpr int kLanes = 16;
+constexpr int kMostRowsOfX = 8;  // accumulators, 8 code vectors and temporaries in 32 zmm registers
+static inline Codes load_codes(const void* p) { return _mm512_loadu_si512(p); }
+static inline Codes load_half(const void* p) {
+  return _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 }
-#define KILN_Q4_DOT dot_codes
-#include "int4_rows_of_x.h"
-#undef KILN_Q4_DOT
-
-// 512-bit steps (128 weights: lanes 4b..4b+3 hold x block b of four) for group size 32, then a
-// 256-bit step for a last 64 weights (K = 576 is 4.5 such steps). Four consecutive per-block
-// values (x's scales, its zero-point terms, the rows' group scales) each fill four lanes.
-static inline __m512 quads(__m128 four) {
-  const __m512i idx = _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3);
-  return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(four));
+static inline void store_codes(Codes* p, Codes c) { _mm512_store_si512(p, c); }
+static inline Codes low_nibbles(Codes c) { return _mm512_and_si512(c, _mm512_set1_epi8(0x0F)); }
+static inline Codes high_nibbles(Codes c) { return _mm512_and_si512(_mm512_srli_epi16(c, 4), _mm512_set1_epi8(0x0F)); }
+static inline void transpose_rows(Codes (&v)[4]) {
+  const __m512i t0 = _mm512_unpacklo_epi32(v[0], v[1]), t1 = _mm512_unpackhi_epi32(v[0], v[1]);
+  const __m512i t2 = _mm512_unpacklo_epi32(v[2], v[3]), t3 = _mm512_unpackhi_epi32(v[2], v[3]);
+  v[0] = _mm512_unpacklo_epi64(t0, t2);
+  v[1] = _mm512_unpackhi_epi64(t0, t2);
+  v[2] = _mm512_unpacklo_epi64(t1, t3);
+  v[3] = _mm512_unpackhi_epi64(t1, t3);
 }
-static inline __m512 quad_at(const float* p) { return quads(_mm_loadu_ps(p)); }
-static inline __m512 quad_at(const uint16_t* p) {
-  return quads(_mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+static inline void transpose_lanes(Codes (&v)[kGroups]) {
+  const __m512i t0 = _mm512_shuffle_i32x4(v[0], v[1], 0x44), t1 = _mm512_shuffle_i32x4(v[0], v[1], 0xEE);
+  const __m512i t2 = _mm512_shuffle_i32x4(v[2], v[3], 0x44), t3 = _mm512_shuffle_i32x4(v[2], v[3], 0xEE);
+  v[0] = _mm512_shuffle_i32x4(t0, t2, 0x88);
+  v[1] = _mm512_shuffle_i32x4(t0, t2, 0xDD);
+  v[2] = _mm512_shuffle_i32x4(t1, t3, 0x88);
+  v[3] = _mm512_shuffle_i32x4(t1, t3, 0xDD);
 }
-static inline float hsum512(__m512 v) { return _mm512_reduce_add_ps(v); }
-
-template <int R, class Scale>
-static void symmetric_rows_x2_g32(const int8_t* xe, const int8_t* xo, const float* block_scale,
-                                  const float* block_quarter, int64_t blocks, const uint8_t* q, const Scale* scales,
-                                  int64_t K, int64_t n0, int64_t stride, const float* bias, float* y, int64_t ldy) {
-  const int64_t G = K / 32, row_bytes = K / 2, wide_end = row_bytes / 64 * 64;
-  const __m512 eight = _mm512_set1_ps(8.f);
-  const __m512i low4 = _mm512_set1_epi8(0x0F);
-  __m512 acc[R][2];
-  for (int r = 0; r < R; r++) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
-  for (int64_t byte = 0; byte < wide_end; byte += 64) {
-    const int64_t block = byte / 16;
-    const __m512i e0 = _mm512_loadu_si512(xe + byte), o0 = _mm512_loadu_si512(xo + byte);
-    const __m512i e1 = _mm512_loadu_si512(xe + row_bytes + byte), o1 = _mm512_loadu_si512(xo + row_bytes + byte);
-    const __m512 xs0 = quad_at(block_scale + block), xs1 = quad_at(block_scale + blocks + block);
-    const __m512 zt0 = _mm512_mul_ps(eight, quad_at(block_quarter + block));
-    const __m512 zt1 = _mm512_mul_ps(eight, quad_at(block_quarter + blocks + block));
-    for (int r = 0; r < R; r++) {
-      const uint8_t* w = q + (n0 + r * stride) * row_bytes + byte;
-      _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes, _MM_HINT_T0);
-      const __m512i codes = _mm512_loadu_si512(w);
-      const __m512i lo = _mm512_and_si512(codes, low4), hi = _mm512_and_si512(_mm512_srli_epi16(codes, 4), low4);
-      const __m512 ws = quad_at(scales + (n0 + r * stride) * G + block);
-      const __m512i d0 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, e0), hi, o0);
-      const __m512i d1 = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, e1), hi, o1);
-      acc[r][0] = _mm512_fmadd_ps(_mm512_fmsub_ps(_mm512_cvtepi32_ps(d0), xs0, zt0), ws, acc[r][0]);
-      acc[r][1] = _mm512_fmadd_ps(_mm512_fmsub_ps(_mm512_cvtepi32_ps(d1), xs1, zt1), ws, acc[r][1]);
-    }
+static inline Lanes join_groups(const __m128 (&g)[kGroups]) {
+  const __m256 low = _mm256_set_m128(g[1], g[0]), high = _mm256_set_m128(g[3], g[2]);
+  return _mm512_insertf32x8(_mm512_castps256_ps512(low), high, 1);
+}
+// Two chains of four dpbusd (low and high nibbles), x's dwords broadcast from memory.
+static inline Codes block_dot(const Codes (&lo)[4], const Codes (&hi)[4], const int8_t* xe, const int8_t* xo) {
+  __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
+#pragma GCC unroll 4
+  for (int j = 0; j < 4; j++) {
+    a = _mm512_dpbusd_epi32(a, lo[j], _mm512_set1_epi32(four_bytes(xe + 4 * j)));
+    b = _mm512_dpbusd_epi32(b, hi[j], _mm512_set1_epi32(four_bytes(xo + 4 * j)));
   }
-  float tail[R][2] = {};
-  if (wide_end < row_bytes) {  // the last 32 bytes: one 256-bit step, as symmetric_rows_x2's
-    const int64_t byte = wide_end, block = byte / 16;
-    const __m256i low = _mm256_set1_epi8(0x0F);
-    const __m256i e0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xe + byte));
-    const __m256i o0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xo + byte));
-    const __m256i e1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xe + row_bytes + byte));
-    const __m256i o1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xo + row_bytes + byte));
-    const __m256 xs0 = pair_at(block_scale + block), xs1 = pair_at(block_scale + blocks + block);
-    const __m256 zt0 = _mm256_mul_ps(_mm256_set1_ps(8.f), pair_at(block_quarter + block));
-    const __m256 zt1 = _mm256_mul_ps(_mm256_set1_ps(8.f), pair_at(block_quarter + blocks + block));
-    for (int r = 0; r < R; r++) {
-      const __m256i codes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q + (n0 + r * stride) * row_bytes + byte));
-      const __m256i lo = _mm256_and_si256(codes, low), hi = _mm256_and_si256(_mm256_srli_epi16(codes, 4), low);
-      const __m256 ws = scale_pair(scales + (n0 + r * stride) * G + block);
-      tail[r][0] = hsum(_mm256_mul_ps(_mm256_fmsub_ps(_mm256_cvtepi32_ps(dot_codes(lo, hi, e0, o0)), xs0, zt0), ws));
-      tail[r][1] = hsum(_mm256_mul_ps(_mm256_fmsub_ps(_mm256_cvtepi32_ps(dot_codes(lo, hi, e1, o1)), xs1, zt1), ws));
-    }
-  }
-  for (int r = 0; r < R; r++)
-    for (int m = 0; m < 2; m++)
-      y[m * ldy + n0 + r * stride] = hsum512(acc[r][m]) + tail[r][m] + (bias ? bias[n0 + r * stride] : 0.f);
+  return _mm512_add_epi32(a, b);
 }
-
-template <class Scale>
-static void symmetric_slabs_x2_g32(const int8_t* xe, const int8_t* xo, const float* block_scale,
-                                   const float* block_quarter, int64_t blocks, const uint8_t* q, const Scale* scales,
-                                   int64_t K, int64_t n0, int64_t n1, const float* bias, float* y, int64_t ldy) {
-  const int64_t slab = (n1 - n0) / 4;
-  for (int64_t j = 0; j < slab; j++)
-    symmetric_rows_x2_g32<4>(xe, xo, block_scale, block_quarter, blocks, q, scales, K, n0 + j, slab, bias, y, ldy);
-  for (int64_t n = n0 + 4 * slab; n < n1; n++)
-    symmetric_rows_x2_g32<1>(xe, xo, block_scale, block_quarter, blocks, q, scales, K, n, 0, bias, y, ldy);
+static inline void store_groups(float* out, int64_t g_stride, Lanes v) {
+  _mm_storeu_ps(out, _mm512_castps512_ps128(v));
+  _mm_storeu_ps(out + g_stride, _mm512_extractf32x4_ps(v, 1));
+  _mm_storeu_ps(out + 2 * g_stride, _mm512_extractf32x4_ps(v, 2));
+  _mm_storeu_ps(out + 3 * g_stride, _mm512_extractf32x4_ps(v, 3));
 }
+static inline Lanes broadcast(const float* p) { return _mm512_set1_ps(*p); }
+static inline Lanes set_lanes(float v) { return _mm512_set1_ps(v); }
+static inline Codes as_codes(Lanes v) { return _mm512_castps_si512(v); }
+static inline Lanes as_lanes(Codes v) { return _mm512_castsi512_ps(v); }
+// The first `count` (1..16) of sixteen values as f32, zeros after (masked: never past them).
+static inline __mmask16 first_lanes(int64_t count) { return (__mmask16)((1u << std::min<int64_t>(count, 16)) - 1); }
+static inline Lanes load_values(const float* p, int64_t count) { return _mm512_maskz_loadu_ps(first_lanes(count), p); }
+static inline Lanes load_values(const uint16_t* p, int64_t count) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(first_lanes(count), p));
+}
+static inline Lanes load_values(const uint8_t* p, int64_t count) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(first_lanes(count), p)));
+}
+static inline Lanes load_lanes(const float* p) { return _mm512_load_ps(p); }
+static inline void store_lanes(float* p, Lanes v) { _mm512_store_ps(p, v); }
+static inline Lanes zero_lanes() { return _mm512_setzero_ps(); }
+static inline Lanes to_float(Codes c) { return _mm512_cvtepi32_ps(c); }
+static inline Lanes fmadd(Lanes a, Lanes b, Lanes c) { return _mm512_fmadd_ps(a, b, c); }
+static inline Lanes fmsub(Lanes a, Lanes b, Lanes c) { return _mm512_fmsub_ps(a, b, c); }
+static inline Lanes mul(Lanes a, Lanes b) { return _mm512_mul_ps(a, b); }
+#include "int4_many_rows.h"
 }  // namespace vnni
 #pragma GCC pop_options
 
-static bool use_vnni = __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
+static bool cpu_has_vnni() {
+  __builtin_cpu_init();  // static initializers may run before the CPU model is read
+  return __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl") &&
+         __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512dq");
+}
+static bool use_vnni = cpu_has_vnni();
 
 }  // namespace kiln_q4
 
 extern "C" {
 bool kiln_q4_use_vnni(bool wanted) {
-  kiln_q4::use_vnni = wanted && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("avx512vl");
+  kiln_q4::use_vnni = wanted && kiln_q4::cpu_has_vnni();
   return kiln_q4::use_vnni;
 }
 
-void kiln_q4_rows_x2(const int8_t* xe, const int8_t* xo, const float* block_scale, const float* block_quarter,
-                     const uint8_t* q, const float* scales, const uint16_t* half_scales, int64_t K, int64_t group_size,
-                     int64_t n0, int64_t n1, const float* bias, float* y, int64_t ldy) {
-  const int64_t blocks = K / 32;
-  if (kiln_q4::use_vnni && group_size == 32) {  // 512-bit steps
-    if (half_scales)
-      return kiln_q4::vnni::symmetric_slabs_x2_g32(xe, xo, block_scale, block_quarter, blocks, q, half_scales, K, n0,
-                                                   n1, bias, y, ldy);
-    return kiln_q4::vnni::symmetric_slabs_x2_g32(xe, xo, block_scale, block_quarter, blocks, q, scales, K, n0, n1,
-                                                 bias, y, ldy);
+int64_t kiln_q4_record_bytes(int64_t K) { return kiln_q4::record_bytes(K); }
+
+// Per block of 32: rounded as kiln_q4_prepare_x (cvtps rounds to nearest even, as nearbyint), the
+// 32 bytes split into even and odd elements.
+void kiln_q4_prepare_rows(const float* x, int64_t K, int64_t m0, int64_t m1, uint8_t* records) {
+  const __m256 sign_bit = _mm256_set1_ps(-0.f);
+  const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the packs' lane interleave
+  const __m256i split = _mm256_setr_epi8(0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15,
+                                         0, 2, 4, 6, 8, 10, 12, 14, 1, 3, 5, 7, 9, 11, 13, 15);
+  for (int64_t m = m0; m < m1; m++) {
+    const kiln_q4::XRow row = kiln_q4::x_row(records, K, m);
+    int8_t* even = const_cast<int8_t*>(row.even);
+    int8_t* odd = const_cast<int8_t*>(row.odd);
+    for (int64_t b = 0; b < K / 32; b++) {
+      const float* src = x + m * K + b * 32;
+      __m256 v[4], amax = _mm256_setzero_ps();
+      for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_loadu_ps(src + 8 * i);
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign_bit, v[i]));
+      }
+      __m128 a = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+      a = _mm_max_ps(a, _mm_movehl_ps(a, a));
+      const float block_max = _mm_cvtss_f32(_mm_max_ss(a, _mm_movehdup_ps(a)));
+      const float scale = block_max / 127.f;
+      const __m256 inverse = _mm256_set1_ps(block_max > 0.f ? 127.f / block_max : 0.f);
+      __m256i q[4];
+      for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], inverse));
+      const __m256i sum4 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+      __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum4), _mm256_extracti128_si256(sum4, 1));
+      s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+      s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+      const __m256i in_order = _mm256_permutevar8x32_epi32(
+          _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])), order);
+      // [e0..e7 o0..o7 | e8..e15 o8..o15] -> [e0..e15 | o0..o15]
+      const __m256i halves = _mm256_permute4x64_epi64(_mm256_shuffle_epi8(in_order, split), 0xD8);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(even + 16 * b), _mm256_castsi256_si128(halves));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(odd + 16 * b), _mm256_extracti128_si256(halves, 1));
+      const_cast<float*>(row.scale)[b] = scale;
+      const_cast<float*>(row.zero)[b] = 8.f * (_mm_cvtsi128_si32(s) * scale);
+    }
   }
+}
+
+void kiln_q4_many_rows(const uint8_t* records, int64_t M, const uint8_t* q, const float* scales,
+                       const uint16_t* half_scales, const uint8_t* zeros, int64_t K, int64_t group_size, int64_t n0,
+                       int64_t n1, const float* bias, float* y, int64_t N) {
+  thread_local std::vector<kiln_q4::XRow> x;
+  thread_local std::vector<float> tile;
+  thread_local std::vector<uint8_t> staging;
+  x.resize(M);
+  for (int64_t m = 0; m < M; m++) x[m] = kiln_q4::x_row(records, K, m);
+  tile.resize(M * 4 * kiln_q4::kTileRows);
+  staging.resize(kiln_q4::panel_bytes(K) + 64);
+  uint8_t* area = staging.data() + (64 - reinterpret_cast<uintptr_t>(staging.data()) % 64) % 64;
+  float* t = tile.data();
   if (kiln_q4::use_vnni) {
     if (half_scales)
-      return kiln_q4::vnni::symmetric_slabs_x2(xe, xo, block_scale, block_quarter, blocks, q, half_scales, K,
-                                               group_size, n0, n1, bias, y, ldy);
-    return kiln_q4::vnni::symmetric_slabs_x2(xe, xo, block_scale, block_quarter, blocks, q, scales, K, group_size,
-                                             n0, n1, bias, y, ldy);
+      return kiln_q4::vnni::many_rows(x.data(), M, q, half_scales, zeros, K, group_size, n0, n1, bias, y, N, area, t);
+    return kiln_q4::vnni::many_rows(x.data(), M, q, scales, zeros, K, group_size, n0, n1, bias, y, N, area, t);
   }
   if (half_scales)
-    return kiln_q4::avx2::symmetric_slabs_x2(xe, xo, block_scale, block_quarter, blocks, q, half_scales, K,
-                                             group_size, n0, n1, bias, y, ldy);
-  kiln_q4::avx2::symmetric_slabs_x2(xe, xo, block_scale, block_quarter, blocks, q, scales, K, group_size, n0, n1,
-                                    bias, y, ldy);
+    return kiln_q4::avx2::many_rows(x.data(), M, q, half_scales, zeros, K, group_size, n0, n1, bias, y, N, area, t);
+  kiln_q4::avx2::many_rows(x.data(), M, q, scales, zeros, K, group_size, n0, n1, bias, y, N, area, t);
 }
 
 void kiln_q4_prepare_x(const float* x, int64_t K, int8_t* xe, int8_t* xo, float* block_scale, float* block_quarter) {
@@ -414,7 +562,8 @@ void kiln_q4_rows(const int8_t* xe, const int8_t* xo, const float* block_scale, 
 namespace kiln_q4 {
 
 constexpr int64_t kSmallM = 128;      // rows of x above this: dequantize once and run one GEMM (prefill)
-constexpr int64_t kRowsPerTask = 64;  // rows of W per parallel task (64 x K/2 bytes)
+constexpr int64_t kRowsPerTask = 64;  // rows of W per parallel task (64 x K/2 bytes), one row of x
+constexpr int64_t kPanelRows = 16;    // several: a panel (576 rows split evenly over 2, 3, 4 threads)
 
 // The f32 weight [N, K] (prefill): one GEMM beats re-reading the packed rows per row of x.
 static at::Tensor dequantize(const at::Tensor& q, const at::Tensor& scales, const at::Tensor& zeros, int64_t K,
@@ -429,6 +578,55 @@ static at::Tensor dequantize(const at::Tensor& q, const at::Tensor& scales, cons
     kiln_q4_dequantize(qp, sp, zp, K, group_size, n0, n1, wp);
   });
   return w;
+}
+
+struct WeightPointers {
+  const uint8_t* q;
+  const float* scales;
+  const uint16_t* half_scales;  // or null
+  const uint8_t* zeros;         // or null: symmetric
+  const float* bias;            // or null
+};
+
+// Threads split the rows of W, `per_task` rows at a time.
+template <class Rows>
+static void over_rows_of_w(int64_t N, int64_t per_task, Rows rows) {
+  at::parallel_for(0, (N + per_task - 1) / per_task, 1, [&](int64_t t0, int64_t t1) {
+    rows(t0 * per_task, std::min(N, t1 * per_task));
+  });
+}
+
+// One row of x (decode): x rounded into a scratch buffer kept per thread (a decode step makes
+// ~120 of these calls, and tensor allocations were a good part of each small call's cost).
+static void one_row(const float* x, const WeightPointers& w, int64_t N, int64_t K, int64_t group_size, float* y) {
+  const int64_t blocks = K / 32;
+  thread_local std::vector<float> scratch;
+  scratch.resize(K / 4 + 2 * blocks);  // xe, xo: K/2 int8 each = K/4 floats in all
+  int8_t* xe = reinterpret_cast<int8_t*>(scratch.data());
+  int8_t* xo = xe + K / 2;
+  float* block_scale = scratch.data() + K / 4;
+  float* block_quarter = block_scale + blocks;
+  kiln_q4_prepare_x(x, K, xe, xo, block_scale, block_quarter);
+  over_rows_of_w(N, kRowsPerTask, [&](int64_t n0, int64_t n1) {
+    if (w.half_scales)
+      kiln_q4_rows_f16(xe, xo, block_scale, block_quarter, w.q, w.half_scales, K, group_size, n0, n1, w.bias, y);
+    else
+      kiln_q4_rows(xe, xo, block_scale, block_quarter, w.q, w.scales, w.zeros, K, group_size, n0, n1, w.bias, y);
+  });
+}
+
+// 2..kSmallM rows: each rounded once (over the threads: the rounding is a few % of the call),
+// then each weight row read from memory once for all of them.
+static void many_rows(const float* x, int64_t M, const WeightPointers& w, int64_t N, int64_t K, int64_t group_size,
+                      float* y) {
+  const int64_t record = kiln_q4_record_bytes(K);
+  thread_local std::vector<uint8_t> scratch;
+  scratch.resize(M * record + 64);
+  uint8_t* records = scratch.data() + (64 - reinterpret_cast<uintptr_t>(scratch.data()) % 64) % 64;
+  at::parallel_for(0, M, 2, [&](int64_t m0, int64_t m1) { kiln_q4_prepare_rows(x, K, m0, m1, records); });
+  over_rows_of_w(N, kPanelRows, [&](int64_t n0, int64_t n1) {
+    kiln_q4_many_rows(records, M, w.q, w.scales, w.half_scales, w.zeros, K, group_size, n0, n1, w.bias, y, N);
+  });
 }
 
 at::Tensor linear_q4(const at::Tensor& x_in, const at::Tensor& q, const at::Tensor& scales_in,
@@ -463,47 +661,13 @@ at::Tensor linear_q4(const at::Tensor& x_in, const at::Tensor& q, const at::Tens
     at::Tensor x2 = x.view({M, K});
     return (bias.defined() ? at::addmm(bias, x2, w.t()) : at::mm(x2, w.t())).view(shape);
   }
-  // x rounded to int8 per block of 32 (even/odd split), once per row per call, into a scratch
-  // buffer kept per thread: a decode step makes ~120 of these calls, and tensor allocations were
-  // a good part of each small call's cost.
-  const int64_t blocks = K / 32;
-  thread_local std::vector<float> scratch;
-  scratch.resize(M * (K / 4 + 2 * blocks));  // xe, xo: K/2 int8 each = K/4 floats in all
-  int8_t* xe = reinterpret_cast<int8_t*>(scratch.data());
-  int8_t* xo = xe + M * K / 2;
-  float* block_scale = scratch.data() + M * K / 4;
-  float* block_quarter = block_scale + M * blocks;
-  const float* xp = x.data_ptr<float>();
-  auto prepare = [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; m++)
-      kiln_q4_prepare_x(xp + m * K, K, xe + m * K / 2, xo + m * K / 2, block_scale + m * blocks,
-                        block_quarter + m * blocks);
-  };
-  if (M >= 4) at::parallel_for(0, M, 2, prepare);  // scalar rounding: split over threads when rows are many
-  else prepare(0, M);
   at::Tensor y = at::empty(shape, x.options());
-  const uint8_t* zp = zeros.defined() ? zeros.data_ptr<uint8_t>() : nullptr;
-  const float* bp = bias.defined() ? bias.data_ptr<float>() : nullptr;
-  const uint8_t* qp = q.data_ptr<uint8_t>();
-  const float* sp = scales.data_ptr<float>();
-  const uint16_t* hp = half.defined() ? reinterpret_cast<const uint16_t*>(half.data_ptr<at::Half>()) : nullptr;
-  float* yp = y.data_ptr<float>();
-  at::parallel_for(0, (N + kRowsPerTask - 1) / kRowsPerTask, 1, [&](int64_t t0, int64_t t1) {
-    int64_t m = 0;
-    if (!zp)  // symmetric: rows of x two at a time, each weight byte read once for both
-      for (; m + 2 <= M && M > 1; m += 2)
-        kiln_q4_rows_x2(xe + m * K / 2, xo + m * K / 2, block_scale + m * blocks, block_quarter + m * blocks, qp, sp,
-                        hp, K, group_size, t0 * kRowsPerTask, std::min(N, t1 * kRowsPerTask), bp, yp + m * N, N);
-    for (; m < M; m++) {
-      const int64_t n0 = t0 * kRowsPerTask, n1 = std::min(N, t1 * kRowsPerTask);
-      if (hp)
-        kiln_q4_rows_f16(xe + m * K / 2, xo + m * K / 2, block_scale + m * blocks, block_quarter + m * blocks, qp, hp,
-                         K, group_size, n0, n1, bp, yp + m * N);
-      else
-        kiln_q4_rows(xe + m * K / 2, xo + m * K / 2, block_scale + m * blocks, block_quarter + m * blocks, qp, sp, zp,
-                     K, group_size, n0, n1, bp, yp + m * N);
-    }
-  });
+  const WeightPointers w{q.data_ptr<uint8_t>(), scales.data_ptr<float>(),
+                         half.defined() ? reinterpret_cast<const uint16_t*>(half.data_ptr<at::Half>()) : nullptr,
+                         zeros.defined() ? zeros.data_ptr<uint8_t>() : nullptr,
+                         bias.defined() ? bias.data_ptr<float>() : nullptr};
+  if (M == 1) one_row(x.data_ptr<float>(), w, N, K, group_size, y.data_ptr<float>());
+  else many_rows(x.data_ptr<float>(), M, w, N, K, group_size, y.data_ptr<float>());
   return y;
 }
 
