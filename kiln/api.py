@@ -3,27 +3,22 @@
     path = kiln.compile("path/to/hf-model", out="model.kiln", backend="inductor")
     llm = kiln.load(path)
 
-`compile` is glue over the stages: frontend (load, capture) -> passes -> backend -> artifact.
-Each stage is imported only when used, so `kiln.load` never pulls in transformers.
+`compile` is a short sequence of named steps (kiln/compile_steps.py) over the stages: frontend
+(load, capture) -> passes -> backend -> artifact. Each stage is imported only when used, so
+`kiln.load` never pulls in transformers.
 """
 from __future__ import annotations
 
 import dataclasses
-import sys
-import time
-from collections import Counter
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
 
 from kiln.backends.executable import BackendOptions
-from kiln.backends.registry import backend_version, get_backend
-from kiln.compile_options import CompileOptions, check_memory
-from kiln.runtime.artifact import read_artifact, save_artifact
+from kiln.backends.registry import get_backend
+from kiln.compile_options import CompileOptions
+from kiln.compile_steps import CompileSteps, Progress
+from kiln.runtime.artifact import read_artifact
 from kiln.runtime.generate import LLM
 from kiln.runtime.tokenizer import Tokenizer
-
-Progress = Callable[[str], None]
 
 
 def load(path: str | Path, check_hashes: bool = True, device: str | None = None) -> LLM:
@@ -83,126 +78,15 @@ def compile(model=None, out: str | Path = "model.kiln", backend: str = "inductor
     is captured in f16 as Hugging Face runs it: norms in f32; logits come out in f32). `device`
     is where the artifact runs; an artifact for CUDA compiles on a machine without one.
 
-    `tensor_parallel` N > 1 shards the graph over N ranks (kiln.passes.shard_tensor_parallel) and
+    `tensor_parallel` N > 1 shards the graph over N ranks (the pipeline's last phase) and
     writes one artifact with every rank's weights; run it with `torchrun --nproc-per-node N`.
     """
-    from kiln.frontend.breaks.background_check import CleanBreaks, start_if_worthwhile
-    from kiln.frontend.breaks.compile_check import check_graph_breaks, report_files
-    from kiln.frontend.capture import capture_causal_lm
-    from kiln.frontend.checkpoint import load_model
-    from kiln.passes.pipeline import run_pipeline
-
-    report = progress or (lambda message: None)
-    started = time.perf_counter()
-    checked = CompileOptions.checked(  # every option, before the slow steps
+    options = CompileOptions.checked(  # every option, before any slow step
         model=model, out=out, backend=backend, max_seq_len=max_seq_len, max_batch=max_batch, dtype=dtype,
         device=device, quantize=quantize, quantize_embeddings=quantize_embeddings, calibration=calibration,
         tensor_parallel=tensor_parallel, dump_ir=dump_ir)
-    quantize, scheme, options = checked.quantize, checked.scheme, checked.backend_options()
-    backend_module = get_backend(backend)
-    if model is None:
-        from kiln.frontend.default_model import default_model_dir
-
-        with _step(report, "locate the default model"):
-            model = default_model_dir()
-    with _step(report, f"load {model}"):
-        loaded = load_model(model)
-    check_memory(loaded.model.config, checked)
-    tokens, calibration_source = None, None
-    if scheme is not None and scheme.needs_calibration:
-        from kiln.calibration import calibration_tokens
-
-        tokens, calibration_source = calibration_tokens(calibration, loaded.tokenizer_path, max_seq_len)
-
-    def check_here():
-        with _step(report, "check graph breaks (Dynamo)"):
-            return check_graph_breaks(loaded.model, str(model))  # raises GraphBreakError if any is left
-
-    def capture_and_lower():
-        with _step(report, "capture the forward into IR"):
-            graph = capture_causal_lm(loaded.model, max_batch=max_batch, max_seq_len=max_seq_len,
-                                      dtype=checked.torch_dtype)
-        with _step(report, "run the pass pipeline"):
-            graph = run_pipeline(graph, options, dump_dir=dump_ir, calibration=tokens)
-        if tensor_parallel > 1:
-            with _step(report, f"shard over {tensor_parallel} ranks"):
-                graph, rank_weights = _shard(graph, tensor_parallel)
-            return graph, _CompiledPerRank(), rank_weights
-        with _step(report, f"lower with the {backend} backend"):
-            return graph, backend_module.lower(graph, options), None
-
-    param_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
-    background = start_if_worthwhile(loaded.checkpoint_dir, param_bytes, str(model))
-    if background is None:
-        breaks = check_here()
-        _summary(progress, f"graph breaks: {breaks.summary_line()}")
-        graph, executable, rank_weights = capture_and_lower()
-    else:
-        report("check graph breaks (Dynamo) in a child process, beside the capture ...")
-        try:
-            graph, executable, rank_weights = capture_and_lower()
-        except Exception:
-            background.cancel()
-            check_here()  # a graph break explains a failed capture best (GraphBreakError)
-            raise
-        with _step(report, "wait for the graph-break check"):
-            breaks = background.clean_result()
-        if breaks is None:  # breaks found: the check here raises, or rewrites the model's branches
-            breaks = check_here()
-            graph, executable, rank_weights = capture_and_lower()
-        _summary(progress, f"graph breaks: {breaks.summary_line()}")
-    with _step(report, f"save the artifact to {out}"):
-        path = save_artifact(out, graph, executable, tokenizer_dir=loaded.tokenizer_path.parent,
-                             extra_files=breaks.files if isinstance(breaks, CleanBreaks) else report_files(breaks),
-                             rank_weights=rank_weights, manifest_fields={
-            "backend": backend,
-            "backend_version": backend_version(backend_module),
-            "source": str(loaded.checkpoint_dir),
-            "source_hash": loaded.source_hash,
-            "options": checked.manifest_options(calibration_source),
-            "graph_stats": {**graph_stats(graph), "compile_s": round(time.perf_counter() - started, 3)},
-            "graph_breaks": breaks.counts,
-        })
-    return path
-
-
-def _shard(graph, ranks: int):
-    """Rank 0's graph (the same for every rank) and the weights of ranks 1..N-1."""
-    from kiln.passes.shard_tensor_parallel import shard_tensor_parallel
-
-    shards = [shard_tensor_parallel(graph, rank, ranks) for rank in range(ranks)]
-    return shards[0], [shard.weights for shard in shards[1:]]
-
-
-class _CompiledPerRank:
-    """The executable of a tensor-parallel artifact is built in each rank when it is loaded (a
-    compile needs the ranks' process group), so there are no backend files to save."""
-
-    def save(self, directory) -> list[str]:
-        return []
-
-
-def graph_stats(graph) -> dict:
-    """Counts for the compile summary: nodes, nodes per op, parameters and their bytes."""
-    return {
-        "nodes": len(graph.nodes),
-        "ops": dict(Counter(n.op for n in graph.nodes).most_common()),
-        "params": len(graph.params),
-        "param_bytes": sum(t.numel() * t.element_size() for t in graph.weights.values()),
-    }
-
-
-def _summary(progress: Progress | None, line: str) -> None:
-    """A line every compile prints: through `progress` when given, else on stderr."""
-    if progress is not None:
-        progress(line)
-    else:
-        print(line, file=sys.stderr, flush=True)
-
-
-@contextmanager
-def _step(report: Progress, what: str):
-    report(f"{what} ...")
-    start = time.perf_counter()
-    yield
-    report(f"{what}: done in {time.perf_counter() - start:.1f}s")
+    steps = CompileSteps(options, progress)
+    steps.load_model()  # and check that its KV cache fits this machine
+    calibration_tokens, calibration_source = steps.calibration_tokens()
+    breaks, built = steps.check_breaks_and_build(calibration_tokens)  # capture -> passes -> lower
+    return steps.save(breaks, built, calibration_source)

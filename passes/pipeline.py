@@ -1,7 +1,8 @@
 """The default compilation pipeline: one ordered list of passes, grouped in phases.
 
-Read it top to bottom to know what the compiler does to a captured graph. With `dump_dir`,
-the IR is written after each phase (`00-captured.kir`, `01-canonicalize.kir`, ...).
+Read it top to bottom to know what the compiler does to a captured graph, from capture to the
+graph a backend lowers (tensor-parallel sharding included). With `dump_dir`, the IR is written
+after each phase (`00-captured.kir`, `01-canonicalize.kir`, ...).
 """
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from .fuse_rms_norm import fuse_rms_norm
 from .fuse_rope import fuse_rope
 from .manager import Pass, PassManager, PassRecord
 from .quantize_phase import quantization_passes
+from .shard_tensor_parallel import ShardingError, shard_tensor_parallel
 
 
 def kv_cache_insertion(options) -> Pass:
@@ -37,6 +39,19 @@ def kv_cache_insertion(options) -> Pass:
         return insert_kv_cache(graph, max_batch=options.max_batch, max_seq_len=options.max_seq_len)
 
     return Pass("insert_kv_cache", insert, preserves_signature=False)
+
+
+def tensor_parallel_sharding(ranks: int, rank_weights: list) -> Pass:
+    """The pass sharding the stateful graph over `ranks` (passes/shard_tensor_parallel.py). The
+    graph is the same on every rank: the pass returns rank 0's, with its weights attached, and
+    puts the weights of ranks 1..N-1 into `rank_weights` (the artifact saves them beside it)."""
+
+    def shard(graph: Graph) -> Graph:
+        shards = [shard_tensor_parallel(graph, rank, ranks) for rank in range(ranks)]
+        rank_weights[:] = [s.weights for s in shards[1:]]
+        return shards[0]
+
+    return Pass("shard_tensor_parallel", shard, preserves_signature=False)
 
 
 def fusion_passes() -> list[Pass]:
@@ -63,11 +78,13 @@ def fusion_passes() -> list[Pass]:
 
 def default_pipeline(options, dump_dir: str | Path | None = None,
                      progress: Callable[[PassRecord], None] | None = None, fuse: bool = True,
-                     calibration=None) -> PassManager:
+                     calibration=None, rank_weights: list | None = None) -> PassManager:
     """The pipeline for `options` (any object with `max_batch` and `max_seq_len`, such as
-    `kiln.backends.executable.BackendOptions`; its `quantize` names a weight scheme). `fuse=False`
-    leaves the fuse phase empty (for measuring what fusion does). `calibration`: token ids
-    [sequences, length] for data-aware quantization schemes."""
+    `kiln.backends.executable.BackendOptions` or `kiln.compile_options.CompileOptions`; its
+    `quantize` names a weight scheme, its `tensor_parallel`, if above 1, the ranks to shard over).
+    `fuse=False` leaves the fuse phase empty (for measuring what fusion does). `calibration`: token
+    ids [sequences, length] for data-aware quantization schemes. `rank_weights`: the list the shard
+    phase fills with the weights of ranks 1..N-1."""
     phases = [
         # Phase 1: one normal form for the pattern matchers: no no-ops, constants folded.
         ("canonicalize", [
@@ -88,12 +105,20 @@ def default_pipeline(options, dump_dir: str | Path | None = None,
             Pass("dce", eliminate_dead_code),
         ]),
     ]
+    ranks = getattr(options, "tensor_parallel", 1)
+    if ranks > 1:
+        # Phase 6: every rank's share of the graph, Megatron style (one graph, per-rank weights).
+        if rank_weights is None:
+            raise ShardingError("sharding over ranks needs a list for the weights of ranks 1..N-1. "
+                                "Fix: pass rank_weights=[] to the pipeline.")
+        phases.append(("shard", [tensor_parallel_sharding(ranks, rank_weights)]))
     return PassManager(phases, dump_dir=dump_dir, progress=progress)
 
 
 def run_pipeline(graph: Graph, options, dump_dir: str | Path | None = None,
                  progress: Callable[[PassRecord], None] | None = None, fuse: bool = True,
-                 calibration=None) -> Graph:
-    """Compile a captured graph with the default pipeline; returns the stateful, optimized graph."""
+                 calibration=None, rank_weights: list | None = None) -> Graph:
+    """Compile a captured graph with the default pipeline; returns the stateful, optimized graph
+    (rank 0's when sharding: `rank_weights` gets the others')."""
     return default_pipeline(options, dump_dir=dump_dir, progress=progress, fuse=fuse,
-                            calibration=calibration).run(graph)
+                            calibration=calibration, rank_weights=rank_weights).run(graph)

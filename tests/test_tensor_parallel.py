@@ -103,6 +103,30 @@ def test_rank_shards_put_back_together_are_the_original_weights(stateful_graph):
     assert str(shards[0]) == str(shards[1])  # one graph for every rank: only the weights differ
 
 
+def test_sharding_is_the_pipelines_last_phase(tiny_model_dirs, stateful_graph):
+    """With tensor_parallel N the pipeline ends in a `shard` phase: rank 0's graph, the other ranks'
+    weights in the list it is given, as shard_tensor_parallel makes them."""
+    from types import SimpleNamespace
+
+    from kiln.frontend.capture import capture_causal_lm
+    from kiln.frontend.checkpoint import load_model
+    from kiln.passes.pipeline import default_pipeline
+
+    options = SimpleNamespace(max_batch=1, max_seq_len=MAX_SEQ_LEN, tensor_parallel=2)
+    with pytest.raises(ShardingError, match="rank_weights"):
+        default_pipeline(options)
+    rank_weights = []
+    pipeline = default_pipeline(options, rank_weights=rank_weights)
+    assert [phase for phase, _ in pipeline.phases][-2:] == ["cleanup", "shard"]
+    graph = capture_causal_lm(load_model(tiny_model_dirs("llama")).model, max_batch=1, max_seq_len=MAX_SEQ_LEN)
+    sharded = pipeline.run(graph)
+    expected = [shard_tensor_parallel(stateful_graph, rank, 2) for rank in range(2)]
+    assert str(sharded) == str(expected[0]) and len(rank_weights) == 1
+    for name, weight in expected[1].weights.items():
+        assert torch.equal(rank_weights[0][name], weight)
+    assert [phase for phase, _ in default_pipeline(BackendOptions()).phases][-1] == "cleanup"
+
+
 def test_four_ranks_replicate_each_kv_head_on_the_ranks_that_read_it(stateful_graph):
     qkv = next(name for name in stateful_graph.params if "q_proj-k_proj-v_proj" in name)
     full = stateful_graph.weights[qkv]  # rows: 4 q heads, 2 k heads, 2 v heads of 16

@@ -1,0 +1,179 @@
+"""The steps of `kiln.compile`, in the order `kiln/api.py` runs them:
+
+    load the model -> calibration tokens (-awq schemes) -> graph-break check, beside or before
+    capture -> pass pipeline (tensor-parallel sharding its last phase) -> lower -> save
+
+Each step reports itself through `progress` with the seconds it took. The graph-break check
+(Dynamo, tens of seconds for a large model) runs in a child process beside the capture when a
+spare core makes that pay (frontend/breaks/background_check.py); its verdict decides whether the
+graph built meanwhile stands. Stages are imported when a step runs, so `import kiln` stays light.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from collections import Counter
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from kiln.backends.registry import backend_version, get_backend
+from kiln.compile_options import CompileOptions, check_memory
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class Built:
+    """What capture, the passes and the backend made: the stateful graph (rank 0's when sharded),
+    its executable, and the weights of ranks 1..N-1 (None unless sharded)."""
+
+    graph: object
+    executable: object
+    rank_weights: list | None
+
+
+class CompileSteps:
+    """One compile's steps; `kiln.api.compile` calls them in order."""
+
+    def __init__(self, options: CompileOptions, progress: Progress | None):
+        self.options = options
+        self.progress = progress
+        self.backend = get_backend(options.backend)
+        self.started = time.perf_counter()
+        self.model = options.model  # the default model's directory once located
+        self.loaded = None
+
+    def load_model(self):
+        """The checkpoint (the bundled default when none is named), loaded; the KV cache its shape
+        and the options ask for is checked against this machine's memory before anything else."""
+        from kiln.frontend.checkpoint import load_model
+
+        if self.model is None:
+            from kiln.frontend.default_model import default_model_dir
+
+            with self.step("locate the default model"):
+                self.model = default_model_dir()
+        with self.step(f"load {self.model}"):
+            self.loaded = load_model(self.model)
+        check_memory(self.loaded.model.config, self.options)
+        return self.loaded
+
+    def calibration_tokens(self):
+        """(token rows, where they came from) for a data-aware scheme; (None, None) otherwise."""
+        if not self.options.needs_calibration:
+            return None, None
+        from kiln.calibration import calibration_tokens
+
+        return calibration_tokens(self.options.calibration, self.loaded.tokenizer_path, self.options.max_seq_len)
+
+    def check_breaks_and_build(self, calibration) -> tuple[object, Built]:
+        """(the graph-break report, what `build` made). The check runs first, or in a child
+        process beside the build; breaks Kiln removes by rewriting the model's branches (only
+        the check here can) mean a second build."""
+        from kiln.frontend.breaks.background_check import start_if_worthwhile
+
+        model = self.loaded.model
+        param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        background = start_if_worthwhile(self.loaded.checkpoint_dir, param_bytes, str(self.model))
+        if background is None:
+            breaks = self.check_breaks()
+            self.summary(f"graph breaks: {breaks.summary_line()}")
+            return breaks, self.build(calibration)
+        self.report("check graph breaks (Dynamo) in a child process, beside the capture ...")
+        try:
+            built = self.build(calibration)
+        except Exception:
+            background.cancel()
+            self.check_breaks()  # a graph break explains a failed capture best (GraphBreakError)
+            raise
+        with self.step("wait for the graph-break check"):
+            breaks = background.clean_result()
+        if breaks is None:  # breaks found: the check here raises, or rewrites the model's branches
+            breaks = self.check_breaks()
+            built = self.build(calibration)
+        self.summary(f"graph breaks: {breaks.summary_line()}")
+        return breaks, built
+
+    def check_breaks(self):
+        """The graph-break report of the stateless forward; GraphBreakError if a break is left."""
+        from kiln.frontend.breaks.compile_check import check_graph_breaks
+
+        with self.step("check graph breaks (Dynamo)"):
+            return check_graph_breaks(self.loaded.model, str(self.model))
+
+    def build(self, calibration) -> Built:
+        """Capture -> the pass pipeline (passes/pipeline.py, sharding included) -> the backend."""
+        from kiln.frontend.capture import capture_causal_lm
+        from kiln.passes.pipeline import run_pipeline
+
+        options = self.options
+        with self.step("capture the forward into IR"):
+            graph = capture_causal_lm(self.loaded.model, max_batch=options.max_batch,
+                                      max_seq_len=options.max_seq_len, dtype=options.torch_dtype)
+        rank_weights = [] if options.tensor_parallel > 1 else None
+        with self.step("run the pass pipeline"):
+            graph = run_pipeline(graph, options, dump_dir=options.dump_ir, calibration=calibration,
+                                 rank_weights=rank_weights)
+        if rank_weights is not None:
+            return Built(graph, CompiledPerRank(), rank_weights)
+        with self.step(f"lower with the {options.backend} backend"):
+            return Built(graph, self.backend.lower(graph, options.backend_options()), None)
+
+    def save(self, breaks, built: Built, calibration_source: str | None) -> Path:
+        """The artifact at options.out, with the graph-break report and the manifest."""
+        from kiln.frontend.breaks.background_check import CleanBreaks
+        from kiln.frontend.breaks.compile_check import report_files
+        from kiln.runtime.artifact import save_artifact
+
+        options, loaded = self.options, self.loaded
+        with self.step(f"save the artifact to {options.out}"):
+            return save_artifact(options.out, built.graph, built.executable, tokenizer_dir=loaded.tokenizer_path.parent,
+                                 extra_files=breaks.files if isinstance(breaks, CleanBreaks) else report_files(breaks),
+                                 rank_weights=built.rank_weights, manifest_fields={
+                "backend": options.backend,
+                "backend_version": backend_version(self.backend),
+                "source": str(loaded.checkpoint_dir),
+                "source_hash": loaded.source_hash,
+                "options": options.manifest_options(calibration_source),
+                "graph_stats": {**graph_stats(built.graph), "compile_s": round(time.perf_counter() - self.started, 3)},
+                "graph_breaks": breaks.counts,
+            })
+
+    # -- reporting ----------------------------------------------------------------------------
+    def report(self, line: str) -> None:
+        if self.progress is not None:
+            self.progress(line)
+
+    def summary(self, line: str) -> None:
+        """A line every compile prints: through `progress` when given, else on stderr."""
+        if self.progress is not None:
+            self.progress(line)
+        else:
+            print(line, file=sys.stderr, flush=True)
+
+    @contextmanager
+    def step(self, what: str):
+        self.report(f"{what} ...")
+        start = time.perf_counter()
+        yield
+        self.report(f"{what}: done in {time.perf_counter() - start:.1f}s")
+
+
+class CompiledPerRank:
+    """The executable of a tensor-parallel artifact is built in each rank when it is loaded (a
+    compile needs the ranks' process group), so there are no backend files to save."""
+
+    def save(self, directory) -> list[str]:
+        return []
+
+
+def graph_stats(graph) -> dict:
+    """Counts for the compile summary: nodes, nodes per op, parameters and their bytes."""
+    return {
+        "nodes": len(graph.nodes),
+        "ops": dict(Counter(n.op for n in graph.nodes).most_common()),
+        "params": len(graph.params),
+        "param_bytes": sum(t.numel() * t.element_size() for t in graph.weights.values()),
+    }
