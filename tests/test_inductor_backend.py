@@ -359,3 +359,22 @@ def test_loading_a_package_with_another_graph_says_what_differs(tmp_path):
     (tmp_path / "inductor.pt2").write_bytes(b"")
     with pytest.raises(PackageError, match="torch 0.0"):
         load(tmp_path, build_toy_transformer(layers=1), None, OPTIONS)
+
+
+def test_a_load_removes_the_staging_left_by_a_process_killed_during_its_own_load(tmp_path, monkeypatch):
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    from kiln.backends.inductor import aoti_package
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    dead = tmp_path / f"kiln_aoti_load_{gone.stdout.strip()}_abc" / "aotinductor_x"
+    dead.mkdir(parents=True)
+    (dead / "wrapper.so").write_bytes(b"\0")
+    live = tmp_path / f"kiln_aoti_load_{os.getpid()}_def"  # a load in flight in a process still running
+    live.mkdir()
+    aoti_package._remove_stale_staging()
+    assert not dead.parent.exists() and live.is_dir()

@@ -134,19 +134,26 @@ class AOTIExecutable(StatefulRunner):
 # .so is dlopen-ed nothing in the directory is read again (CPU packages load no kernel files
 # lazily; a run after removing it answers the same), so the load is pointed at a private TMPDIR of
 # its own, which is removed as soon as the loader is built; the destructor's later removal of the
-# gone directory is silent. Only the load's own second or so is left exposed to a kill.
+# gone directory is silent. A kill within the load's own second or so still leaves its directory:
+# each is named after its process, and a later load removes those of processes that are gone.
 _TMPDIR_LOCK = threading.Lock()  # TMPDIR is process-wide: one load at a time moves it
+STAGING_PREFIX = "kiln_aoti_load_"
 
 
 def _load_package(path: Path):
     """torch._inductor.aoti_load_package(path), leaving nothing unpacked on disk afterwards."""
-    staging = tempfile.mkdtemp(prefix="kiln_aoti_load_")
+    _remove_stale_staging()
+    staging = tempfile.mkdtemp(prefix=f"{STAGING_PREFIX}{os.getpid()}_")
     try:
         with _TMPDIR_LOCK:
             previous = os.environ.get("TMPDIR")
             os.environ["TMPDIR"] = staging  # the C++ loader unpacks under std::filesystem::temp_directory_path()
             try:
                 return torch._inductor.aoti_load_package(str(path))
+            except RuntimeError as error:  # a damaged package, or one whose library this torch cannot run
+                first_line = str(error).strip().split("\n", 1)[0][:300]
+                raise PackageError(f"{path} cannot be loaded ({first_line}). Fix: recompile the artifact with "
+                                   "this Kiln and torch.") from None
             finally:
                 if previous is None:
                     del os.environ["TMPDIR"]
@@ -154,6 +161,24 @@ def _load_package(path: Path):
                     os.environ["TMPDIR"] = previous
     finally:
         shutil.rmtree(staging, ignore_errors=True)
+
+
+def _remove_stale_staging() -> None:
+    """Remove the staging directories of loads whose process died during them (a kill, a crash)."""
+    for staging in Path(tempfile.gettempdir()).glob(f"{STAGING_PREFIX}*_*"):
+        pid = staging.name[len(STAGING_PREFIX):].split("_", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # PermissionError: it exists, as another user's
+        return True
+    return True
 
 
 def _direct_runner(model):
