@@ -21,10 +21,17 @@ from kiln.runtime.generate import LLM
 from kiln.runtime.tokenizer import Tokenizer
 
 
-def load(path: str | Path, check_hashes: bool = True, device: str | None = None) -> LLM:
+def load(path: str | Path, check_hashes: bool = True, device: str | None = None,
+         expected_sha256: str | None = None) -> LLM:
     """Open the artifact at `path` (checked: versions, sizes, hashes) and ready it to generate,
-    on the device it was compiled for, or on `device` ("cpu", "cuda", "cuda:1") if given."""
-    contents = _read_rank(Path(path), check_hashes)
+    on the device it was compiled for, or on `device` ("cpu", "cuda", "cuda:1") if given.
+
+    An artifact is code: loading an inductor artifact runs the shared library in its package.
+    Load only artifacts from a source you trust, and pin them: `expected_sha256` is the sha256
+    of the artifact's manifest.json (`sha256sum model.kiln/manifest.json`), which lists every
+    other file's sha256, so an artifact that is not the one pinned is refused (ArtifactError)
+    before any of its code is loaded."""
+    contents = _read_rank(Path(path), check_hashes, expected_sha256)
     backend = get_backend(contents.backend)
     options = backend_options(contents.options)
     if device is not None:
@@ -34,18 +41,18 @@ def load(path: str | Path, check_hashes: bool = True, device: str | None = None)
     return LLM(executable, tokenizer, contents.manifest, contents.graph)
 
 
-def _read_rank(path: Path, check_hashes: bool):
+def _read_rank(path: Path, check_hashes: bool, expected_sha256: str | None = None):
     """The artifact with this process's weights: under torchrun for a tensor-parallel artifact,
     the process group is joined first (kiln.runtime.distributed) and the rank's shard is read."""
     from kiln.runtime.artifact import read_manifest
 
-    ranks = read_manifest(path).get("tensor_parallel", 1) if path.is_dir() else 1
+    ranks = read_manifest(path, expected_sha256).get("tensor_parallel", 1) if path.is_dir() else 1
     if ranks == 1:
-        return read_artifact(path, check_hashes=check_hashes)
+        return read_artifact(path, check_hashes=check_hashes, expected_sha256=expected_sha256)
     from kiln.runtime.distributed import join_process_group
 
     rank = join_process_group(ranks, read_manifest(path)["options"].get("device", "cpu"))
-    return read_artifact(path, check_hashes=check_hashes, rank=rank)
+    return read_artifact(path, check_hashes=check_hashes, rank=rank, expected_sha256=expected_sha256)
 
 
 def backend_options(options: dict) -> BackendOptions:

@@ -245,3 +245,14 @@ def test_an_artifact_pinned_by_its_manifest_sha256_loads_and_any_other_is_refuse
         read_artifact(artifact, expected_sha256="abc")
     with pytest.raises(ArtifactError, match="leave check_hashes on"):
         read_artifact(artifact, check_hashes=False, expected_sha256=pin)
+
+
+def test_kiln_load_refuses_an_artifact_other_than_the_pinned_one_before_loading_its_code(artifact, monkeypatch):
+    from kiln.runtime.artifact import manifest_sha256
+
+    pin = manifest_sha256(artifact)
+    assert kiln.load(artifact, expected_sha256=pin).generate([3, 4], max_new_tokens=2).token_ids
+    edit_manifest(artifact, source="a rebuilt artifact")
+    monkeypatch.setattr("kiln.api.get_backend", lambda name: pytest.fail("the backend was reached"))
+    with pytest.raises(ArtifactError, match=f"not the expected {pin}"):
+        kiln.load(artifact, expected_sha256=pin)
