@@ -235,10 +235,12 @@ def kiln_parser() -> argparse.ArgumentParser:
     gen.add_argument("artifact")
     gen.add_argument("--prompt", required=True)
     gen.add_argument("--chat", action="store_true", help="wrap the prompt as a user message (chat template)")
+    _pin_argument(gen)
     _sampling_arguments(gen)
     chat = commands.add_parser("chat", help="interactive chat over stdin (/reset clears, /exit quits)")
     chat.add_argument("artifact")
     chat.add_argument("--system", help="a system message to start the conversation with")
+    _pin_argument(chat)
     _sampling_arguments(chat)
     show = commands.add_parser("ir", help="print the IR of a model (captured), an artifact or a .kir file")
     show.add_argument("target", nargs="?", help="HF directory, .gguf, artifact directory or .kir file "
@@ -267,7 +269,7 @@ def _kiln(argv) -> int:
     import kiln
 
     sampling = _checked_sampling(args)
-    llm = kiln.load(args.artifact)
+    llm = kiln.load(args.artifact, expected_sha256=args.expect_sha256)
     from kiln.runtime.distributed import is_main_rank
 
     if args.command == "generate":
@@ -317,6 +319,13 @@ def _serve_arguments(commands) -> None:
                             "(default: the --host address, localhost, 127.0.0.1, [::1]; '*': any)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                        help="uvicorn's log level (info logs every request)")
+    _pin_argument(serve)
+
+
+def _pin_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--expect-sha256", metavar="HEX",
+                        help="refuse the artifact unless its manifest.json has this sha256 (sha256sum "
+                             "ARTIFACT/manifest.json): an artifact is code, pin any you did not compile")
 
 
 def _serve(args) -> int:
@@ -348,7 +357,7 @@ def _serve(args) -> int:
     if ranks > 1:
         raise KilnError(f"{args.artifact} is sharded over {ranks} ranks, and kiln serve runs one process. "
                         "Fix: serve an unsharded artifact (compile without --tensor-parallel).")
-    llm = kiln.load(args.artifact)
+    llm = kiln.load(args.artifact, expected_sha256=args.expect_sha256)
     llm.engine.max_queue = args.max_queue
     name = args.model_name or Path(args.artifact).resolve().name.removesuffix(".kiln")
     print(f"[kiln serve] {name} on http://{args.host}:{args.port}/v1 (max_batch={llm.max_batch}, "

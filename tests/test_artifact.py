@@ -256,3 +256,16 @@ def test_kiln_load_refuses_an_artifact_other_than_the_pinned_one_before_loading_
     monkeypatch.setattr("kiln.api.get_backend", lambda name: pytest.fail("the backend was reached"))
     with pytest.raises(ArtifactError, match=f"not the expected {pin}"):
         kiln.load(artifact, expected_sha256=pin)
+
+
+def test_cli_expect_sha256_pins_the_artifact_for_generate_and_serve(artifact, capsys):
+    from kiln.runtime.artifact import manifest_sha256
+
+    pin = manifest_sha256(artifact)
+    assert kiln_main(["generate", str(artifact), "--prompt", "Once", "--max-new-tokens", "2",
+                      "--expect-sha256", pin]) == 0
+    capsys.readouterr()
+    for command in (["generate", str(artifact), "--prompt", "Once"], ["serve", str(artifact)]):
+        assert kiln_main([*command, "--expect-sha256", "0" * 64]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and err.count("\n") == 1 and f"not the expected {'0' * 64}" in err
