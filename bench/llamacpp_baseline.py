@@ -1,12 +1,13 @@
 """The llama.cpp baseline: `llama-bench` on the default model's GGUF, requantized to f32, q8_0 and
-q4_0 by `llama-quantize`, timed turn by turn beside Kiln in bench.py (`--llamacpp f32,q8_0,q4_0`).
+q4_0 by `llama-quantize`, timed turn by turn beside Kiln in bench.py (`--llamacpp f32,q8_0,q4_0`);
+`llama-perplexity` gives bench/numerics_llamacpp.py its KL divergences.
 
-llama.cpp is not a Python dependency: its two tools are built once from the llama.cpp sources
+llama.cpp is not a Python dependency: its three tools are built once from the llama.cpp sources
 vendored in the `llama-cpp-python` sdist on PyPI (no model hub, no git):
 
     python bench/llamacpp_baseline.py build        # -> ~/.cache/kiln/llama.cpp/bin (10-15 min, 2 cores)
 
-`KILN_LLAMA_CPP` names another directory holding `llama-bench` and `llama-quantize`. The build is
+`KILN_LLAMA_CPP` names another directory holding those tools. The build is
 native (`GGML_NATIVE`): llama.cpp uses every instruction set this CPU has (AVX2, AVX-512, VNNI),
 as its users' builds do. Each timed repetition is one `llama-bench -r 1` call (model load and
 warm-up outside the time it reports); the row's tokens/s is llama-bench's own. Prompts run with
@@ -26,8 +27,8 @@ import tempfile
 from pathlib import Path
 
 SDIST = "llama-cpp-python==0.3.36"  # vendors llama.cpp 0c1e570 (2026-10-01)
-TOOLS = ("llama-bench", "llama-quantize")
-QUANT_TYPES = {"f32": "F32", "q8_0": "Q8_0", "q4_0": "Q4_0"}
+TOOLS = ("llama-bench", "llama-quantize", "llama-perplexity")
+QUANT_TYPES = {"f32": "F32", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k_m": "Q4_K_M"}
 
 
 def tools_dir() -> Path:
@@ -42,12 +43,12 @@ def tool(name: str) -> Path:
     path = tools_dir() / name
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: build llama.cpp's tools with `python bench/llamacpp_baseline.py "
-                                "build`, or point KILN_LLAMA_CPP at a directory holding llama-bench and llama-quantize")
+                                "build`, or point KILN_LLAMA_CPP at a directory holding " + ", ".join(TOOLS))
     return path
 
 
 def build(jobs: int = 2) -> Path:
-    """Download the sdist (PyPI), build llama-bench and llama-quantize, copy them to tools_dir()."""
+    """Download the sdist (PyPI), build TOOLS, copy them to tools_dir()."""
     out = tools_dir()
     with tempfile.TemporaryDirectory() as tmp:
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", SDIST,
@@ -69,7 +70,7 @@ def build(jobs: int = 2) -> Path:
 
 
 def quantized_gguf(source: Path, quant: str, out_dir: Path) -> Path:
-    """`source` requantized to `quant` (f32, q8_0, q4_0) by llama-quantize, made once."""
+    """`source` requantized to `quant` (f32, q8_0, q4_0, q4_k_m) by llama-quantize, made once."""
     if quant not in QUANT_TYPES:
         raise ValueError(f"llama.cpp baseline type {quant!r}: choose from {', '.join(QUANT_TYPES)}")
     target = out_dir / f"{source.stem}-{quant}.gguf"
