@@ -26,6 +26,7 @@ from kiln.runtime.errors import ContextLengthError, GenerationError, TokenizerEr
 from kiln.runtime.request_handle import RequestHandle
 from kiln.runtime.results import GenerationResult
 from kiln.runtime.sampler import SamplingParams
+from kiln.runtime.scoring import TokenScores, score_tokens
 from kiln.runtime.text_stream import TextStream
 from kiln.runtime.token_ids import check_token_ids, check_token_set, model_vocab_size
 from kiln.runtime.tokenizer import Tokenizer
@@ -136,6 +137,19 @@ class LLM:
     def encode_chat(self, messages: list[dict]) -> list[int]:
         """The token ids of a conversation with the generation prompt appended."""
         return self._require_tokenizer().encode_chat(messages, add_generation_prompt=True)
+
+    def score(self, prompt, continuation, top_n: int = 0) -> TokenScores:
+        """The log-probability of each token of `continuation` after `prompt` (runtime/scoring.py):
+        `.token_logprobs`, `.total`, and with `top_n` the likeliest alternatives per token. Text
+        is tokenized as the prompt of `generate` (special tokens added) and the continuation without
+        special tokens; or pass token id lists. Waits until no other request runs."""
+        prompt_ids = self._encode_one(prompt)
+        continuation_ids = (self._require_tokenizer().encode(continuation, add_special_tokens=False)
+                            if isinstance(continuation, str) else self._encode_one(continuation))
+        check_token_ids(prompt_ids, self.vocab_size, "the prompt")
+        check_token_ids(continuation_ids, self.vocab_size, "the continuation")
+        with self.engine.exclusive() as executable:
+            return score_tokens(executable, prompt_ids, continuation_ids, top_n)
 
     # -- internals -----------------------------------------------------------------------
     def _require_tokenizer(self) -> Tokenizer:
