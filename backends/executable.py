@@ -11,12 +11,15 @@ the first `batch` rows; a scheduler gives each request its own row, see cache_ro
 sit at positions[b, :], which may differ per row; a query sees cache slots <= its own position.
 A backend owns the cache buffers and updates them in place, so the runtime feeds only tokens and
 positions.
+
+Each backend is a module satisfying `Backend` (NAME, backend_version, lower, load) whose
+executables subclass `Executable`.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Callable, Protocol
 
 import torch
 
@@ -36,31 +39,88 @@ class BackendOptions:
     quantize_embeddings: bool = False
 
 
-class Executable(Protocol):
-    """A compiled stateful forward that owns its KV buffers."""
+class Executable:
+    """Base of every backend's compiled stateful forward, which owns its KV buffers.
+
+    It holds what every backend derives the same way: the options it was lowered with, the KV
+    buffers (`caches`, in whatever form the backend runs them) and the limits they set,
+    `max_batch` and `max_seq_len` (at most what the options asked). The optional capabilities
+    a scheduler may use are declared here with their defaults; a backend that has one overrides it.
+    """
 
     options: BackendOptions
+    caches: object
+    max_batch: int
+    max_seq_len: int
+
+    # Optional capabilities (the ONNX Runtime executable has them; see `capabilities`):
+    selects_logits = False  # run(..., last_only=True) returns [batch, 1, vocab], the last position's
+    #                         logits alone, and skips the lm_head elsewhere (the engine's prompt chunks)
+    copies_rows = True  # False: cache_views cannot be had (KV buffers on a device torch cannot
+    #                     address), so the engine reuses a cached prefix only in the row that holds it
+
+    def logits_buffer(self, batch: int, seq: int) -> torch.Tensor | None:
+        """A tensor that `run(..., out=buffer)` writes [batch, seq, vocab] logits into instead of
+        allocating them (the engine reuses one per decode batch size); None: run allocates."""
+        return None
+
+    def hold_caches(self, caches, shapes) -> None:
+        """Keep the KV buffers and derive the limits from their shapes, each [max_batch, kv_heads,
+        max_seq_len, head_dim] (a graph without caches keeps the options' limits)."""
+        shapes = [tuple(shape) for shape in shapes]
+        self.caches = caches
+        self.max_batch = min([shape[0] for shape in shapes] + [self.options.max_batch])
+        self.max_seq_len = min([shape[2] for shape in shapes] + [self.options.max_seq_len])
 
     def run(self, tokens: torch.Tensor, positions: torch.Tensor, first_row: int = 0) -> torch.Tensor:
         """Logits f32[batch, seq, vocab] for int64 tokens/positions [batch, seq]; writes the caches
         of rows [first_row, first_row + batch)."""
-
-    # Optional (the ONNX Runtime executable; the engine asks with getattr, others need nothing):
-    # - `logits_buffer(batch, seq)` returns a tensor that `run(..., out=buffer)` writes the logits
-    #   into instead of allocating them (the engine reuses one per decode batch size);
-    # - `selects_logits` True: `run(..., last_only=True)` returns [batch, 1, vocab], the last
-    #   position's logits alone, and skips the lm_head elsewhere (the engine's prompt chunks);
-    # - `copies_rows` False: `cache_views` cannot be had (KV buffers on a device torch cannot
-    #   address), so the engine reuses a cached prefix only in the row that holds it.
+        raise NotImplementedError
 
     def cache_views(self) -> list[torch.Tensor]:
         """Zero-copy torch views of the KV buffers (for copying rows between requests)."""
+        raise NotImplementedError
 
     def reset(self) -> None:
         """Forget all cached keys and values (zero the buffers)."""
+        raise NotImplementedError
 
     def save(self, directory: Path) -> list[str]:
         """Write the backend's own files into `directory`; return their names (for the manifest)."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    """The optional capabilities of an executable (declared on `Executable`), read once."""
+
+    selects_logits: bool
+    copies_rows: bool
+    logits_buffer: Callable[[int, int], torch.Tensor | None]
+
+
+def capabilities(executable) -> Capabilities:
+    """What `executable` offers beyond `run`: an Executable declares every capability (with the
+    base's defaults); a stand-in that only has `run` (a test's wrapper) gets the defaults for
+    what it does not set."""
+    return Capabilities(selects_logits=bool(getattr(executable, "selects_logits", Executable.selects_logits)),
+                        copies_rows=bool(getattr(executable, "copies_rows", Executable.copies_rows)),
+                        logits_buffer=getattr(executable, "logits_buffer", None) or (lambda batch, seq: None))
+
+
+class Backend(Protocol):
+    """What a backend module provides (kiln.backends.registry imports it by name)."""
+
+    NAME: str
+
+    def backend_version(self) -> str:
+        """The version of what computes (its library, or torch)."""
+
+    def lower(self, graph, options: BackendOptions) -> Executable:
+        """An executable for a stateful graph with its weights attached."""
+
+    def load(self, directory: Path, graph, weights: dict[str, torch.Tensor], options: BackendOptions) -> Executable:
+        """The executable of an artifact: from its graph and weights, and the backend's own files."""
 
 
 def cache_inputs(graph) -> list:

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from kiln.backends.cache_rows import check_rows, run_at_rows
-from kiln.backends.executable import BackendOptions, cache_inputs
+from kiln.backends.executable import BackendOptions, Executable, cache_inputs
 from kiln.ir import Graph, evaluate, run_graph, to_torch, verify
 
 NAME = "reference"
@@ -23,24 +23,22 @@ def backend_version() -> str:
     return torch.__version__
 
 
-class ReferenceExecutable:
+class ReferenceExecutable(Executable):
     """A stateful graph plus its KV buffers, run node by node by the interpreter."""
 
     def __init__(self, graph: Graph, options: BackendOptions):
         verify(graph)
         self.graph = graph
         self.options = options
-        self._cache_values = cache_inputs(graph)
-        self.caches: list[torch.Tensor] = []
-        self.reset()
+        bounds = {name: bound.max for name, bound in graph.symbols.items()}
+        caches = [torch.zeros([evaluate(d, bounds) for d in v.type.shape], dtype=to_torch(v.type.dtype))
+                  for v in cache_inputs(graph)]
+        self.hold_caches(caches, [c.shape for c in caches])
 
     def reset(self) -> None:
-        """Zero every KV buffer."""
-        bounds = {name: bound.max for name, bound in self.graph.symbols.items()}
-        self.caches = [
-            torch.zeros([evaluate(d, bounds) for d in v.type.shape], dtype=to_torch(v.type.dtype))
-            for v in self._cache_values
-        ]
+        """Zero every KV buffer (in place: views of the buffers stay valid)."""
+        for cache in self.caches:
+            cache.zero_()
 
     def run(self, tokens: torch.Tensor, positions: torch.Tensor, first_row: int = 0) -> torch.Tensor:
         """Logits [batch, seq, vocab] for int64 tokens/positions [batch, seq]; updates the caches

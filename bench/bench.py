@@ -82,9 +82,11 @@ class KilnRunner:
     def prefill(self, n: int):
         """A prompt as the engine feeds it: the last position's logits only, where the backend
         can skip the others (as llama.cpp does; genai and Hugging Face compute all n)."""
+        from kiln.backends.executable import capabilities
+
         tokens = torch.randint(100, 1000, (1, n))
         positions = torch.arange(n)[None]
-        last_only = {"last_only": True} if getattr(self.llm.executable, "selects_logits", False) else {}
+        last_only = {"last_only": True} if capabilities(self.llm.executable).selects_logits else {}
         return lambda: self.llm.executable.run(tokens, positions, **last_only)
 
     def generate(self, n: int):

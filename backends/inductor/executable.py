@@ -24,7 +24,7 @@ import torch.fx.config
 from torch._inductor.compile_fx import compile_fx
 
 from kiln.backends.cache_rows import check_rows, checked_feeds, run_at_rows
-from kiln.backends.executable import BackendOptions, cache_inputs
+from kiln.backends.executable import BackendOptions, Executable, cache_inputs
 from kiln.ir import Graph, evaluate, to_torch, verify
 from kiln.ir.errors import OptionError
 from kiln.ir.ops.collectives import check_world, tensor_parallel_size
@@ -69,11 +69,10 @@ def dynamic_dims(graph: Graph) -> list[tuple[int, int, int, int]]:
     return dims
 
 
-class StatefulRunner:
+class StatefulRunner(Executable):
     """What every inductor executable shares: the KV buffers and the checks on tokens/positions."""
 
     graph: Graph
-    options: BackendOptions
     caches: list[torch.Tensor]
 
     def _init_state(self, graph: Graph, options: BackendOptions) -> dict[str, torch.Tensor]:
@@ -86,9 +85,7 @@ class StatefulRunner:
         apply_threads(options)
         self.graph, self.options = graph, options
         named = allocate_caches(graph)
-        self.caches = list(named.values())
-        self.max_batch = min([c.size(0) for c in self.caches] + [options.max_batch])
-        self.max_seq_len = min([c.size(2) for c in self.caches] + [options.max_seq_len])
+        self.hold_caches(list(named.values()), [c.shape for c in named.values()])
         return named
 
     def check_feeds(self, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

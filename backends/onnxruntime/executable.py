@@ -24,7 +24,7 @@ import onnxruntime as ort
 import torch
 
 from kiln.backends.cache_rows import check_rows, checked_feeds
-from kiln.backends.executable import BackendOptions
+from kiln.backends.executable import BackendOptions, Executable
 from kiln.ir import to_torch
 
 from .errors import FeedError, ProviderError
@@ -34,7 +34,7 @@ from .providers import (check_lengths_fed, check_supported, choose_provider, dev
                         session_options)
 
 
-class OrtExecutable:
+class OrtExecutable(Executable):
     """A compiled stateful forward on ONNX Runtime that owns its KV buffers."""
 
     def __init__(self, model_path: Path, options: BackendOptions, workdir: tempfile.TemporaryDirectory | None = None):
@@ -52,7 +52,7 @@ class OrtExecutable:
         if self.device_type != "cpu" and not all(c["in_place"] for c in self.info["caches"]):
             raise ProviderError(f"this model updates some KV caches with plain ONNX ops, which the executable "
                                 f"copies back on the CPU only, not on {options.device}. Fix: use device='cpu'.")
-        self.caches = [self._allocate(c) for c in self.info["caches"]]
+        self.hold_caches([self._allocate(c) for c in self.info["caches"]], [c["shape"] for c in self.info["caches"]])
         # optional Executable capabilities (backends/executable.py), fixed per model
         self.copies_rows = all(isinstance(c, torch.Tensor) for c in self.caches)  # cache_views can be had
         self.selects_logits = LOGIT_POSITIONS in self.info["inputs"]  # run(..., last_only=True) skips the rest
@@ -60,9 +60,6 @@ class OrtExecutable:
         self._torch_stream = (torch.cuda.current_stream(self.caches[0].device)
                               if self.caches and isinstance(self.caches[0], torch.Tensor) and self.caches[0].is_cuda
                               else None)
-        shapes = [c["shape"] for c in self.info["caches"]]
-        self.max_batch = min([s[0] for s in shapes] + [options.max_batch])
-        self.max_seq_len = min([s[2] for s in shapes] + [options.max_seq_len])
         self.binding = self.session.io_binding()
         self._bound_rows: tuple[int, int] | None = None
         self._feed_arrays: dict[tuple[int, int, bool], dict[str, np.ndarray]] = {}  # (batch, seq, last_only)
@@ -231,7 +228,7 @@ class OrtExecutable:
         return save_model_files(self.model_path, directory)
 
 
-class OrtModelForAnotherMachine:
+class OrtModelForAnotherMachine(Executable):
     """A lowered model for an execution provider this machine lacks (e.g. an f16 model for CUDA
     compiled on a CPU-only machine): checked, saved into the artifact, run where kiln.load finds
     the provider."""

@@ -26,7 +26,7 @@ from tinygrad import Tensor, TinyJit, UOp
 
 from kiln.backends.cache_rows import check_rows, run_at_rows
 from kiln.backends.errors import FeedError
-from kiln.backends.executable import BackendOptions, cache_inputs
+from kiln.backends.executable import BackendOptions, Executable, cache_inputs
 from kiln.ir import Graph, evaluate, verify
 
 from .cpu_graph import install_cpu_graph
@@ -58,7 +58,7 @@ def compiled_program_count() -> int:
     return len(to_program_cache)
 
 
-class TinygradExecutable:
+class TinygradExecutable(Executable):
     """A stateful graph lowered to tinygrad Tensors under TinyJit; owns its KV buffers."""
 
     def __init__(self, graph: Graph, options: BackendOptions, weights=None, prefill_chunk: int = PREFILL_CHUNK):
@@ -71,11 +71,10 @@ class TinygradExecutable:
         self.layouts = plan_weights(graph)
         self.params = {name: to_tinygrad(stored_weight(name, weights[name], self.layouts)) for name in graph.params}
         bounds = {name: bound.max for name, bound in graph.symbols.items()}
-        self.caches = {v.name: Tensor.zeros(*[evaluate(d, bounds) for d in v.type.shape],
-                                            dtype=tiny_dtype(v.type.dtype)).contiguous().realize()
-                       for v in cache_inputs(graph)}
-        self.max_batch = min([c.shape[0] for c in self.caches.values()] + [options.max_batch])
-        self.max_seq_len = min([c.shape[2] for c in self.caches.values()] + [options.max_seq_len])
+        caches = {v.name: Tensor.zeros(*[evaluate(d, bounds) for d in v.type.shape],
+                                       dtype=tiny_dtype(v.type.dtype)).contiguous().realize()
+                  for v in cache_inputs(graph)}
+        self.hold_caches(caches, [c.shape for c in caches.values()])
         self.prefill_chunk = max(2, min(prefill_chunk, self.max_seq_len))
         self._start_vars = [UOp.variable(f"start{b}", 0, self.max_seq_len - 1) for b in range(self.max_batch)]
         self._seq_var = UOp.variable("seq", 2, self.prefill_chunk)
