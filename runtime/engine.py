@@ -28,7 +28,6 @@ import numpy as np
 import torch
 
 from kiln.backends.cache_rows import copy_prefix
-from kiln.backends.executable import capabilities
 from kiln.runtime.errors import QueueFullError
 from kiln.runtime.kv_slots import KvSlots
 from kiln.runtime.request import GenerationSettings, Request, RequestStatus
@@ -53,10 +52,9 @@ class Engine:
         self.decoder_factory = decoder_factory
         self.prefill_chunk = max(2, prefill_chunk)
         self.max_queue = max_queue
-        self.capabilities = capabilities(executable)  # the optional ones (backends/executable.py)
-        self.slots = KvSlots(self.max_batch, prefix_caching, self.capabilities.copies_rows)
+        self.slots = KvSlots(self.max_batch, prefix_caching, getattr(executable, "copies_rows", True))
         # a prompt chunk needs its last position's logits only, where the executable can skip the rest
-        self._last_only = {"last_only": True} if self.capabilities.selects_logits else {}
+        self._last_only = {"last_only": True} if getattr(executable, "selects_logits", False) else {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._next_id = 0
@@ -257,7 +255,8 @@ class Engine:
         logits are consumed before the next)."""
         keywords = self._decode_logits.get(batch_rows)
         if keywords is None:
-            buffer = self.capabilities.logits_buffer(batch_rows, 1)
+            make = getattr(self.executable, "logits_buffer", None)
+            buffer = make(batch_rows, 1) if make is not None else None
             keywords = self._decode_logits[batch_rows] = {} if buffer is None else {"out": buffer}
         return keywords
 

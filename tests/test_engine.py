@@ -145,6 +145,18 @@ class NoRowCopies(CallLog):
         raise AssertionError("the engine asked for cache views of an executable that cannot copy rows")
 
 
+def test_requests_behind_a_prompt_in_prefill_wait_and_copy_it_instead_of_prefilling_it_again():
+    log = CallLog(executable())
+    llm = LLM(log)
+    llm.engine.prefill_chunk = 8
+    prompt = list(range(10, 30))  # 20 tokens: three chunks
+    samples = llm.generate([prompt] * 3, max_new_tokens=4, temperature=0.9, seed=[1, 2, 3])
+    assert sum(seq for batch, seq, row in log.calls if seq > 1) == len(prompt)  # prefilled once, not 3 times
+    assert [s.stats.cached_tokens for s in samples] == [0, len(prompt) - 1, len(prompt) - 1]
+    assert [s.token_ids for s in samples] == [alone(prompt, max_new_tokens=4, temperature=0.9, seed=seed).token_ids
+                                              for seed in (1, 2, 3)]
+
+
 def test_without_row_copies_a_shared_prefix_is_fed_again_and_the_output_is_unchanged():
     llm = LLM(NoRowCopies(executable()))
     system = [40, 41, 42, 43, 44, 45, 46, 47, 48]
