@@ -28,8 +28,9 @@ import numpy as np
 import torch
 
 from kiln.backends.cache_rows import copy_prefix
+from kiln.backends.executable import capabilities
 from kiln.runtime.errors import QueueFullError
-from kiln.runtime.kv_slots import KvSlots
+from kiln.runtime.kv_slots import KvSlots, common_prefix_length
 from kiln.runtime.request import GenerationSettings, Request, RequestStatus
 from kiln.runtime.request_handle import RequestHandle
 from kiln.runtime.token_ids import check_request_ids, model_vocab_size
@@ -38,6 +39,7 @@ log = logging.getLogger(__name__)
 
 PREFILL_CHUNK = 128
 MAX_QUEUE = 256
+SHARED_PREFILL = 16  # prompt tokens worth waiting for another request to prefill (`_prefill_to_share`)
 
 
 class Engine:
@@ -52,9 +54,10 @@ class Engine:
         self.decoder_factory = decoder_factory
         self.prefill_chunk = max(2, prefill_chunk)
         self.max_queue = max_queue
-        self.slots = KvSlots(self.max_batch, prefix_caching, getattr(executable, "copies_rows", True))
+        self.capabilities = capabilities(executable)  # the optional ones (backends/executable.py)
+        self.slots = KvSlots(self.max_batch, prefix_caching, self.capabilities.copies_rows)
         # a prompt chunk needs its last position's logits only, where the executable can skip the rest
-        self._last_only = {"last_only": True} if getattr(executable, "selects_logits", False) else {}
+        self._last_only = {"last_only": True} if self.capabilities.selects_logits else {}
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._next_id = 0
@@ -191,7 +194,10 @@ class Engine:
                 self._fail(request, error)
 
     def _admit_next(self, request: Request) -> bool:
-        """Give the first waiting request a free KV row; False when none is free."""
+        """Give the first waiting request a free KV row; False when none is free, or when it
+        should wait for a prefill in flight (`_prefill_to_share`)."""
+        if self._prefill_to_share(request):
+            return False
         placement = self.slots.place(request.prompt)
         if placement is None:
             return False
@@ -208,6 +214,21 @@ class Engine:
         if placement.copy_from is not None:
             copy_prefix(self.executable.cache_views(), placement.copy_from, placement.row, placement.reused)
         return True
+
+    def _prefill_to_share(self, request: Request) -> bool:
+        """Whether a running request is still prefilling at least SHARED_PREFILL tokens that
+        `request`'s prompt starts with. Admitted once they are fed, `request` copies them from that
+        row (prefix caching) instead of computing them again: the samples of `n` / `best_of`, or a
+        burst of requests behind one system prompt, prefill their common part once."""
+        if not (self.slots.prefix_caching and self.slots.row_copies):
+            return False
+        usable = len(request.prompt) - 1  # its last prompt token is always fed again
+        for other in self.running:
+            if other.fed < len(other.prompt):
+                shared = min(common_prefix_length(other.prompt, request.prompt), usable)
+                if shared >= SHARED_PREFILL and shared > other.fed:
+                    return True
+        return False
 
     def _feed_chunk(self, request: Request) -> None:
         start = time.perf_counter()
@@ -255,8 +276,7 @@ class Engine:
         logits are consumed before the next)."""
         keywords = self._decode_logits.get(batch_rows)
         if keywords is None:
-            make = getattr(self.executable, "logits_buffer", None)
-            buffer = make(batch_rows, 1) if make is not None else None
+            buffer = self.capabilities.logits_buffer(batch_rows, 1)
             keywords = self._decode_logits[batch_rows] = {} if buffer is None else {"out": buffer}
         return keywords
 
