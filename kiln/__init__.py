@@ -14,13 +14,13 @@ _EXPORTS = {
     "compile": "kiln.api", "load": "kiln.api", "quality": "kiln.runtime.quality",
     "LLM": "kiln.runtime.generate",
     "GenerationResult": "kiln.runtime.results", "GenerationStats": "kiln.runtime.results",
-    "KilnError": "kiln.frontend.errors", "CheckpointError": "kiln.frontend.errors",
-    "ModelNotFoundError": "kiln.frontend.errors", "UnsupportedOpError": "kiln.frontend.errors",
+    "KilnError": "kiln.ir.errors", "OptionError": "kiln.ir.errors", "UnsupportedOpError": "kiln.ir.errors",
+    "CheckpointError": "kiln.frontend.errors", "ModelNotFoundError": "kiln.frontend.errors",
     "ArtifactError": "kiln.runtime.errors", "ContextLengthError": "kiln.runtime.errors",
     "GenerationError": "kiln.runtime.errors", "TokenizerError": "kiln.runtime.errors",
     "TokenIdError": "kiln.runtime.errors",
     "BackendNotFoundError": "kiln.backends.registry",
-    "GraphBreakError": "kiln.frontend.compile_breaks",
+    "GraphBreakError": "kiln.frontend.breaks.compile_check",
 }
 __all__ = list(_EXPORTS)
 

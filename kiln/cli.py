@@ -387,6 +387,9 @@ def _quality(args) -> int:
 
     from kiln.runtime.quality import quality
 
+    _check_positive(args, "window", "top_k", *(["windows"] if args.windows is not None else []))
+    if args.first is not None and args.first < 0:
+        raise OptionError(f"--first must be 0 or more, got {args.first}. Fix: a position in the window, or leave it out.")
     result = quality(args.artifact, args.reference, Path(args.text) if args.text else None, length=args.window,
                      windows=args.windows, first=args.first, top_k=args.top_k, save_reference=args.save_reference)
     print(json.dumps(result.to_dict(), indent=1) if args.json else result.summary())

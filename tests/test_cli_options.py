@@ -149,6 +149,8 @@ KILN_MISTAKES = [
     (["serve", "{a}", "--max-body-bytes", "-1"], "--max-body-bytes must be at least 1"),
     (["serve", "{a}", "--allowed-hosts", ","], "--allowed-hosts names no host"),
     (["ir", "{a}", "--max-seq-len", "0"], "--max-seq-len must be at least 1"),
+    (["quality", "{a}", "--reference", "{a}", "--window", "0"], "--window must be at least 1"),
+    (["quality", "{a}", "--reference", "{a}", "--windows", "-2"], "--windows must be at least 1"),
     (["bench", "{a}"], "argument command: invalid choice: 'bench'"),
 ]
 
@@ -171,7 +173,7 @@ JUNK = ["", "abc", "-", "1e3", "0x10", "nan", "inf", "-inf", "None", "---", " 7"
 INTS = [-(2**63), -(10**12), -5, -1, 0, 1, 2, 3, 7, 64, 1024, 2**31, 2**63, 10**30]
 FLOATS = ["nan", "inf", "-inf", "-1", "0", "1e-320", "0.5", "1", "1.5", "99", "1e308", "-0.0"]
 # Flags whose values the checks must refuse when below 1 (counts of something).
-COUNTS = {"--max-seq-len", "--max-batch", "--tensor-parallel", "--max-queue", "--max-body-bytes"}
+COUNTS = {"--max-seq-len", "--max-batch", "--tensor-parallel", "--max-queue", "--max-body-bytes", "--window", "--windows"}
 
 
 def _value(action: argparse.Action, rng: random.Random, paths: list[str]) -> tuple[str, bool]:
