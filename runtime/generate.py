@@ -26,6 +26,7 @@ from kiln.runtime.errors import ContextLengthError, GenerationError, TokenizerEr
 from kiln.runtime.request_handle import RequestHandle
 from kiln.runtime.results import GenerationResult
 from kiln.runtime.sampler import SamplingParams
+from kiln.runtime.samples import generate_samples
 from kiln.runtime.scoring import TokenScores, score_tokens
 from kiln.runtime.text_stream import TextStream
 from kiln.runtime.token_ids import check_token_ids, check_token_set, model_vocab_size
@@ -89,7 +90,15 @@ class LLM:
         sampling and fed several to a model call (`fast_forward=False` feeds them one call each,
         same output); the output ends (finish_reason "stop") when the grammar admits nothing
         more. A malformed or unsatisfiable constraint raises ConstraintError.
+
+        `n` samples per prompt (given, even 1: a list of results per prompt), `best_of` draws that
+        many and keeps the n likeliest; the prompt is prefilled once for all (runtime/samples.py).
         """
+        n, best_of = sampling.pop("n", None), sampling.pop("best_of", None)
+        if n is not None or best_of is not None:
+            return generate_samples(self, prompts, 1 if n is None else n, best_of, seed, dict(
+                max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop=stop,
+                ignore_eos=ignore_eos, stop_token_ids=stop_token_ids, **sampling))
         return self.stream(prompts, max_new_tokens, temperature, top_k, top_p, seed, stop, ignore_eos,
                            stop_token_ids, **sampling).results
 

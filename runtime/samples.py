@@ -1,0 +1,65 @@
+"""`n` and `best_of`: several samples of each prompt from one `generate` call.
+
+    llm.generate(prompt, n=3, temperature=0.8)                # -> [result, result, result]
+    llm.generate(prompts, n=2, best_of=5, temperature=0.8)    # -> per prompt, the 2 likeliest of 5
+
+Sample j of a prompt whose seed is s is generated with seed s + j (sample 0 is what the same
+call without `n` gives). The samples run through the engine side by side; the first prefills the
+prompt and the others copy its keys and values (`Engine._prefill_to_share`), so the prompt is
+prefilled once. `best_of` draws that many and keeps the `n` with the highest cumulative
+log-probability of their tokens (log-probabilities are computed for the ranking even when the
+caller asked for none, and then left out of the results).
+"""
+from __future__ import annotations
+
+import dataclasses
+import numbers
+
+from kiln.runtime.errors import GenerationError
+from kiln.runtime.results import GenerationResult
+
+MAX_SAMPLES = 64  # samples per prompt: each takes a KV row (or waits for one)
+
+
+def check_counts(n, best_of) -> tuple[int, int]:
+    """(n, best_of) as ints, best_of defaulting to n; GenerationError when out of range."""
+    if not _is_count(n):
+        raise GenerationError(f"n must be an integer from 1 to {MAX_SAMPLES}, got {n!r:.40}. Fix: pass e.g. n=2.")
+    best_of = n if best_of is None else best_of
+    if not _is_count(best_of) or best_of < n:
+        raise GenerationError(f"best_of must be an integer from n ({n}) to {MAX_SAMPLES}, got {best_of!r:.40}. "
+                              "Fix: pass best_of >= n, or leave it out.")
+    return int(n), int(best_of)
+
+
+def generate_samples(llm, prompts, n: int, best_of: int | None, seed, keywords: dict):
+    """`llm.generate` with `n` / `best_of` (see the module docstring); `keywords` are generate's
+    other arguments. One prompt -> a list of n results; a list -> a list of such lists."""
+    n, best_of = check_counts(n, best_of)
+    single, token_lists = llm._encode_prompts(prompts)
+    seeds = _sample_seeds(seed, len(token_lists), best_of)
+    ranking = best_of > n
+    added_logprobs = ranking and keywords.get("logprobs") is None
+    if added_logprobs:
+        keywords = {**keywords, "logprobs": 0}
+    flat = llm.generate([ids for ids in token_lists for _ in range(best_of)], seed=seeds, **keywords)
+    per_prompt = [flat[i * best_of:(i + 1) * best_of] for i in range(len(token_lists))]
+    if ranking:
+        per_prompt = [sorted(samples, key=cumulative_logprob, reverse=True)[:n] for samples in per_prompt]
+    if added_logprobs:
+        per_prompt = [[dataclasses.replace(r, logprobs=None) for r in samples] for samples in per_prompt]
+    return per_prompt[0] if single else per_prompt
+
+
+def cumulative_logprob(result: GenerationResult) -> float:
+    return sum(choice.logprob for choice in result.logprobs or ())
+
+
+def _sample_seeds(seed, prompts: int, samples: int) -> list[int]:
+    from kiln.runtime.generate import SEED_LIMIT, _seeds
+
+    return [(base + j) % SEED_LIMIT for base in _seeds(seed, prompts) for j in range(samples)]
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and 1 <= value <= MAX_SAMPLES
