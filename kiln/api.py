@@ -33,7 +33,7 @@ def load(path: str | Path, check_hashes: bool = True, device: str | None = None,
     before any of its code is loaded."""
     contents = _read_rank(Path(path), check_hashes, expected_sha256)
     backend = get_backend(contents.backend)
-    options = backend_options(contents.options)
+    options = backend_options(contents.options, contents.directory / "manifest.json")
     if device is not None:
         options = dataclasses.replace(options, device=device)
     executable = backend.load(contents.directory, contents.graph, contents.graph.weights, options)
@@ -55,10 +55,32 @@ def _read_rank(path: Path, check_hashes: bool, expected_sha256: str | None = Non
     return read_artifact(path, check_hashes=check_hashes, rank=rank, expected_sha256=expected_sha256)
 
 
-def backend_options(options: dict) -> BackendOptions:
-    """BackendOptions from a manifest's options (which may hold more, e.g. `quantize`)."""
+def backend_options(options: dict, manifest: Path | str = "the artifact's manifest.json") -> BackendOptions:
+    """BackendOptions from a manifest's options (which may hold more, e.g. `calibration`); a value
+    no backend could run with (a rewritten manifest) raises ArtifactError before any is loaded."""
+    from kiln.runtime.errors import ArtifactError
+
     known = {f.name for f in dataclasses.fields(BackendOptions)}
-    return BackendOptions(**{k: v for k, v in options.items() if k in known})
+    chosen = {k: v for k, v in options.items() if k in known}
+    for name, value in chosen.items():
+        if not OPTION_CHECKS[name](value):
+            raise ArtifactError(f"{manifest} gives {name}={value!r:.40}, which no backend can run "
+                                f"with ({OPTION_RULES[name]}). Fix: recompile the artifact.")
+    return BackendOptions(**chosen)
+
+
+def _count(value, at_least: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= at_least
+
+
+OPTION_RULES = {"max_batch": "an integer >= 1", "max_seq_len": "an integer >= 1", "threads": "null or an integer >= 1",
+                "dtype": "a name", "device": "a name", "quantize": "null or a scheme name",
+                "quantize_embeddings": "true or false"}
+OPTION_CHECKS = {
+    "max_batch": lambda v: _count(v, 1), "max_seq_len": lambda v: _count(v, 1),
+    "threads": lambda v: v is None or _count(v, 1), "dtype": lambda v: isinstance(v, str),
+    "device": lambda v: isinstance(v, str), "quantize": lambda v: v is None or isinstance(v, str),
+    "quantize_embeddings": lambda v: isinstance(v, bool)}
 
 
 def compile(model=None, out: str | Path = "model.kiln", backend: str = "inductor", max_seq_len: int = 1024,

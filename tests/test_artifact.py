@@ -269,3 +269,18 @@ def test_cli_expect_sha256_pins_the_artifact_for_generate_and_serve(artifact, ca
         assert kiln_main([*command, "--expect-sha256", "0" * 64]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: ") and err.count("\n") == 1 and f"not the expected {'0' * 64}" in err
+
+
+@pytest.mark.parametrize("option, value", [("threads", -5), ("max_batch", 0), ("max_seq_len", "1024"),
+                                           ("quantize_embeddings", "yes")])
+def test_options_no_backend_can_run_with_are_refused_even_in_a_resealed_manifest(artifact, option, value):
+    import dataclasses
+
+    from kiln.api import OPTION_CHECKS
+    from kiln.backends.executable import BackendOptions
+
+    assert set(OPTION_CHECKS) == {field.name for field in dataclasses.fields(BackendOptions)}
+    m = manifest(artifact)
+    edit_manifest(artifact, options={**m["options"], option: value})
+    with pytest.raises(ArtifactError, match=f"manifest.json gives {option}=.*which no backend can run.*Fix: recompile"):
+        kiln.load(artifact)

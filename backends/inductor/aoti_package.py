@@ -96,7 +96,8 @@ class AOTIExecutable(StatefulRunner):
         info = _read_info(self.directory)
         if info["torch"] != torch.__version__:
             raise PackageError(f"{self.directory / PACKAGE_FILE} was built by torch {info['torch']}, this is "
-                               f"torch {torch.__version__}; recompile the artifact")
+                               f"torch {torch.__version__}, and its compiled library runs with its own torch only. "
+                               "Fix: recompile the artifact with this torch.")
         # The FX module is built only to name the constants exactly as at export (no tracing).
         with lowering_int8_as(info.get("int8_linear", "i8")):  # packages older than linear_q8: "i8"
             module = graph_to_fx(graph, weights, state=named_caches)
