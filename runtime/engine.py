@@ -243,7 +243,11 @@ class Engine:
         request.prefill_s += time.perf_counter() - start
 
     def _decode(self, requests: list[Request]) -> None:
-        """One call over KV rows [0, the highest decoding one]: each decoding request's newest token."""
+        """One call over KV rows [0, the highest decoding one]: each decoding request's newest token
+        (and its drafts, for requests with a drafter: `_verify`)."""
+        drafts = [self._draft(request) for request in requests]
+        if any(drafts):
+            return self._verify(requests, drafts)
         start = time.perf_counter()
         batch_rows = max(r.kv_row for r in requests) + 1
         # Python lists, one tensor each at the end: element-wise writes into a tensor cost
@@ -270,6 +274,43 @@ class Engine:
         for request in requests:
             request.decode_s += elapsed
 
+    def _draft(self, request: Request) -> list[int]:
+        """The request's drafts (none without a drafter), cut before any id the model lacks."""
+        draft = request.draft(self.max_seq_len)
+        valid = next((i for i, token in enumerate(draft) if not 0 <= token < self.vocab_size), len(draft))
+        return draft[:valid]
+
+    def _verify(self, requests: list[Request], drafts: list[list[int]]) -> None:
+        """Speculative decoding in the engine: one call over KV rows [0, the highest decoding one]
+        feeding each decoding request its newest token and its drafts, rows padded to the longest
+        draft with their last token (pads and rejected drafts write slots past the request's
+        tokens, which the next step overwrites before any query reads them; a pad past the cache's
+        end lands on the last slot, which holds junk or that same token at that same position).
+        Each request keeps its accepted drafts and adds the target's own token after them."""
+        start = time.perf_counter()
+        last_slot = self.max_seq_len - 1
+        width = 1 + max(len(d) for d in drafts)
+        batch_rows = max(r.kv_row for r in requests) + 1
+        tokens = [[0] * width for _ in range(batch_rows)]
+        positions = [[min(len(self.slots.contents[kv_row]) + j, last_slot) for j in range(width)]  # placeholders
+                     for kv_row in range(batch_rows)]
+        for request, draft in zip(requests, drafts):
+            feed = [request.newest(), *draft]
+            tokens[request.kv_row] = feed + [feed[-1]] * (width - len(feed))
+            positions[request.kv_row] = [min(request.fed + j, last_slot) for j in range(width)]
+        logits = self.executable.run(torch.tensor(tokens, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64))
+        for kv_row in range(batch_rows):
+            self.slots.scribbled(kv_row, positions[kv_row][0])
+        for request, draft in zip(requests, drafts):
+            fed = request.fed
+            piece, accepted = request.verify(logits[request.kv_row, :1 + len(draft)].float().cpu(), draft)
+            self.slots.fed(request.kv_row, tokens[request.kv_row][:1 + accepted], fed)
+            request.fed += 1 + accepted
+            self._emitted(request, piece)
+        elapsed = time.perf_counter() - start
+        for request in requests:
+            request.decode_s += elapsed
+
     def _logits_out(self, batch_rows: int) -> dict:
         """`out=` for a decode call over `batch_rows` rows when the executable can write logits
         into a buffer it made (`logits_buffer`): one per row count, reused every step (a step's
@@ -281,7 +322,11 @@ class Engine:
         return keywords
 
     def _accept(self, request: Request, logits: torch.Tensor) -> None:
-        piece = request.accept(logits)
+        self._emitted(request, request.accept(logits))
+
+    def _emitted(self, request: Request, piece: str) -> None:
+        """After a request took new tokens (their text `piece`): forced tokens, TTFT, the text to
+        its caller, the end."""
         # Tokens a constraint forces: alone, a request appends them now and feeds them as one
         # chunk (fast-forward); beside others they ride one per shared decode step instead, which
         # costs nothing extra there, where a single-row chunk call per request would (measured:

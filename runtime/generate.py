@@ -13,6 +13,7 @@ new tokens clamped to what fits (the result says so: finish_reason "context", st
 """
 from __future__ import annotations
 
+import dataclasses
 import numbers
 from typing import Sequence
 
@@ -28,6 +29,7 @@ from kiln.runtime.results import GenerationResult
 from kiln.runtime.sampler import SamplingParams
 from kiln.runtime.samples import generate_samples
 from kiln.runtime.scoring import TokenScores, score_tokens
+from kiln.runtime.speculative import PromptLookupDrafter
 from kiln.runtime.text_stream import TextStream
 from kiln.runtime.token_ids import check_token_ids, check_token_set, model_vocab_size
 from kiln.runtime.tokenizer import Tokenizer
@@ -116,7 +118,9 @@ class LLM:
         if speculative is not None and constraint is not None:
             raise GenerationError("speculative decoding does not take json_schema, regex or choices. Fix: drop "
                                   "one of them (forced tokens already skip decode steps without a drafter).")
-        if speculative is not None:
+        if speculative == "prompt_lookup":  # drafts from each request's own context: inside the engine
+            settings = dataclasses.replace(settings, drafter_factory=PromptLookupDrafter)
+        elif speculative is not None:
             return TextStream(self._speculative(token_lists, settings, seeds, speculative), single)
         return TextStream([EngineBatch(self.engine, token_lists, settings, seeds)], single)
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -39,6 +40,8 @@ class GenerationSettings:
     eos_ids: frozenset[int] = frozenset()
     stop_token_ids: frozenset[int] = frozenset()  # end like EOS, with finish_reason "stop"
     constraint: CompiledConstraint | None = None  # json_schema / regex / choices (constraint_compiler.py)
+    # speculative decoding inside the engine: each request's own drafter (e.g. PromptLookupDrafter)
+    drafter_factory: Callable[[], object] | None = None
 
 
 class RequestStatus(enum.Enum):
@@ -62,7 +65,7 @@ def max_new_tokens_that_fit(prompt_len: int, requested: int, max_seq_len: int) -
 class Request:
     """One prompt from submission to its result (see the module docstring).
 
-    `model_steps` counts `accept` calls (the model calls whose logits it used), `forced_count`
+    `model_steps` counts the model calls whose logits it used (`accept`, `verify`), `forced_count`
     the tokens a constraint forced."""
 
     def __init__(self, prompt: list[int], settings: GenerationSettings, seed: int, max_seq_len: int,
@@ -87,6 +90,8 @@ class Request:
         self.finish_reason: str | None = None if self.max_new > 0 else ("context" if self.clamped else "length")
         self.model_steps = 0
         self.forced_count = 0
+        self.drafter = settings.drafter_factory() if settings.drafter_factory is not None else None
+        self.target_steps = self.drafted_tokens = self.accepted_tokens = 0  # speculative steps only
         self.submitted_at = time.perf_counter()
         self.ttft_s = self.prefill_s = self.decode_s = 0.0
 
@@ -122,6 +127,9 @@ class Request:
         """Sample the next token from logits [vocab] (among the tokens a constraint allows, or
         the one it forces); return the text it completes."""
         self.model_steps += 1
+        return self._sample(logits)
+
+    def _sample(self, logits: torch.Tensor) -> str:
         if self.constraint is None:
             return self.push(self.sampler.choose(logits, self.prompt, self.tokens))
         forced = self.constraint.forced(1)
@@ -181,6 +189,58 @@ class Request:
             self.finish_reason = "stop"
         return piece + self.stop.flush()
 
+    # -- speculative steps ------------------------------------------------------------------------
+    def draft(self, max_seq_len: int) -> list[int]:
+        """The drafter's guesses for the tokens after the newest one, within what the token budget
+        and the cache leave (the target adds a token of its own after them); ids checked by the caller.
+        None while prompt tokens are fed: the first new token always comes from the prompt alone,
+        so a seeded sample does not depend on how the prompt was chunked or cached."""
+        if self.drafter is None or self.constraint is not None or not self.generating or self.fed < len(self.prompt):
+            return []
+        room = min(max_seq_len - 1 - self.fed, self.max_new - len(self.tokens) - 1)
+        return list(self.drafter.propose(self.prompt + self.tokens, room)[:room]) if room > 0 else []
+
+    def verify(self, logits: torch.Tensor, draft: list[int]) -> tuple[str, int]:
+        """Judge `draft` with the target's logits [1 + len(draft), vocab] after the newest token
+        and each draft token: emit the accepted drafts, then the target's own token. Returns the
+        text emitted and how many drafts were accepted (their keys and values are valid)."""
+        self.target_steps += 1
+        self.model_steps += 1
+        pieces, accepted = [], 0
+        for i, guess in enumerate(draft):
+            choice = self.judge(logits[i], guess)
+            pieces.append(self.push(choice))
+            if choice.token != guess or not self.generating:
+                break
+            accepted += 1
+        else:
+            if self.generating:  # every draft accepted: the target's token after the last one is free
+                pieces.append(self._sample(logits[len(draft)]))
+        self.drafted_tokens += len(draft)
+        self.accepted_tokens += accepted
+        self.drafter.feedback(len(draft), accepted)
+        return "".join(pieces), accepted
+
+    def judge(self, logits: torch.Tensor, guess: int) -> TokenLogprob:
+        """The token to emit where the drafter guessed `guess`: greedy, the target's argmax;
+        sampled, `guess` with probability p(guess), else a draw from p without it (drafts are
+        deterministic, so this is the standard accept/reject rule: every emitted token is
+        distributed as the target's processed distribution)."""
+        sampler = self.sampler
+        raw = logits.detach().float()
+        processed = sampler.process(raw, self.prompt, self.tokens)
+        if self.settings.sampling.greedy:
+            token = int(processed.numpy().argmax())
+        else:
+            probs = torch.softmax(processed, dim=-1)
+            if float(torch.rand((), generator=sampler.generator)) < float(probs[guess]):
+                token = guess
+            else:
+                rest = probs.clone()
+                rest[guess] = 0.0
+                token = int(torch.multinomial(rest / rest.sum(), 1, generator=sampler.generator))
+        return sampler._with_logprobs(raw, token)
+
     # -- the end -------------------------------------------------------------------------------
     def result(self, **stats_of_the_caller) -> GenerationResult:
         """The result so far; `stats_of_the_caller` sets GenerationStats fields that whoever
@@ -189,6 +249,10 @@ class Request:
                      prefill_s=self.prefill_s, decode_s=self.decode_s, max_new_tokens=self.max_new,
                      clamped=self.clamped, cached_tokens=self.reused, model_steps=self.model_steps,
                      forced_tokens=self.forced_count)
+        if self.target_steps:
+            stats.update(target_steps=self.target_steps, drafted_tokens=self.drafted_tokens,
+                         accepted_tokens=self.accepted_tokens,
+                         tokens_per_target_step=(len(self.tokens) - 1) / self.target_steps)
         stats.update(stats_of_the_caller)
         return GenerationResult(text=self.text, token_ids=list(self.tokens), finish_reason=self.finish_reason or "length",
                                 prompt_token_ids=list(self.prompt), logprobs=self.logprobs,

@@ -208,6 +208,84 @@ def test_a_request_goes_from_waiting_to_running_in_a_kv_row_to_done_cancelled_or
         failing.result(timeout=1)
 
 
+@pytest.mark.parametrize("sampling", [dict(), dict(temperature=0.9, seed=5)], ids=["greedy", "sampled"])
+def test_prompt_lookup_in_the_engine_gives_each_request_its_output_alone(sampling):
+    """Drafts of every decoding request verified in one call, rows padded to the longest draft;
+    greedy: the plain tokens; sampled: each request's tokens equal its own speculative run alone
+    (the accept/reject draws come from its own generator)."""
+    repetitive = [[5 + i % (3 + k) for i in range(9 + k)] for k in range(6)]
+    prompts = repetitive + mixed_prompts(4, seed=2)
+    llm = LLM(executable())
+    llm.engine.prefill_chunk = 4
+    together = llm.generate(prompts, max_new_tokens=8, speculative="prompt_lookup", **sampling)
+    if not sampling:
+        assert [r.token_ids for r in together] == [alone(p, max_new_tokens=8).token_ids for p in prompts]
+    assert [r.token_ids for r in together] == [
+        alone(p, max_new_tokens=8, speculative="prompt_lookup", **sampling).token_ids for p in prompts]
+    assert sum(r.stats.drafted_tokens for r in together) > 0
+
+
+def test_drafts_that_are_right_are_accepted_several_per_engine_step():
+    prompts = mixed_prompts(3, seed=7)
+    plain = [alone(p, max_new_tokens=10).token_ids for p in prompts]
+
+    class Knows:  # drafts the plain continuation of its prompt
+        def __init__(self, prompt, answer):
+            self.prompt, self.answer = prompt, answer
+
+        def propose(self, context, max_tokens):
+            done = len(context) - len(self.prompt)
+            return self.answer[done:done + min(3, max_tokens)]
+
+        def feedback(self, drafted, accepted):
+            pass
+
+    engine = LLM(executable()).engine
+    handles = [engine.submit(p, GenerationSettings(max_new_tokens=10, drafter_factory=lambda p=p, a=a: Knows(p, a)),
+                             seed=0) for p, a in zip(prompts, plain)]
+    results = [h.result(timeout=60) for h in handles]
+    assert [r.token_ids for r in results] == plain
+    assert all(r.stats.accepted_tokens == r.stats.drafted_tokens > 0 for r in results)
+    assert all(r.stats.target_steps <= 3 for r in results)  # 9 tokens after the first, 4 per step
+
+
+def test_prompt_lookup_in_the_engine_up_to_the_end_of_the_cache():
+    prompt = [5, 6, 7, 8] * 4  # 16 of the 24 slots: drafts run into the end of the cache
+    llm = LLM(executable(2))
+    results = llm.generate([prompt, [9, 10]], max_new_tokens=20, speculative="prompt_lookup")
+    assert [r.token_ids for r in results] == [alone(p, max_new_tokens=20).token_ids for p in (prompt, [9, 10])]
+    assert results[0].finish_reason == "context"
+
+
+def test_speculative_sampling_in_a_request_keeps_the_target_distribution():
+    """Request.verify's accept/reject rule: the first emitted token follows the target's
+    distribution [0.6, 0.3, 0.1] whatever the draft guesses."""
+    import collections
+
+    from kiln.runtime.request import Request
+    from kiln.runtime.sampler import SamplingParams
+
+    class Fixed:
+        def propose(self, context, max_tokens):
+            return [1, 1]
+
+        def feedback(self, drafted, accepted):
+            pass
+
+    settings = GenerationSettings(max_new_tokens=4, sampling=SamplingParams(temperature=1.0), drafter_factory=Fixed)
+    logits = torch.tensor([0.6, 0.3, 0.1]).log().expand(3, 3)
+    counts = collections.Counter()
+    for seed in range(1500):
+        request = Request([0], settings, seed, max_seq_len=16)
+        request.fed = 1  # the prompt is in the cache: the next step drafts
+        draft = request.draft(16)
+        assert draft == [1, 1]
+        request.verify(logits, draft)
+        counts[request.tokens[0]] += 1
+    for token, p in enumerate([0.6, 0.3, 0.1]):
+        assert abs(counts[token] / 1500 - p) < 0.035, counts
+
+
 def test_a_full_queue_refuses_new_requests():
     llm = LLM(executable(1))
     llm.engine.max_queue = 2
