@@ -127,6 +127,8 @@ class Request:
         """Sample the next token from logits [vocab] (among the tokens a constraint allows, or
         the one it forces); return the text it completes."""
         self.model_steps += 1
+        if self.drafter is not None and self.tokens:  # a decode step that had no drafts to verify
+            self.target_steps += 1
         return self._sample(logits)
 
     def _sample(self, logits: torch.Tensor) -> str:
