@@ -97,6 +97,31 @@ for _name, _ir in {"add": "add", "sub": "sub", "mul": "mul", "div": "div", "eq":
     _packet = getattr(aten, _name)
     handles(*[getattr(_packet, o) for o in ("Tensor", "Scalar", "default") if hasattr(_packet, o)])(_binary(_ir))
 
+VIEW_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default,
+            aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.expand.default, aten.permute.default,
+            aten.transpose.int, aten.t.default, aten.slice.Tensor, aten.select.int, aten.alias.default,
+            aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.numpy_T.default}
+
+
+def _in_place(op):
+    """x.add_(y) where nothing else views x (Falcon's `mlp_output += attention_output`): the sum
+    becomes x's value for the ops after it. Views would need aliasing, which the decomposed (and
+    functionalized) program has resolved: they are left to it."""
+    out_of_place = _binary(op)
+
+    def handler(cx, x, *args, **kwargs):
+        if x.op == "placeholder" or x.target in VIEW_OPS or any(u.target in VIEW_OPS for u in x.users):
+            raise NotImplementedError("an in-place op on a view or an input")
+        result = out_of_place(cx, x, *args, **kwargs)
+        cx.env[x] = result
+        return result
+
+    return handler
+
+
+for _name in ("add_", "sub_", "mul_", "div_"):
+    handles(getattr(aten, _name).Tensor, getattr(aten, _name).Scalar)(_in_place(_name[:-1]))
+
 handles(aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor, aten.pow.Scalar)(_binary("pow"))
 handles(aten.rsub.Scalar, aten.rsub.Tensor)(lambda cx, a, b, alpha=1: _binary("sub")(cx, b, a))
 
@@ -179,6 +204,17 @@ def _expand(cx, x, size, *args, **kwargs):
     return cx.call("expand", cx.value(x), shape=_out_shape(cx))
 
 
+@handles(aten.repeat.default)
+def _repeat(cx, x, repeats):
+    """Tile: each dim d becomes [r, d] by a broadcast, then r*d (BLOOM repeats its ALiBi rows)."""
+    v = cx.value(x)
+    shape = (1,) * (len(repeats) - v.type.rank) + v.type.shape
+    counts = [cx.dim(r) for r in repeats]
+    spread = cx.call("reshape", v, shape=tuple(d for size in shape for d in (1, size)))
+    tiled = cx.call("expand", spread, shape=tuple(d for r, size in zip(counts, shape) for d in (r, size)))
+    return cx.call("reshape", tiled, shape=_out_shape(cx))
+
+
 @handles(aten.permute.default)
 def _permute(cx, x, dims):
     return cx.call("permute", cx.value(x), perm=tuple(dims))
@@ -195,6 +231,12 @@ def _transpose(cx, x, a, b):
 @handles(aten.t.default)
 def _t(cx, x):
     return cx.call("permute", cx.value(x), perm=(1, 0))
+
+
+@handles(aten.numpy_T.default)
+def _numpy_t(cx, x):
+    rank = cx.value(x).type.rank
+    return cx.call("permute", cx.value(x), perm=tuple(reversed(range(rank))))
 
 
 @handles(aten.slice.Tensor)
@@ -225,6 +267,14 @@ def _split(cx, x, sizes, dim=0):
     return tuple(parts)
 
 
+@handles(aten.chunk.default)
+def _chunk(cx, x, chunks, dim=0):
+    total = cx.value(x).type.shape[dim]
+    if not isinstance(total, int):
+        raise NotImplementedError("chunk of a symbolic dim")
+    return _split(cx, x, -(-total // chunks), dim)
+
+
 @handles(aten.diff.default)
 def _diff(cx, x, n=1, dim=-1, prepend=None, append=None):
     if n != 1:
@@ -244,9 +294,41 @@ def _cat(cx, tensors, dim=0):
 
 @handles(aten.index.Tensor)
 def _index(cx, x, indices):
-    if any(i is None for i in indices):
-        raise NotImplementedError("index with None (slice) entries")
-    return cx.call("index", cx.value(x), *[cx.value(i) for i in indices])
+    if all(i is not None for i in indices):
+        return cx.call("index", cx.value(x), *[cx.value(i) for i in indices])
+    tensors = [(axis, i) for axis, i in enumerate(indices) if i is not None]
+    if len(tensors) != 1:
+        raise NotImplementedError("index with None (slice) entries around several index tensors")
+    return _index_one_axis(cx, cx.value(x), *tensors[0])
+
+
+def _index_one_axis(cx, v, axis: int, index):
+    """x[:, ..., index] (Falcon's multi-query fused_qkv[..., [-2], :]): a `slice` when the index
+    is a constant run such as [-2] or [0, 2, 4], else `index` on the axis moved to the front."""
+    idx = cx.value(index)
+    run = _constant_run(cx, idx, v.type.shape[axis])
+    if run is not None:
+        start, end, step = run
+        return cx.call("slice", v, axis=axis, start=start, end=end, step=step)
+    rank, index_rank = v.type.rank, idx.type.rank
+    front = cx.call("permute", v, perm=(axis, *[d for d in range(rank) if d != axis]))
+    taken = cx.call("index", front, idx)  # index dims, then the other axes in order
+    back = (*range(index_rank, index_rank + axis), *range(index_rank), *range(index_rank + axis, index_rank + rank - 1))
+    return taken if back == tuple(range(len(back))) else cx.call("permute", taken, perm=back)
+
+
+def _constant_run(cx, idx, size) -> tuple[int, int, int] | None:
+    """(start, end, step) when `idx` is a constant 1-D list of positions start, start+step, ..."""
+    tensor = cx.graph.weights.get(idx.name) if idx.producer is None else None
+    if tensor is None or tensor.dim() != 1 or not isinstance(size, int) or tensor.dtype.is_floating_point:
+        return None
+    positions = [p + size if p < 0 else p for p in tensor.tolist()]
+    if not positions or not all(0 <= p < size for p in positions):
+        return None
+    step = positions[1] - positions[0] if len(positions) > 1 else 1
+    if step < 1 or positions != list(range(positions[0], positions[-1] + 1, step)):
+        return None
+    return positions[0], positions[-1] + 1, step
 
 
 @handles(aten.arange.start_step, aten.arange.start, aten.arange.default)
@@ -290,6 +372,17 @@ def _addmm(cx, bias, a, b, beta=1, alpha=1):
     if beta != 1 or alpha != 1:
         raise NotImplementedError("addmm with beta/alpha")
     return cx.call("add", cx.call("matmul", cx.value(a), cx.value(b)), cx.value(bias))
+
+
+@handles(aten.baddbmm.default)
+def _baddbmm(cx, bias, a, b, beta=1, alpha=1):
+    """beta * bias + alpha * (a @ b): BLOOM's scores with their ALiBi bias."""
+    product = cx.call("matmul", cx.value(a), cx.value(b))
+    dtype = product.type.dtype
+    if alpha != 1:
+        product = cx.call("mul", product, cx.constant(alpha, dtype))
+    added = cx.value(bias) if beta == 1 else cx.call("mul", cx.value(bias), cx.constant(beta, dtype))
+    return cx.call("add", added, product) if beta != 0 else product
 
 
 @handles(aten.layer_norm.default)

@@ -94,6 +94,13 @@ def capture_causal_lm(lm: torch.nn.Module, max_batch: int = 8, max_seq_len: int 
     return graph
 
 
+def _kv_heads(text, heads: int) -> int:
+    """Key/value heads: GQA's num_key_value_heads, Falcon's multi-query one, else one per head."""
+    if getattr(text, "multi_query", False) and not getattr(text, "new_decoder_architecture", False):
+        return 1
+    return getattr(text, "num_key_value_heads", None) or getattr(text, "num_kv_heads", None) or heads
+
+
 def model_meta(lm) -> dict:
     """What later passes need to know about the architecture, as plain JSON data."""
     config = lm.config
@@ -113,7 +120,7 @@ def model_meta(lm) -> dict:
         "vocab_size": text.vocab_size,
         "num_layers": layers,
         "num_heads": heads,
-        "num_kv_heads": getattr(text, "num_key_value_heads", None) or heads,
+        "num_kv_heads": _kv_heads(text, heads),
         "head_dim": head_dim,
         "layer_windows": windows,
     }

@@ -64,7 +64,7 @@ def load_model(source: str | os.PathLike) -> LoadedModel:
         checkpoint_dir,
         config=config,
         dtype=torch.float32,
-        attn_implementation="sdpa",
+        attn_implementation=attention_implementation(config),
         use_safetensors=True,
         local_files_only=True,
         output_loading_info=True,
@@ -78,6 +78,17 @@ def load_model(source: str | os.PathLike) -> LoadedModel:
         checkpoint_dir=checkpoint_dir,
         source_hash=checkpoint_sha256(checkpoint_dir),
     )
+
+
+def attention_implementation(config: PretrainedConfig) -> str:
+    """"sdpa" where the model class has that path, else "eager" (BLOOM, MPT, Gemma 2, ...): the
+    capture keeps SDPA whole as `attention`, and `fuse_attention_pattern` recovers the same op
+    from eager attention's matmul/softmax/matmul."""
+    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.auto_factory import _get_model_class
+
+    model_class = _get_model_class(config, AutoModelForCausalLM._model_mapping)
+    return "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
 
 
 def resolve_checkpoint_dir(source: str | os.PathLike) -> Path:

@@ -49,7 +49,8 @@ class FxToIr:
             x = self.env[x]
             return x
         if isinstance(x, torch.SymInt):
-            return normalize(x.node.expr.xreplace(self.symbol_map))
+            expr = _resolve_min_max(x.node.expr, x.node.shape_env)
+            return normalize(expr.xreplace(self.symbol_map))
         if isinstance(x, int):
             return x
         raise ConversionError(f"not a size: {x!r}")
@@ -169,6 +170,26 @@ class FxToIr:
         self.graph._names.discard(value.name)
         value.name = self.graph._claim(name)
         return value
+
+
+def _resolve_min_max(expr: sympy.Expr, shape_env) -> sympy.Expr:
+    """Max/Min whose winner the symbols' bounds decide, replaced by it: MPT slices its ALiBi table
+    `[max(0, n - seq):]`, which is `n - seq` for every seq the capture allows."""
+    from torch.utils._sympy.functions import Max, Min
+
+    def pick(node):
+        is_max = isinstance(node, (sympy.Max, Max))
+        first, *rest = node.args
+        for other in rest:
+            gap = shape_env.bound_sympy(first - other)
+            first_wins = gap.lower >= 0 if is_max else gap.upper <= 0
+            other_wins = gap.upper <= 0 if is_max else gap.lower >= 0
+            if not (first_wins or other_wins):
+                return node
+            first = first if first_wins else other
+        return first
+
+    return expr.replace(lambda e: isinstance(e, (sympy.Max, sympy.Min, Max, Min)), pick)
 
 
 def _clean_param_name(name: str) -> str:

@@ -287,13 +287,22 @@ class _Sharder:
         self.layouts[id(self.env[id(cache)])] = layout
         return self._emit("kv_write", [self.env[id(cache)], new_value, self._value(positions)], {}, layout)
 
+    def _local_slopes(self, where: str, attrs: dict, q: Layout) -> dict:
+        """attention's attributes with the ALiBi slopes of this rank's query heads only."""
+        if not attrs["alibi"]:
+            return dict(attrs)
+        if len(q.segments) != 1 or q.segments[0].full != len(attrs["alibi"]):
+            raise ShardingError(f"{where}: its ALiBi slopes do not follow the split of its query heads")
+        start, end = q.segments[0].chunk(self.rank, self.world)
+        return dict(attrs, alibi=attrs["alibi"][start:end])
+
     def _sharded_op(self, node: Node, inputs: list, layouts: list) -> Value:
         where = f"{node.op} %{node.outputs[0].name}"
         if node.op == "attention":
             q, k, v = layouts[:3]
             if not (q and k and v and q.axis == k.axis == v.axis == -3) or any(layouts[3:]):
                 raise ShardingError(f"{where}: q, k and v must all be split by heads, mask and positions not")
-            return self._emit("attention", inputs, dict(node.attrs), q)
+            return self._emit("attention", inputs, self._local_slopes(where, node.attrs, q), q)
         if node.op in ELEMENTWISE:
             return self._emit(node.op, inputs, dict(node.attrs), self._elementwise_layout(where, inputs, layouts))
         if node.op in SPLIT_FIRST_INPUT:

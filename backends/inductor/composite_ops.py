@@ -92,14 +92,28 @@ def visible_keys(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | Non
     return visible
 
 
+def alibi_bias(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None,
+               alibi: tuple[float, ...]) -> torch.Tensor:
+    """Float [batch|1, heads, seq, keys]: slope[h] * (key slot - query position), ALiBi's bias."""
+    seq, keys = q.size(2), k.size(2)
+    if positions is not None:
+        query_pos = positions[:, None, :, None]
+    else:  # the last query sits at the last key
+        query_pos = (torch.arange(seq, device=q.device) + (keys - seq))[None, None, :, None]
+    distance = (torch.arange(keys, device=q.device) - query_pos).to(q.dtype)
+    return torch.tensor(alibi, dtype=q.dtype, device=q.device)[None, :, None, None] * distance
+
+
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
               positions: torch.Tensor | None, scale: float | None, causal: bool, window: int,
-              softcap: float) -> torch.Tensor:
-    """The IR's `attention`: GQA kept grouped, keys masked by positions (or causally), optional softcap.
+              softcap: float, alibi: tuple[float, ...] = ()) -> torch.Tensor:
+    """The IR's `attention`: GQA kept grouped, keys masked by positions (or causally), optional
+    softcap and ALiBi bias.
 
     Reads only the first `batch` rows of k/v (a static cache has max_batch rows). Without softcap
     this is one `scaled_dot_product_attention` with a boolean mask (or a float mask where the
-    graph supplies one); softcap needs the scores themselves, so it is spelled out.
+    graph supplies one or ALiBi adds its bias); softcap needs the scores themselves, so it is
+    spelled out.
     """
     batch = q.size(0)
     k, v = k[:batch], v[:batch]
@@ -107,6 +121,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     if mask is not None and mask.dtype == torch.bool:
         visible = mask if visible is None else visible & mask
         mask = None
+    if alibi:
+        bias = alibi_bias(q, k, positions, alibi)
+        mask = bias if mask is None else mask + bias
     if softcap:
         return _softcapped_attention(q, k, v, visible, mask, scale, softcap)
     attn_mask = visible

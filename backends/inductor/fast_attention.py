@@ -4,7 +4,7 @@ Why: Inductor decomposes a grouped, position-masked attention into copies of k a
 query head and scores over every slot of the buffer, each decode step (attention_kernel.py says
 what that cost). The kernel reads each kv head once, only up to each query's position.
 
-It takes the stateful form: positions given, no extra mask, no softcap, f32 q/k/v. Otherwise,
+It takes the stateful form: positions given, no extra mask, no softcap or ALiBi, f32 q/k/v. Otherwise,
 when the CPU or compiler cannot build the kernel (warned once), or when
 `KILN_ATTENTION_KERNEL=torch` asks for the decomposed one (benchmarks comparing the two), the
 composite `scaled_dot_product_attention` lowering stays.
@@ -35,7 +35,7 @@ def wanted() -> bool:
 def lower_cached_attention(b, node, args, attrs):
     """attention(q, k, v, positions) -> kiln.cached_attention(q, k, v, positions, scale, window)."""
     q, k, v, mask, positions = node.inputs
-    if mask is not None or positions is None or attrs["softcap"]:
+    if mask is not None or positions is None or attrs["softcap"] or attrs["alibi"]:
         return None
     if any(t.type.dtype != "f32" for t in (q, k, v)) or not isinstance(q.type.shape[3], int):
         return None

@@ -70,6 +70,8 @@ def _plan_attention(graph: Graph, node: Node, users, outputs, plan: Plan) -> Non
     writes = [k.producer, v.producer]
     if mask is not None or positions is not graph.inputs[1] or any(w is None or w.op != "kv_write" for w in writes):
         return
+    if node.attrs["alibi"]:
+        return  # GroupQueryAttention has no ALiBi: the plain lowering adds the bias
     caches = [w.inputs[0] for w in writes]
     if any(c not in graph.inputs[2:] or users.get(c) != [w] for c, w in zip(caches, writes)):
         return

@@ -1,8 +1,8 @@
 """`attention` and `kv_write` in plain ONNX ops: the fallback where GroupQueryAttention does not fit.
 
 `contrib_patterns.py` lowers an attention over two kv_writes to one GroupQueryAttention that
-updates the cache in place; these forms serve every other case (a float mask, a head size that
-is not a multiple of 8, contrib ops switched off). They follow the IR's reference kernels in
+updates the cache in place; these forms serve every other case (a float mask, ALiBi, a head size
+that is not a multiple of 8, contrib ops switched off). They follow the IR's reference kernels in
 `kiln.ir.ops.attention`: GQA stays grouped (q reshaped to [b, kv_heads, groups, s, d] against
 k unsqueezed to [b, kv_heads, 1, keys, d]), keys are masked by positions (key slot <= query
 position, within the window), and a row that sees no key attends to nothing. kv_write is a
@@ -60,6 +60,8 @@ def lower_attention(b: OnnxBuilder, node: Node) -> str:
     if attrs["softcap"]:
         cap = b.const(attrs["softcap"], dtype)
         scores = b.op("Mul", b.op("Tanh", b.op("Div", scores, cap)), cap)
+    if attrs["alibi"]:
+        scores = b.op("Add", scores, _alibi_bias(b, q, k, positions, attrs["alibi"], rank, kv_heads))
     visible = _visible_keys(b, q, k, positions, attrs, rank)
     if mask is not None:
         grouped_mask = _grouped(b, mask, groups, kv_heads)
@@ -85,18 +87,33 @@ def _leading_rows(b: OnnxBuilder, cache, q) -> str:
     return b.op("Slice", b.value(cache), b.const([0]), batch, b.const([0]))
 
 
+def _key_slots(b: OnnxBuilder, k) -> str:
+    return b.op("Range", b.const(0), b.scalar_dim(k.type.shape[2]), b.const(1))
+
+
+def _query_positions(b: OnnxBuilder, q, k, positions, rank: int) -> str:
+    """i64 [b|1, 1, (1,) s, 1] (or [s, 1]): positions, else the last query at the last key."""
+    if positions is not None:
+        return b.op("Unsqueeze", b.typed(positions, "i64"), b.const(list(range(1, rank - 2)) + [rank - 1]))
+    keys, seq = k.type.shape[2], q.type.shape[2]
+    start = b.op("Sub", b.scalar_dim(keys), b.scalar_dim(seq))
+    return b.op("Unsqueeze", b.op("Range", start, b.scalar_dim(keys), b.const(1)), b.const([1]))
+
+
+def _alibi_bias(b: OnnxBuilder, q, k, positions, slopes, rank: int, kv_heads: int) -> str:
+    """slope[h] * (key slot - query position), in the scores' (grouped) layout."""
+    distance = b.op("Sub", _key_slots(b, k), _query_positions(b, q, k, positions, rank))
+    layout = [1, len(slopes), 1, 1] if rank == 4 else [1, kv_heads, len(slopes) // kv_heads, 1, 1]
+    heads = np.asarray(slopes, dtype=NUMPY_DTYPES[q.type.dtype]).reshape(layout)
+    return b.op("Mul", b.const(heads, heads.dtype), b.cast(distance, "i64", q.type.dtype))
+
+
 def _visible_keys(b: OnnxBuilder, q, k, positions, attrs, rank: int) -> str | None:
     """Bool [b|1, 1, (1,) s, keys]: key slot <= query position (and within the window)."""
-    keys = k.type.shape[2]
-    slots = b.op("Range", b.const(0), b.scalar_dim(keys), b.const(1))
-    if positions is not None:
-        query_pos = b.op("Unsqueeze", b.typed(positions, "i64"), b.const(list(range(1, rank - 2)) + [rank - 1]))
-    elif attrs["causal"]:  # the last query sits at the last key
-        seq = q.type.shape[2]
-        start = b.op("Sub", b.scalar_dim(keys), b.scalar_dim(seq))
-        query_pos = b.op("Unsqueeze", b.op("Range", start, b.scalar_dim(keys), b.const(1)), b.const([1]))
-    else:
+    if positions is None and not attrs["causal"]:
         return None
+    slots = _key_slots(b, k)
+    query_pos = _query_positions(b, q, k, positions, rank)
     visible = b.op("LessOrEqual", slots, query_pos)
     if attrs["window"]:
         visible = b.op("And", visible, b.op("Greater", slots, b.op("Sub", query_pos, b.const(attrs["window"]))))

@@ -46,7 +46,7 @@ def _scatter(cache: Tensor, new: Tensor, positions: Tensor) -> Tensor:
 
 
 def lower_attention(ctx, node, args, attrs):
-    """attention(q, k, v, mask?, positions?) {scale, causal, window, softcap}."""
+    """attention(q, k, v, mask?, positions?) {scale, causal, window, softcap, alibi}."""
     q, k, v, mask, positions = args
     scale = attrs["scale"] if attrs["scale"] is not None else q.shape[-1] ** -0.5
     if ctx.starts is not None and ctx.written_in_place(node.inputs[1]) and ctx.written_in_place(node.inputs[2]):
@@ -67,6 +67,9 @@ def _attention_to_written_keys(ctx, q, k, v, mask, scale, attrs):
             if window:
                 hidden = hidden | Tensor.ones(seq, length, dtype=dtypes.bool).tril(start - window)
         row_mask = None if mask is None else mask[b:b + 1 if mask.shape[0] > 1 else 1, ..., :length]
+        if attrs["alibi"]:
+            query_pos = (Tensor.arange(seq) + start).reshape(1, 1, seq, 1)
+            row_mask = _with_alibi(row_mask, attrs["alibi"], Tensor.arange(length) - query_pos, q.dtype)
         rows.append(grouped_attention(q[b:b + 1], keys, values, hidden, row_mask, scale, attrs["softcap"]))
     return rows[0].cat(*rows[1:], dim=0) if len(rows) > 1 else rows[0]
 
@@ -88,6 +91,14 @@ def _attention_all_keys(q, k, v, mask, positions, scale, attrs):
         hidden = slot > query_pos
         if attrs["window"]:
             hidden = hidden | (slot <= query_pos - attrs["window"])
+    if attrs["alibi"]:
+        if positions is None:  # the last query sits at the last key
+            query_pos = (Tensor.arange(seq) + (keys - seq)).reshape(1, 1, seq, 1)
+        bool_mask = mask if mask is not None and mask.dtype == dtypes.bool else None
+        float_mask = None if bool_mask is not None else mask
+        if bool_mask is not None:
+            hidden = ~bool_mask if hidden is None else hidden | ~bool_mask
+        mask = _with_alibi(float_mask, attrs["alibi"], slot - query_pos, q.dtype)
     out = grouped_attention(q, k, v, hidden, mask, scale, attrs["softcap"])
     if hidden is None and (mask is None or mask.dtype != dtypes.bool):
         return out
@@ -120,6 +131,12 @@ def grouped_attention(q: Tensor, k: Tensor, v: Tensor, hidden: Tensor | None, ma
         scores = _grouped(hidden, kv_heads, groups).where(float("-inf"), scores)
     out = scores.softmax(-1) @ v.unsqueeze(2)
     return out.reshape(batch, q_heads, seq, v.shape[-1])
+
+
+def _with_alibi(mask: Tensor | None, slopes, distance: Tensor, dtype) -> Tensor:
+    """A float mask plus ALiBi's slope[h] * (key slot - query position) (distance [b|1, 1, s, keys])."""
+    bias = Tensor(list(slopes), dtype=dtype).reshape(1, len(slopes), 1, 1) * distance.cast(dtype)
+    return bias if mask is None else mask + bias
 
 
 def _grouped(mask: Tensor, kv_heads: int, groups: int) -> Tensor:

@@ -9,6 +9,10 @@ Which keys a query sees:
 - else `causal`: the usual lower-triangular mask aligned to the last key;
 - `mask` (bool: True = visible, or float: added to scores) narrows it further.
 `softcap` > 0 applies softcap * tanh(scores / softcap) before masking (Gemma 2 style).
+`alibi` (one slope per query head, or empty) then adds slope * (key slot - query position) to
+the scores, ALiBi's linear bias (BLOOM, MPT); the query position is positions[b, t] when given,
+else t + keys - seq (the last query at the last key). Softmax ignores a constant per row, so
+this equals the models' own slope * key slot.
 """
 import math
 
@@ -18,7 +22,7 @@ from ..dims import dims_equal
 from ..registry import OpDef, OpError, register
 
 
-def _attention_infer(q, k, v, mask, positions, scale, causal, window, softcap):
+def _attention_infer(q, k, v, mask, positions, scale, causal, window, softcap, alibi=()):
     if q.rank != 4 or k.rank != 4 or v.rank != 4:
         raise OpError("attention: q, k, v must be [batch, heads, seq, head_dim]")
     q_heads, kv_heads = q.shape[1], k.shape[1]
@@ -28,10 +32,25 @@ def _attention_infer(q, k, v, mask, positions, scale, causal, window, softcap):
         raise OpError("attention: q and k head dims differ")
     if positions is not None and positions.dtype not in ("i64", "i32"):
         raise OpError("attention: positions must be integers")
+    if alibi and isinstance(q_heads, int) and len(alibi) != q_heads:
+        raise OpError(f"attention: {len(alibi)} ALiBi slopes for {q_heads} query heads")
     return q.with_shape(q.shape[:3] + (v.shape[3],))
 
 
-def attention_reference(q, k, v, mask, positions, scale, causal, window, softcap):
+def query_positions(positions, seq: int, keys: int):
+    """[batch|1, 1, seq, 1]: each query's position (the causal alignment when none are given)."""
+    if positions is not None:
+        return positions[:, None, :, None]
+    return (torch.arange(seq) + (keys - seq))[None, None, :, None]
+
+
+def alibi_bias(alibi, query_pos, keys: int, dtype) -> torch.Tensor:
+    """[batch|1, heads, seq, keys]: slope[h] * (key slot - query position)."""
+    slopes = torch.tensor(alibi, dtype=dtype)[None, :, None, None]
+    return slopes * (torch.arange(keys) - query_pos).to(dtype)
+
+
+def attention_reference(q, k, v, mask, positions, scale, causal, window, softcap, alibi=()):
     batch, q_heads, seq, head_dim = q.shape
     k, v = k[:batch], v[:batch]
     groups = q_heads // k.shape[1]
@@ -41,6 +60,8 @@ def attention_reference(q, k, v, mask, positions, scale, causal, window, softcap
     if softcap:
         scores = softcap * torch.tanh(scores / softcap)
     keys = k.shape[2]
+    if alibi:
+        scores = scores + alibi_bias(alibi, query_positions(positions, seq, keys), keys, scores.dtype)
     visible = torch.ones(1, 1, seq, keys, dtype=torch.bool)
     if positions is not None:
         key_slot = torch.arange(keys)
@@ -82,7 +103,7 @@ def kv_write_reference(cache, new, positions):
 register(OpDef(
     "attention", ("q", "k", "v", "mask?", "positions?"),
     _attention_infer, attention_reference,
-    attrs={"scale": None, "causal": False, "window": 0, "softcap": 0.0},
+    attrs={"scale": None, "causal": False, "window": 0, "softcap": 0.0, "alibi": ()},
 ))
 register(OpDef(
     "kv_write", ("cache", "new", "positions"),
