@@ -38,7 +38,7 @@ def load(path: str | Path, check_hashes: bool = True, device: str | None = None,
         options = dataclasses.replace(options, device=device)
     executable = backend.load(contents.directory, contents.graph, contents.graph.weights, options)
     tokenizer = Tokenizer.from_dir(contents.tokenizer_dir) if contents.tokenizer_dir else None
-    return LLM(executable, tokenizer, contents.manifest, contents.graph)
+    return LLM(executable, tokenizer, contents.manifest, contents.graph, directory=contents.directory)
 
 
 def _read_rank(path: Path, check_hashes: bool, expected_sha256: str | None = None):

@@ -8,6 +8,7 @@
     kiln ir MODEL|ARTIFACT|FILE.kir [--stateful]   (print a graph's IR)
     kiln serve model.kiln [--host 127.0.0.1] [--port 8000]   (OpenAI-compatible HTTP server)
     kiln quality model.kiln --reference f32.kiln --text FILE   (KL divergence and more against a reference)
+    kiln train-speculator model.kiln [--kind mlp|medusa] [--stages N]   (draft heads for speculative="heads")
 
 Every mistake the user can fix prints one line to stderr, naming it and the fix, and exits with
 status 2: a Kiln error, a flag argparse refuses, an option out of range. Options are checked
@@ -250,6 +251,9 @@ def kiln_parser() -> argparse.ArgumentParser:
     show.add_argument("--max-batch", type=int, default=1)
     _serve_arguments(commands)
     _quality_arguments(commands)
+    from kiln.train_speculator import add_arguments as train_speculator_arguments
+
+    train_speculator_arguments(commands)
     return parser
 
 
@@ -259,6 +263,10 @@ def _kiln(argv) -> int:
         return _serve(args)
     if args.command == "quality":
         return _quality(args)
+    if args.command == "train-speculator":
+        from kiln.train_speculator import run_command
+
+        return run_command(args)
     if args.command == "ir":
         from kiln.ir_listing import show_ir
 

@@ -40,12 +40,15 @@ SEED_LIMIT = 2**63  # seeds are 0 <= seed < 2**63, what every int64 generator ta
 class LLM:
     """An Executable (owning its KV caches) plus the tokenizer and manifest it came with."""
 
-    def __init__(self, executable, tokenizer: Tokenizer | None = None, manifest: dict | None = None, graph=None):
+    def __init__(self, executable, tokenizer: Tokenizer | None = None, manifest: dict | None = None, graph=None,
+                 directory=None):
         self.executable = executable
         self.tokenizer = tokenizer
         self.manifest = manifest or {}
         self.graph = graph
+        self.directory = directory  # the artifact's, where its draft heads are (None: built in memory)
         self._engine: Engine | None = None
+        self._heads: dict = {}  # kind -> (heads, hidden-state solver), loaded on first use
 
     @property
     def engine(self) -> Engine:
@@ -82,8 +85,9 @@ class LLM:
         logit_bias ({token id: bias}) and logprobs (None, or how many alternatives to return).
 
         `speculative` turns on speculative decoding, one prompt at a time: "prompt_lookup"
-        (n-gram drafts from the context), another `LLM` compiled from a model with the same
-        tokenizer (it drafts), or any `kiln.runtime.speculative.Drafter`. Greedy output is
+        (n-gram drafts from the context), "heads" (the draft heads `kiln train-speculator` stored
+        in the artifact; "heads:mlp" or "heads:medusa" picks a kind), another `LLM` compiled from
+        a model with the same tokenizer (it drafts), or any `kiln.runtime.speculative.Drafter`. Greedy output is
         identical to plain decoding; the stats report acceptance and tokens per target step.
 
         Structured output (one of): `json_schema` (a dict, JSON text or pydantic model class; the
@@ -206,17 +210,31 @@ class LLM:
         def drafter():
             if speculative == "prompt_lookup":
                 return PromptLookupDrafter()
+            if isinstance(speculative, str) and speculative.split(":")[0] == "heads":
+                return self._heads_drafter(speculative.partition(":")[2] or None)
             if isinstance(speculative, LLM):
                 return ModelDrafter(speculative.executable, vocab_size=speculative.vocab_size)
             if hasattr(speculative, "propose") and hasattr(speculative, "feedback"):
                 return speculative
             raise GenerationError(f"speculative={speculative!r:.60} is not a drafter. Fix: pass 'prompt_lookup', "
-                                  "a draft LLM from kiln.load, or an object with propose() and feedback().")
+                                  "'heads', a draft LLM from kiln.load, or an object with propose() and feedback().")
 
         decoder = self.tokenizer.incremental_decoder if self.tokenizer else None
         return [Exclusive(self.engine, SpeculativeGeneration(self.executable, prompt, settings, seed, drafter(), decoder,
                                                              vocab_size=self.vocab_size))
                 for prompt, seed in zip(token_lists, seeds)]
+
+    def _heads_drafter(self, kind: str | None):
+        """A HeadsDrafter over this artifact's stored heads of `kind` (loaded once)."""
+        from kiln.runtime.heads_drafter import HeadsDrafter
+
+        if self.directory is None or self.graph is None:
+            raise GenerationError("speculative='heads' reads the heads stored in an artifact. Fix: load the "
+                                  "artifact with kiln.load after `kiln train-speculator` on it.")
+        if kind not in self._heads:
+            self._heads[kind] = HeadsDrafter.from_artifact(self.directory, self.manifest, self.graph, kind)
+        loaded = self._heads[kind]
+        return HeadsDrafter(loaded.heads, loaded.to_hidden, loaded.min_confidence)
 
     def _encode_prompts(self, prompts) -> tuple[bool, list[list[int]]]:
         """(whether one prompt was given, the prompts as token id lists)."""

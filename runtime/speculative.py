@@ -17,7 +17,8 @@ Drafters:
   to the acceptance history (grow after a fully accepted draft, shrink to what was accepted);
 - `ModelDrafter`: a smaller or quantized model compiled by the same pipeline (same tokenizer),
   drafting greedily and stopping when the draft's cumulative probability falls below a
-  threshold (threshold-adaptive draft length).
+  threshold (threshold-adaptive draft length);
+- `HeadsDrafter` (heads_drafter.py): trained heads on the target's last hidden state.
 """
 from __future__ import annotations
 
@@ -38,6 +39,10 @@ class Drafter(Protocol):
 
     def feedback(self, drafted: int, accepted: int) -> None:
         """How many of the last proposal's tokens the target accepted."""
+
+    # Optional: `observe(logits)` is called with the raw logits [vocab] that chose each step's
+    # newest token (prefill's last, then the last one a verification step emitted): what draft
+    # heads on the target's last hidden state read (heads_drafter.py).
 
 
 class PromptLookupDrafter:
@@ -136,6 +141,7 @@ class SpeculativeGeneration:
         logits = self.executable.run(tokens, torch.arange(len(request.prompt))[None])[0, -1]
         request.prefill_s = request.ttft_s = time.perf_counter() - start
         piece = request.accept(logits)
+        self._observe(logits)
         if piece:
             yield 0, piece
         while request.generating:
@@ -167,10 +173,16 @@ class SpeculativeGeneration:
         else:
             if request.generating:  # every draft accepted: the target's token after the last one is free
                 pieces.append(request.accept(logits[len(draft)]))
+        self._observe(logits[accepted])  # the row that chose the newest token
         self.drafted += len(draft)
         self.accepted += accepted
         self.drafter.feedback(len(draft), accepted)
         return pieces
+
+    def _observe(self, logits: torch.Tensor) -> None:
+        observe = getattr(self.drafter, "observe", None)
+        if observe is not None and self.request.generating:
+            observe(logits)
 
     def _judge(self, logits: torch.Tensor, guess: int) -> TokenLogprob:
         """The token to emit where the drafter guessed `guess` (the guess itself when accepted)."""

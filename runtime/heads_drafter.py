@@ -1,0 +1,44 @@
+"""`HeadsDrafter`: drafts from trained heads on the target's last hidden state.
+
+SpeculativeGeneration tells the drafter the raw logits row that chose the newest token
+(`observe`); the hidden state is solved from it (last_hidden.py) and the heads draft one chain of
+up to `stages` tokens after that token (speculator_heads.py). Before the first observation, or
+after a context the drafter did not see grow, it proposes nothing (the target decodes alone).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from kiln.runtime.last_hidden import HiddenFromLogits, output_head
+from kiln.runtime.speculator_heads import DraftHeads, load_heads
+
+
+class HeadsDrafter:
+    def __init__(self, heads: DraftHeads, to_hidden: HiddenFromLogits, min_confidence: float = 0.0):
+        self.heads, self.to_hidden, self.min_confidence = heads, to_hidden, min_confidence
+        self.hidden: torch.Tensor | None = None
+
+    @classmethod
+    def from_artifact(cls, directory, manifest: dict, graph, kind: str | None = None,
+                      min_confidence: float = 0.0) -> "HeadsDrafter":
+        """The heads of `kind` stored in the artifact at `directory` (ArtifactError if there are
+        none, they are damaged or belong to another model)."""
+        head = output_head(graph)
+        heads, rows = load_heads(Path(directory), manifest, head, kind)
+        return cls(heads, HiddenFromLogits(head, rows), min_confidence)
+
+    def observe(self, logits: torch.Tensor) -> None:
+        """The raw logits [vocab] that chose the newest token."""
+        self.hidden = self.to_hidden(logits.detach())
+
+    def propose(self, context: Sequence[int], max_tokens: int) -> list[int]:
+        if self.hidden is None or max_tokens < 1:
+            return []
+        return self.heads.draft(self.hidden, int(context[-1]), max_tokens, self.min_confidence)
+
+    def feedback(self, drafted: int, accepted: int) -> None:
+        pass  # the next observe() carries everything the heads need
+

@@ -1,0 +1,162 @@
+"""Draft heads: the hidden state solved from logits, training, drafting, and the heads file's checks."""
+import json
+import shutil
+
+import pytest
+import torch
+
+import kiln
+from kiln.runtime.errors import ArtifactError
+from kiln.runtime.heads_drafter import HeadsDrafter
+from kiln.runtime.last_hidden import HiddenFromLogits, SpeculatorError, output_head
+from kiln.runtime.speculator_heads import heads_file
+from kiln.speculator_data import frequency_ranking
+from kiln.train_speculator import TrainConfig, train_speculator, work_dir
+from tiny_models import TRAINING_TEXT
+
+PROMPTS = ["Tell me about the village.", "What is the capital of France?", "Count from one to ten.",
+           "Describe the seasons."]
+TEXTS = [TRAINING_TEXT[:600]]
+CONFIG = TrainConfig(stages=3, draft_vocab=256, steps=240, batch=32, lr=3e-3, text_fraction=0.2, reply_tokens=32)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    """Small matrices: one thread (several only wait on each other when the cores are shared)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def artifact(tiny_model_dirs, tmp_path_factory):
+    """A tiny llama artifact (reference backend) and a copy of it with trained mlp heads."""
+    root = tmp_path_factory.mktemp("heads")
+    plain = kiln.compile(str(tiny_model_dirs("llama")), out=root / "plain.kiln", backend="reference",
+                         max_seq_len=128, max_batch=1)
+    trained = root / "trained.kiln"
+    shutil.copytree(plain, trained)
+    lines = []
+    summary = train_speculator(kiln.load(trained), trained, CONFIG, prompts=PROMPTS, texts=TEXTS,
+                               report=lines.append, log_every=40)
+    return plain, trained, summary, lines
+
+
+def test_hidden_state_solved_from_logits_rebuilds_every_logit(artifact):
+    llm = kiln.load(artifact[0])
+    head = output_head(llm.graph)
+    logits = llm.executable.run(torch.tensor([[5, 9, 14, 3]]), torch.arange(4)[None])[0]
+    to_hidden = HiddenFromLogits.for_head(head, frequency_ranking([[5, 9, 14, 3]], head.weight.shape[0]))
+    assert to_hidden.relative_error(head, logits) < 1e-4
+
+
+def test_soft_capped_logits_are_refused_by_name():
+    from kiln.ir import Graph, TensorType  # logits from tanh, as Gemma 2's soft cap makes them
+
+    graph = Graph()
+    x = graph.add_input("x", TensorType("f32", (1, 4)))
+    graph.outputs = [graph.call("tanh", x)]
+    with pytest.raises(SpeculatorError, match="soft-capped"):
+        output_head(graph)
+
+
+def test_training_lowers_the_loss_and_reports_progress_with_an_eta(artifact):
+    _, trained, summary, lines = artifact
+    steps = [line for line in lines if line.startswith("step ")]
+    assert len(steps) == CONFIG.steps // 40 and all("ETA" in line for line in steps)
+    first, last = (float(line.split("loss ")[1].split()[0]) for line in (steps[0], steps[-1]))
+    assert last < 0.7 * first
+    manifest = json.loads((trained / "manifest.json").read_text())
+    entry = manifest["speculators"]["mlp"]
+    assert entry["file"] == heads_file("mlp") and heads_file("mlp") in manifest["files"]
+    assert entry["training"]["stage_accuracy"] == summary["stage_accuracy"]
+
+
+def test_trained_heads_keep_greedy_output_and_beat_untrained_heads(artifact, tmp_path):
+    plain, trained, _, _ = artifact
+    llm = kiln.load(trained)
+    prompts = [llm.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS[:3]]
+    expected = [r.token_ids for r in kiln.load(plain).generate(prompts, max_new_tokens=24)]
+    results = [llm.generate(p, max_new_tokens=24, speculative="heads") for p in prompts]
+    assert [r.token_ids for r in results] == expected
+    assert all(r.stats.target_steps and r.stats.drafted_tokens for r in results)
+    untrained = tmp_path / "untrained.kiln"
+    shutil.copytree(plain, untrained)
+    shutil.copytree(work_dir(trained), work_dir(untrained))  # the same corpus, collected once
+    train_speculator(kiln.load(untrained), untrained, CONFIG.__class__(**{**CONFIG.__dict__, "steps": 1, "lr": 1e-9}),
+                     prompts=PROMPTS, texts=TEXTS, report=lambda line: None)
+    baseline = [kiln.load(untrained).generate(p, max_new_tokens=24, speculative="heads") for p in prompts]
+    assert [r.token_ids for r in baseline] == expected
+    rate = sum(r.stats.accepted_tokens for r in results) / sum(r.stats.drafted_tokens for r in results)
+    base = sum(r.stats.accepted_tokens for r in baseline) / sum(r.stats.drafted_tokens for r in baseline)
+    assert rate > base + 0.1
+    assert sum(r.stats.tokens_per_target_step for r in results) > sum(r.stats.tokens_per_target_step for r in baseline)
+
+
+def test_sampled_generation_with_heads_runs_and_counts_its_drafts(artifact):
+    llm = kiln.load(artifact[1])
+    result = llm.generate("Once upon a time", max_new_tokens=16, temperature=0.8, seed=3, speculative="heads")
+    assert len(result.token_ids) == 16 and result.stats.drafted_tokens > 0
+
+
+def test_an_artifact_without_heads_says_how_to_train_them(artifact):
+    with pytest.raises(ArtifactError, match="train-speculator"):
+        kiln.load(artifact[0]).generate("Hi", max_new_tokens=4, speculative="heads")
+
+
+def test_a_damaged_heads_file_is_an_artifact_error(artifact, tmp_path):
+    copy = tmp_path / "damaged.kiln"
+    shutil.copytree(artifact[1], copy)
+    path = copy / heads_file("mlp")
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match="damaged"):
+        kiln.load(copy)
+    llm = kiln.load(copy, check_hashes=False)
+    with pytest.raises(ArtifactError, match=heads_file("mlp")):
+        llm.generate("Hi", max_new_tokens=4, speculative="heads")
+
+
+def test_heads_from_another_model_are_an_artifact_error(artifact, tmp_path):
+    from kiln.runtime.speculator_heads import load_heads, save_heads
+
+    copy = tmp_path / "other.kiln"
+    shutil.copytree(artifact[1], copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    llm = kiln.load(copy)
+    heads, rows = load_heads(copy, manifest, output_head(llm.graph))
+    save_heads(heads, rows, copy, "f" * 64, {})  # as trained on a checkpoint with another source_hash
+    with pytest.raises(ArtifactError, match="another model"):
+        kiln.load(copy).generate("Hi", max_new_tokens=4, speculative="heads")
+
+
+def test_training_resumes_from_its_checkpoint(artifact, tmp_path):
+    copy = tmp_path / "resume.kiln"
+    shutil.copytree(artifact[0], copy)
+    shutil.copytree(work_dir(artifact[1]), work_dir(copy))  # the collected corpus: no second collection
+    config = CONFIG.__class__(**{**CONFIG.__dict__, "steps": 20})
+    calls = []
+
+    def interrupt_after_ten(line):
+        calls.append(line)
+        if line.startswith("step 10/"):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        train_speculator(kiln.load(copy), copy, config, prompts=PROMPTS, texts=TEXTS, report=interrupt_after_ten,
+                         log_every=5, checkpoint_every=1000)
+    lines = []
+    train_speculator(kiln.load(copy), copy, config, prompts=PROMPTS, texts=TEXTS, report=lines.append, log_every=5)
+    assert any("resuming from step 10" in line for line in lines)
+    assert [line.split()[1] for line in lines if line.startswith("step ")] == ["15/20", "20/20"]
+    assert (copy / heads_file("mlp")).is_file()
+
+
+def test_bad_training_options_are_option_errors():
+    from kiln.ir.errors import OptionError
+
+    for bad in ({"kind": "eagle2"}, {"head": "shared"}, {"stages": 0}, {"text_fraction": 2.0}):
+        with pytest.raises(OptionError):
+            TrainConfig(**bad).check()
