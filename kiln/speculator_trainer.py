@@ -103,12 +103,17 @@ class Trainer:
         self.heads.eval()
 
     @torch.no_grad()
-    def evaluate(self) -> list[float]:
-        """Each stage's teacher-forced top-1 accuracy on the held-out positions."""
+    def evaluate(self) -> tuple[list[float], float]:
+        """On the held-out positions: each stage's teacher-forced top-1 accuracy, and how many
+        tokens of the heads' own greedy chain match what followed (what greedy verification
+        would accept per draft)."""
         positions = self.held_out[:4096]
         hidden, fed, wanted = self.batch(positions)
-        return [float(((out.argmax(-1) == wanted[:, i]) & (wanted[:, i] != IGNORE)).float().mean())
-                for i, out in enumerate(self.heads(hidden, fed))]
+        accuracy = [float(((out.argmax(-1) == wanted[:, i]) & (wanted[:, i] != IGNORE)).float().mean())
+                    for i, out in enumerate(self.heads(hidden, fed))]
+        truth = self.corpus.tokens[positions[:, None] + torch.arange(2, self.config.stages + 2)]
+        right = (self.heads.chains(hidden, fed[:, 0]) == truth).long()
+        return accuracy, float(right.cumprod(dim=1).sum(dim=1).float().mean())
 
     def save(self, path: Path) -> None:
         state = {"config": dataclasses.asdict(self.config), "step": self.step, "heads": self.heads.state_dict(),

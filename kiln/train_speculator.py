@@ -79,15 +79,16 @@ def train_speculator(llm, artifact: Path, config: TrainConfig, data_files=(), pr
     checkpoint = work_dir(artifact) / f"checkpoint.{config.kind}.pt"
     trainer.resume(checkpoint, report)
     trainer.run(report, log_every, lambda: trainer.save(checkpoint), checkpoint_every)
+    accuracy, accepted = trainer.evaluate()
     summary = {"steps": config.steps, "loss": round(trainer.last_loss, 4),
-               "stage_accuracy": [round(a, 3) for a in trainer.evaluate()],
+               "stage_accuracy": [round(a, 3) for a in accuracy], "accepted_per_draft": round(accepted, 3),
                "minutes": round((time.perf_counter() - started) / 60, 1),
                "cpu_minutes": round((time.process_time() - cpu_started) / 60, 1),
                "config": dataclasses.asdict(config)}
     save_heads(heads, corpus.inverse_rows, artifact, llm.manifest.get("source_hash"), summary)
     checkpoint.unlink(missing_ok=True)
-    report(f"wrote {artifact}/speculator.{config.kind}.safetensors: held-out accuracy per stage "
-           f"{summary['stage_accuracy']}, {summary['minutes']} min")
+    report(f"wrote {artifact}/speculator.{config.kind}.safetensors: held out, accuracy per stage "
+           f"{summary['stage_accuracy']}, {accepted:.2f} of {config.stages} drafts accepted; {summary['minutes']} min")
     return summary
 
 

@@ -79,6 +79,11 @@ class DraftHeads(nn.Module):
         probabilities for their own picks falls below `min_confidence`."""
         raise NotImplementedError
 
+    @torch.inference_mode()
+    def chains(self, hidden: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Each row's full greedy draft (token ids [batch, stages]) after tokens [batch]."""
+        raise NotImplementedError
+
 
 class MLPSpeculator(DraftHeads):
     kind = "mlp"
@@ -119,6 +124,16 @@ class MLPSpeculator(DraftHeads):
         return drafted
 
 
+    @torch.inference_mode()
+    def chains(self, hidden, tokens):
+        state, current, out = hidden, tokens, []
+        for stage in range(self.stages):
+            state = self._stage(stage, state, current)
+            current = self.vocab_ids[self.logits(stage, state).argmax(-1)]
+            out.append(current)
+        return torch.stack(out, dim=1)
+
+
 class MedusaHeads(DraftHeads):
     kind = "medusa"
 
@@ -144,6 +159,12 @@ class MedusaHeads(DraftHeads):
                 break
             drafted.append(int(self.vocab_ids[pick]))
         return drafted
+
+
+    @torch.inference_mode()
+    def chains(self, hidden, tokens):
+        return torch.stack([self.vocab_ids[self.logits(stage, self._state(stage, hidden)).argmax(-1)]
+                            for stage in range(self.stages)], dim=1)
 
 
 def _pick(logits: torch.Tensor, confidence: float, min_confidence: float) -> tuple[int | None, float]:

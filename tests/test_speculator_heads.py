@@ -71,6 +71,7 @@ def test_training_lowers_the_loss_and_reports_progress_with_an_eta(artifact):
     entry = manifest["speculators"]["mlp"]
     assert entry["file"] == heads_file("mlp") and heads_file("mlp") in manifest["files"]
     assert entry["training"]["stage_accuracy"] == summary["stage_accuracy"]
+    assert 0 <= summary["accepted_per_draft"] <= CONFIG.stages
 
 
 def test_trained_heads_keep_greedy_output_and_beat_untrained_heads(artifact, tmp_path):
