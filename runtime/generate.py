@@ -19,6 +19,7 @@ from typing import Sequence
 
 import torch
 
+from kiln.runtime.bad_words import resolve_bad_words
 from kiln.runtime.constraint_compiler import pop_constraint
 from kiln.runtime.request import GenerationSettings
 from kiln.runtime.engine import Engine
@@ -82,7 +83,9 @@ class LLM:
         `stop_token_ids` end it after such a token. `ignore_eos` generates exactly
         `max_new_tokens` (for benchmarks). `sampling` takes the other fields of `SamplingParams`:
         min_p, typical_p, eta, repetition_penalty, presence_penalty, frequency_penalty,
-        logit_bias ({token id: bias}) and logprobs (None, or how many alternatives to return).
+        logit_bias ({token id: bias}), logprobs (None, or how many alternatives to return),
+        min_tokens (no EOS or stop token before that many) and bad_words (words or token id
+        lists never generated, runtime/bad_words.py).
 
         `speculative` turns on speculative decoding, one prompt at a time: "prompt_lookup"
         (n-gram drafts from the context), "heads" (the draft heads `kiln train-speculator` stored
@@ -115,6 +118,7 @@ class LLM:
         (prompt index, piece) pairs for a list; the returned stream's `.results` holds the
         GenerationResults afterwards. Bad arguments raise here, before any model call."""
         speculative = sampling.pop("speculative", None)
+        resolve_bad_words(self.tokenizer, sampling)
         constraint = pop_constraint(self.tokenizer, sampling)
         params = sampling_params(temperature, top_k, top_p, sampling)
         single, token_lists, settings, seeds = self._plan(prompts, max_new_tokens, params, seed, stop, ignore_eos,
@@ -135,6 +139,7 @@ class LLM:
         for its text, `handle.result()` (or `await handle.wait()`) for its GenerationResult,
         `handle.cancel()` to stop it. Same keywords as `generate`, except `speculative`. Bad
         arguments raise here; a full queue raises QueueFullError."""
+        resolve_bad_words(self.tokenizer, sampling)
         constraint = pop_constraint(self.tokenizer, sampling)
         params = sampling_params(temperature, top_k, top_p, sampling)
         single, token_lists, settings, seeds = self._plan(prompt, max_new_tokens, params, seed, stop, ignore_eos,

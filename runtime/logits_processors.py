@@ -2,13 +2,14 @@
 
 Each function takes logits [vocab] and returns new logits (never editing its input); filters
 set the tokens they drop to -inf. The sampler applies them in this order, the order Hugging Face
-uses: logit bias, penalties, temperature, then the truncation filters top-k, top-p, min-p,
-typical, eta. Every filter keeps at least the most likely token, so a distribution never empties.
+uses: logit bias, penalties, the bans of min_tokens and bad_words, temperature, then the
+truncation filters top-k, top-p, min-p, typical, eta. Every filter keeps at least the most
+likely token (bans are the caller's word and drop what they name).
 """
 from __future__ import annotations
 
 from collections import Counter
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 import torch
 
@@ -54,6 +55,31 @@ def presence_frequency_penalty(logits: torch.Tensor, generated: Iterable[int], p
     amount = torch.tensor(list(counts.values()), dtype=logits.dtype)
     logits[index] -= presence + frequency * amount
     return logits
+
+
+def ban_tokens(scores: torch.Tensor, tokens: Iterable[int]) -> torch.Tensor:
+    """scores[t] = -inf for each token t (ids beyond the vocabulary can never come anyway)."""
+    ids = sorted(t for t in tokens if t < scores.numel())
+    if not ids:
+        return scores
+    scores = scores.clone()
+    scores[torch.tensor(ids, dtype=torch.long)] = NEG_INF
+    return scores
+
+
+def bad_word_bans(sequences: Sequence[tuple[int, ...]], prompt: Sequence[int], generated: Sequence[int]) -> set[int]:
+    """The last token of each banned sequence whose other tokens end the context (prompt, then
+    generated): what would complete it next. Only the context's tail is read."""
+    longest = max(len(s) for s in sequences) - 1
+    tail = list(generated[-longest:]) if longest else []
+    if len(tail) < longest:
+        tail = list(prompt[max(0, len(prompt) - (longest - len(tail))):]) + tail
+    banned = set()
+    for sequence in sequences:
+        before = len(sequence) - 1
+        if before == 0 or (before <= len(tail) and tuple(tail[len(tail) - before:]) == sequence[:-1]):
+            banned.add(sequence[-1])
+    return banned
 
 
 def top_k(logits: torch.Tensor, k: int) -> torch.Tensor:

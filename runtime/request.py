@@ -81,7 +81,7 @@ class Request:
         self.clamped = self.max_new < settings.max_new_tokens
         self.logprobs = [] if settings.sampling.logprobs is not None else None
         self.seed = seed
-        self.sampler = Sampler(settings.sampling, seed)
+        self.sampler = Sampler(settings.sampling, seed, settings.eos_ids | settings.stop_token_ids)
         self.decoder = decoder
         self.stop = StopStringMatcher(settings.stop)
         self.constraint = settings.constraint.start() if settings.constraint is not None else None

@@ -1,6 +1,7 @@
 """Turning a row of logits into the next token: greedy, or seeded sampling with the full suite
 of processors (logits_processors.py): logit bias, repetition / presence / frequency penalties,
-temperature, top-k, top-p, min-p, typical and eta sampling; optionally with log-probabilities.
+min_tokens and bad_words bans, temperature, top-k, top-p, min-p, typical and eta sampling;
+optionally with log-probabilities.
 
 Each request row owns a `Sampler` with its own `torch.Generator`, so the tokens a prompt gets
 depend only on its logits, its context and its seed, never on what else shares the batch.
@@ -31,7 +32,12 @@ class SamplingParams:
     """How to pick tokens. temperature 0 (or below GREEDY_TEMPERATURE) is greedy (after bias
     and penalties); every other setting at its default disables its step. `logprobs` None
     returns none; n >= 0 returns the chosen token's log-probability and the n most likely
-    alternatives, from the model's own distribution (before any processing)."""
+    alternatives, from the model's own distribution (before any processing).
+
+    `min_tokens`: the end tokens (EOS and stop_token_ids) are banned until that many new tokens
+    exist. `bad_words`: token id sequences never generated: a sequence's last token is banned
+    wherever the context (prompt and output) ends with the tokens before it, as Hugging Face's
+    `bad_words_ids` (a one-token sequence is banned everywhere)."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -44,10 +50,13 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: tuple[tuple[int, float], ...] = field(default=())
     logprobs: int | None = None
+    min_tokens: int = 0
+    bad_words: tuple[tuple[int, ...], ...] = field(default=())
 
     def __post_init__(self):
         if isinstance(self.logit_bias, dict):
             object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias.items()))
+        object.__setattr__(self, "bad_words", _token_sequences(self.bad_words))
         self._check_finite()
         low, high = REPETITION_PENALTY_RANGE
         checks = [
@@ -63,6 +72,8 @@ class SamplingParams:
              f"repetition_penalty must be in [{low:g}, {high:g}], got {self.repetition_penalty}. "
              "Fix: use 1.0 to disable it (above 1 discourages repeats, below 1 favours them)."),
             (self.logprobs is None or self.logprobs >= 0, f"logprobs must be None or >= 0, got {self.logprobs}."),
+            (_is_count(self.min_tokens),
+             f"min_tokens must be an integer >= 0, got {self.min_tokens!r:.40}. Fix: use 0 to disable it."),
         ]
         for ok, message in checks:
             if not ok:
@@ -83,6 +94,26 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+
+def _is_count(value) -> bool:
+    return isinstance(value, (int, np.integer)) and not isinstance(value, bool) and value >= 0
+
+
+def _token_sequences(sequences) -> tuple[tuple[int, ...], ...]:
+    """bad_words as a tuple of non-empty token id tuples; GenerationError for anything else
+    (text is turned into ids by `LLM.generate`, which has the tokenizer)."""
+    problem = "bad_words must be a list of token id lists, e.g. [[464, 1110], [50256]]"
+    if isinstance(sequences, (str, bytes)) or not isinstance(sequences, (list, tuple)):
+        raise GenerationError(f"{problem}; got {sequences!r:.60}. Fix: pass lists of token ids (or words to generate).")
+    checked = []
+    for sequence in sequences:
+        if isinstance(sequence, (str, bytes)) or not isinstance(sequence, (list, tuple)) or not sequence or \
+                not all(_is_count(token) for token in sequence):
+            raise GenerationError(f"{problem}; got {sequence!r:.60} among them. Fix: give each banned sequence as "
+                                  "a non-empty list of token ids >= 0 (words go through LLM.generate).")
+        checked.append(tuple(int(token) for token in sequence))
+    return tuple(checked)
 
 
 @dataclass(frozen=True)
@@ -108,13 +139,19 @@ class Sampler:
     """Picks tokens for one request row; seeded, so the same logits, context and seed give the
     same tokens."""
 
-    def __init__(self, params: SamplingParams, seed: int = 0):
+    def __init__(self, params: SamplingParams, seed: int = 0, end_ids: frozenset[int] = frozenset()):
+        """`end_ids`: the tokens that end the output (EOS, stop_token_ids), which min_tokens bans."""
         self.params = params
         self.generator = torch.Generator().manual_seed(int(seed))
+        self.end_ids = frozenset(end_ids)
         # Greedy with nothing to adjust the logits and no log-probabilities: the argmax alone
         p = params
         self._argmax_only = (p.greedy and not p.logit_bias and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
-                             and p.frequency_penalty == 0.0 and p.logprobs is None)
+                             and p.frequency_penalty == 0.0 and p.logprobs is None and not self._bans_tokens)
+
+    @property
+    def _bans_tokens(self) -> bool:
+        return bool(self.params.bad_words) or (self.params.min_tokens > 0 and bool(self.end_ids))
 
     def __call__(self, logits: torch.Tensor, prompt: Sequence[int] = (), generated: Sequence[int] = ()) -> int:
         """The next token id for logits [vocab] after `prompt` and the tokens `generated` so far."""
@@ -152,6 +189,7 @@ class Sampler:
         if p.repetition_penalty != 1.0:  # skipped, not only neutral: it would walk the whole context
             logits = lp.repetition_penalty(logits, [*prompt, *generated], p.repetition_penalty)
         logits = lp.presence_frequency_penalty(logits, generated, p.presence_penalty, p.frequency_penalty)
+        logits = self.ban(logits, prompt, generated)
         if p.greedy:
             return logits
         logits = logits / p.temperature
@@ -159,6 +197,15 @@ class Sampler:
                               (lp.typical, p.typical_p), (lp.eta, p.eta)):
             logits = step(logits, setting)
         return logits
+
+    def ban(self, scores: torch.Tensor, prompt: Sequence[int], generated: Sequence[int]) -> torch.Tensor:
+        """`scores` [vocab] (logits or log-probabilities) with the tokens min_tokens and bad_words
+        forbid after this context at -inf."""
+        p = self.params
+        banned = set(self.end_ids) if len(generated) < p.min_tokens else set()
+        if p.bad_words:
+            banned |= lp.bad_word_bans(p.bad_words, prompt, generated)
+        return lp.ban_tokens(scores, banned)
 
     def _with_logprobs(self, raw: torch.Tensor, token: int) -> TokenLogprob:
         if self.params.logprobs is None:

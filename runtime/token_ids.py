@@ -58,7 +58,9 @@ def check_token_set(ids: Iterable[int], vocab_size: int | None, field: str) -> N
 
 
 def check_request_ids(prompt: Sequence[int], settings, vocab_size: int | None) -> None:
-    """Every id a request for `prompt` with `settings` names: the prompt's, stop_token_ids, logit_bias keys."""
+    """Every id a request for `prompt` with `settings` names: the prompt's, stop_token_ids, logit_bias
+    keys, bad_words."""
     check_token_ids(prompt, vocab_size, "the prompt")
     check_token_set(settings.stop_token_ids, vocab_size, "stop_token_ids")
     check_token_set((token for token, _ in settings.sampling.logit_bias), vocab_size, "logit_bias")
+    check_token_set((token for sequence in settings.sampling.bad_words for token in sequence), vocab_size, "bad_words")
