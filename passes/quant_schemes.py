@@ -3,7 +3,9 @@
 A scheme says how many bits, how many input columns share a scale (None: the whole row, i.e.
 per output channel), whether the grid is symmetric around zero or carries a zero point, and the
 method: "rtn" rounds each weight to the nearest grid point; "awq" first rescales input channels
-by the activations seen on calibration text (passes/awq_scaling.py), then rounds.
+by the activations seen on calibration text (passes/awq_scaling.py), then rounds; "awq-mixed"
+then keeps the layers most sensitive to 4-bit rounding at int8, within `budget_bits` per weight
+(passes/mixed_precision.py).
 """
 from __future__ import annotations
 
@@ -22,12 +24,13 @@ class QuantScheme:
     bits: int
     group_size: int | None  # None: one group per output row (per-channel)
     symmetric: bool
-    method: str = "rtn"  # "rtn" | "awq"
+    method: str = "rtn"  # "rtn" | "awq" | "awq-mixed"
     summary: str = ""
+    budget_bits: float | None = None  # awq-mixed: stored bits per quantized weight, scales included
 
     @property
     def needs_calibration(self) -> bool:
-        return self.method == "awq"
+        return self.method != "rtn"
 
     def group_size_for(self, in_features: int) -> int:
         """The `group_size` attribute of a linear_q with `in_features` columns."""
@@ -46,6 +49,8 @@ SCHEMES: dict[str, QuantScheme] = {s.name: s for s in [
     QuantScheme("int8", 8, None, True, "rtn", "8-bit, per output channel, symmetric, round-to-nearest"),
     *(_int4(g, symmetric) for symmetric in (True, False) for g in (32, 64, 128)),
     *(_int4(g, symmetric, "awq") for symmetric in (True, False) for g in (32, 64, 128)),
+    QuantScheme("int4-mixed", 4, 32, True, "awq-mixed", "int4-g32-awq, with the layers most sensitive to it at int8 "
+                "while the weights average at most 5.5 bits (scales included)", budget_bits=5.5),
 ]}
 
 

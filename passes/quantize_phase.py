@@ -3,6 +3,7 @@
     none / None        -> no pass
     int8, int4-g64 ... -> quantize_weights (round-to-nearest)
     int4-g64-awq ...   -> awq_scaling (needs calibration tokens), then quantize_weights
+    int4-mixed         -> awq_scaling, then mixed_precision (int8 for the most sensitive layers)
 """
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from kiln.ir.errors import KilnError
 
 from .awq_scaling import awq_scale
 from .manager import Pass
+from .mixed_precision import quantize_mixed
 from .quant_schemes import get_scheme
 from .quantize_weights import quantize_weights
 
@@ -36,6 +38,10 @@ def quantization_passes(options, calibration: torch.Tensor | None = None) -> lis
                                    "--calibration FILE, or the bundled Moby-Dick chapters by default)")
         tokens = calibration.to(torch.int64)
         passes.append(Pass("awq_scaling", lambda graph: awq_scale(graph, scheme, tokens)))  # exact: x / s, W * s
+    if scheme.method == "awq-mixed":
+        passes.append(Pass("mixed_precision", lambda graph: quantize_mixed(graph, scheme, tokens, include_embeddings),
+                           approximate=True))
+        return passes
     passes.append(Pass("quantize_weights", lambda graph: quantize_weights(graph, scheme, include_embeddings),
                        approximate=True))
     return passes

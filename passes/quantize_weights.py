@@ -47,16 +47,15 @@ def eligible_weight(graph: Graph, value: Value, scheme: QuantScheme) -> bool:
 class WeightQuantizer:
     """Quantizes each parameter once and adds its parts to the graph as parameters."""
 
-    def __init__(self, graph: Graph, scheme: QuantScheme):
-        self.graph, self.scheme = graph, scheme
+    def __init__(self, graph: Graph, scheme: QuantScheme, overrides: dict[str, QuantScheme] | None = None):
+        self.graph, self.scheme, self.overrides = graph, scheme, overrides or {}
         self.done: dict[str, tuple[Value, Value, Value | None]] = {}
         self.bytes_before = self.bytes_after = 0
 
     def params_for(self, weight: Value) -> tuple[Value, Value, Value | None]:
         if weight.name not in self.done:
-            tensor = self.graph.weights[weight.name]
-            group_size = self.scheme.group_size_for(tensor.shape[1])
-            q = quantize_weight(tensor, self.scheme.bits, group_size, self.scheme.symmetric)
+            tensor, scheme = self.graph.weights[weight.name], self.scheme_of(weight)
+            q = quantize_weight(tensor, scheme.bits, scheme.group_size_for(tensor.shape[1]), scheme.symmetric)
             self.done[weight.name] = self._add(weight.name, q)
             self.bytes_before += tensor.numel() * tensor.element_size()
             self.bytes_after += q.nbytes
@@ -68,15 +67,20 @@ class WeightQuantizer:
         return (g.add_param(g.fresh_name(f"{name}.q{q.bits}"), q.qweight),
                 g.add_param(g.fresh_name(f"{name}.scales"), q.scales), zeros)
 
+    def scheme_of(self, weight: Value) -> QuantScheme:
+        return self.overrides.get(weight.name, self.scheme)
+
     def attrs(self, weight: Value) -> dict:
-        k = weight.type.shape[1]
-        return {"bits": self.scheme.bits, "group_size": self.scheme.group_size_for(k)}
+        scheme = self.scheme_of(weight)
+        return {"bits": scheme.bits, "group_size": scheme.group_size_for(weight.type.shape[1])}
 
 
-def quantize_weights(graph: Graph, scheme: QuantScheme, include_embeddings: bool = False) -> Graph:
-    """Rewrite `graph` in place (see the module docstring); returns it."""
+def quantize_weights(graph: Graph, scheme: QuantScheme, include_embeddings: bool = False,
+                     overrides: dict[str, QuantScheme] | None = None) -> Graph:
+    """Rewrite `graph` in place (see the module docstring); returns it. `overrides` gives some
+    weights (by name) another scheme than `scheme` (mixed precision)."""
     skipped = set() if include_embeddings else output_projections(graph) | embedding_tables(graph)
-    quantizer = WeightQuantizer(graph, scheme)
+    quantizer = WeightQuantizer(graph, scheme, overrides)
     new_nodes, replaced = [], 0
     for node in graph.nodes:
         replacement = None

@@ -174,15 +174,17 @@ def test_quality_of_artifacts_runs_the_reference_once(artifacts, tmp_path, monke
     assert again.mean_kld == first.mean_kld
 
 
-def test_kiln_quality_command_prints_the_measures_and_saves_the_reference(artifacts, tmp_path, capsys):
+def test_kiln_quality_command_prints_the_measures_and_saves_the_reference(artifacts, tmp_path, capsys, monkeypatch):
     from kiln.cli import kiln_main
 
+    monkeypatch.setenv("KILN_CACHE", str(tmp_path / "cache"))
     made, text = artifacts
     saved = tmp_path / "f32.logits"
     assert kiln_main(["quality", str(made["int8"]), "--reference", str(made["none"]), "--text", str(text),
                       "--window", str(LENGTH), "--windows", "2", "--save-reference", str(saved)]) == 0
     out = capsys.readouterr().out
     assert "KLD               mean" in out and "same top token" in out and "ratio" in out
+    assert len(list((tmp_path / "cache" / "quality").glob("*.logits"))) == 1  # the reference's run, cached
     assert kiln_main(["quality", str(made["int8"]), "--reference", str(saved), "--json"]) == 0
     assert '"mean_kld"' in capsys.readouterr().out
     other = tmp_path / "other.txt"
