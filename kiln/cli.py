@@ -8,6 +8,7 @@
     kiln ir MODEL|ARTIFACT|FILE.kir [--stateful]   (print a graph's IR)
     kiln serve model.kiln [--host 127.0.0.1] [--port 8000]   (OpenAI-compatible HTTP server)
     kiln quality model.kiln --reference f32.kiln --text FILE   (KL divergence and more against a reference)
+    kiln cache info|clear   (the compile cache: where and how big, or empty it)
     kiln train-speculator model.kiln [--kind mlp|medusa] [--stages N]   (draft heads for speculative="heads")
 
 Every mistake the user can fix prints one line to stderr, naming it and the fix, and exits with
@@ -99,6 +100,8 @@ def compile_parser() -> argparse.ArgumentParser:
                         "(default: bundled Moby-Dick chapters)")
     parser.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
                         help="shard over N ranks (run with torchrun --nproc-per-node N -m kiln generate ...)")
+    parser.add_argument("--no-cache", action="store_true", help="compile afresh, not from the compile cache "
+                        "(`kiln cache clear` empties it)")
     return parser
 
 
@@ -111,13 +114,15 @@ def _compile_model(argv) -> int:
     import json
 
     import kiln
+    from kiln.compile_progress import for_stream
 
     started = time.perf_counter()
+    progress = for_stream(sys.stderr)  # bars on a terminal, a line per phase otherwise
     path = kiln.compile(args.model, out=args.out, backend=args.backend, max_seq_len=args.max_seq_len,
                         max_batch=args.max_batch, dtype=args.dtype, dump_ir=args.dump_ir, quantize=args.quantize,
                         quantize_embeddings=args.quantize_embeddings, calibration=args.calibration,
-                        tensor_parallel=args.tensor_parallel, device=args.device,
-                        progress=lambda line: print(f"[compile-model] {line}", file=sys.stderr, flush=True))
+                        tensor_parallel=args.tensor_parallel, device=args.device, cache=not args.no_cache,
+                        progress=progress)
     manifest = json.loads((Path(path) / "manifest.json").read_text())
     stats = manifest.get("graph_stats", {})
     top_ops = ", ".join(f"{op} {n}" for op, n in list(stats.get("ops", {}).items())[:6])
@@ -254,6 +259,9 @@ def kiln_parser() -> argparse.ArgumentParser:
     from kiln.train_speculator import add_arguments as train_speculator_arguments
 
     train_speculator_arguments(commands)
+    from kiln.cache_command import add_arguments as cache_arguments
+
+    cache_arguments(commands)
     return parser
 
 
@@ -267,6 +275,10 @@ def _kiln(argv) -> int:
         from kiln.train_speculator import run_command
 
         return run_command(args)
+    if args.command == "cache":
+        from kiln.cache_command import run_command as cache_command
+
+        return cache_command(args)
     if args.command == "ir":
         from kiln.ir_listing import show_ir
 

@@ -1,12 +1,16 @@
 """The steps of `kiln.compile`, in the order `kiln/api.py` runs them:
 
-    load the model -> calibration tokens (-awq schemes) -> graph-break check, beside or before
-    capture -> pass pipeline (tensor-parallel sharding its last phase) -> lower -> save
+    locate the model -> the compile cache (a hit copies the artifact compiled before and ends
+    here) -> load -> calibration tokens (-awq schemes) -> graph-break check, beside or before
+    capture -> pass pipeline (tensor-parallel sharding its last phase) -> lower -> save -> store
+    in the compile cache
 
-Each step reports itself through `progress` with the seconds it took. The graph-break check
-(Dynamo, tens of seconds for a large model) runs in a child process beside the capture when a
-spare core makes that pay (frontend/breaks/background_check.py); its verdict decides whether the
-graph built meanwhile stands. Stages are imported when a step runs, so `import kiln` stays light.
+Each phase reports its start (with the seconds it took the last compile of a similar size, the
+estimate a progress bar counts down) and its end through `progress` (kiln/compile_progress.py).
+The graph-break check (Dynamo, tens of seconds for a large model) runs in a child process beside
+the capture when a spare core makes that pay (frontend/breaks/background_check.py); its verdict
+decides whether the graph built meanwhile stands. Stages are imported when a step runs, so
+`import kiln` stays light.
 """
 from __future__ import annotations
 
@@ -19,9 +23,12 @@ from pathlib import Path
 from typing import Callable
 
 from kiln.backends.registry import backend_version, get_backend
+from kiln.compile_cache import CompileCache, cache_dir, compile_key
 from kiln.compile_options import CompileOptions, check_memory
+from kiln.compile_progress import ProgressEvent
+from kiln.phase_times import PhaseTimes
 
-Progress = Callable[[str], None]
+Progress = Callable[[str], None]  # called with ProgressEvents (str subclasses)
 
 
 @dataclass
@@ -37,26 +44,63 @@ class Built:
 class CompileSteps:
     """One compile's steps; `kiln.api.compile` calls them in order."""
 
-    def __init__(self, options: CompileOptions, progress: Progress | None):
+    def __init__(self, options: CompileOptions, progress: Progress | None, cache: bool = True):
         self.options = options
         self.progress = progress
         self.backend = get_backend(options.backend)
         self.started = time.perf_counter()
         self.model = options.model  # the default model's directory once located
+        self.checkpoint_dir: Path | None = None
+        self.weight_bytes: int | None = None  # the checkpoint's size, which phase estimates scale with
         self.loaded = None
+        directory = cache_dir()
+        # IR dumps are written while compiling, so a compile asked for them is never a cache hit
+        self.cache = CompileCache(directory) if cache and directory is not None and options.dump_ir is None else None
+        self.cache_key = None
+        self.times = PhaseTimes(directory, group=f"{options.backend}/{options.quantize or 'none'}")
+
+    def locate(self) -> Path:
+        """The checkpoint's directory: the bundled default when none is named, a GGUF file
+        converted on first use."""
+        from kiln.frontend.checkpoint import resolve_checkpoint_dir
+
+        with self.step("locate", "locate the default model" if self.model is None else f"locate {self.model}"):
+            if self.model is None:
+                from kiln.frontend.default_model import default_model_dir
+
+                self.model = default_model_dir()
+            self.checkpoint_dir = resolve_checkpoint_dir(self.model)
+        self.weight_bytes = sum(p.stat().st_size for p in self.checkpoint_dir.glob("*.safetensors"))
+        return self.checkpoint_dir
+
+    def reuse_cached(self) -> Path | None:
+        """The artifact at options.out copied from the compile cache, or None (compile it)."""
+        if self.cache is None:
+            return None
+        with self.step("cache", "look up the compile cache"):
+            self.cache_key = compile_key(self.checkpoint_dir, self.options, backend_version(self.backend),
+                                         self.cache.root)
+            cached, dropped = self.cache.lookup(self.cache_key) if self.cache_key else (None, None)
+        if dropped:
+            self.summary(f"compile cache: a damaged entry was deleted ({dropped}); compiling again")
+        if cached is None:
+            return None
+        with self.step("reuse", f"copy the cached artifact to {self.options.out}"):
+            path = self.cache.copy_out(cached, Path(self.options.out), str(self.checkpoint_dir))
+        self.times.save()
+        self.summary("compile cache hit: the artifact compiled before from this checkpoint with these options "
+                     "(to compile afresh: --no-cache, or cache=False)")
+        return path
 
     def load_model(self):
-        """The checkpoint (the bundled default when none is named), loaded; the KV cache its shape
-        and the options ask for is checked against this machine's memory before anything else."""
+        """The checkpoint, loaded; the KV cache its shape and the options ask for is checked
+        against this machine's memory before anything else."""
         from kiln.frontend.checkpoint import load_model
 
-        if self.model is None:
-            from kiln.frontend.default_model import default_model_dir
-
-            with self.step("locate the default model"):
-                self.model = default_model_dir()
-        with self.step(f"load {self.model}"):
-            self.loaded = load_model(self.model)
+        if self.checkpoint_dir is None:
+            self.locate()
+        with self.step("load", f"load {self.model}"), _quiet_loading():
+            self.loaded = load_model(self.checkpoint_dir)
         check_memory(self.loaded.model.config, self.options)
         return self.loaded
 
@@ -81,14 +125,14 @@ class CompileSteps:
             breaks = self.check_breaks()
             self.summary(f"graph breaks: {breaks.summary_line()}")
             return breaks, self.build(calibration)
-        self.report("check graph breaks (Dynamo) in a child process, beside the capture ...")
+        self.report(ProgressEvent.note("check graph breaks (Dynamo) in a child process, beside the capture"))
         try:
             built = self.build(calibration)
         except Exception:
             background.cancel()
             self.check_breaks()  # a graph break explains a failed capture best (GraphBreakError)
             raise
-        with self.step("wait for the graph-break check"):
+        with self.step("wait-breaks", "wait for the graph-break check"):
             breaks = background.clean_result()
         if breaks is None:  # breaks found: the check here raises, or rewrites the model's branches
             breaks = self.check_breaks()
@@ -100,7 +144,7 @@ class CompileSteps:
         """The graph-break report of the stateless forward; GraphBreakError if a break is left."""
         from kiln.frontend.breaks.compile_check import check_graph_breaks
 
-        with self.step("check graph breaks (Dynamo)"):
+        with self.step("breaks", "check graph breaks (Dynamo)"):
             return check_graph_breaks(self.loaded.model, str(self.model))
 
     def build(self, calibration) -> Built:
@@ -109,16 +153,16 @@ class CompileSteps:
         from kiln.passes.pipeline import run_pipeline
 
         options = self.options
-        with self.step("capture the forward into IR"):
+        with self.step("capture", "capture the forward into IR"):
             graph = capture_causal_lm(self.loaded.model, max_batch=options.max_batch,
                                       max_seq_len=options.max_seq_len, dtype=options.torch_dtype)
         rank_weights = [] if options.tensor_parallel > 1 else None
-        with self.step("run the pass pipeline"):
+        with self.step("passes", "run the pass pipeline"):
             graph = run_pipeline(graph, options, dump_dir=options.dump_ir, calibration=calibration,
                                  rank_weights=rank_weights)
         if rank_weights is not None:
             return Built(graph, CompiledPerRank(), rank_weights)
-        with self.step(f"lower with the {options.backend} backend"):
+        with self.step("lower", f"lower with the {options.backend} backend"):
             return Built(graph, self.backend.lower(graph, options.backend_options()), None)
 
     def save(self, breaks, built: Built, calibration_source: str | None) -> Path:
@@ -128,7 +172,7 @@ class CompileSteps:
         from kiln.runtime.artifact import save_artifact
 
         options, loaded = self.options, self.loaded
-        with self.step(f"save the artifact to {options.out}"):
+        with self.step("save", f"save the artifact to {options.out}"):
             return save_artifact(options.out, built.graph, built.executable, tokenizer_dir=loaded.tokenizer_path.parent,
                                  extra_files=breaks.files if isinstance(breaks, CleanBreaks) else report_files(breaks),
                                  rank_weights=built.rank_weights, manifest_fields={
@@ -141,24 +185,52 @@ class CompileSteps:
                 "graph_breaks": breaks.counts,
             })
 
+    def remember(self, path: Path) -> None:
+        """Store the artifact just saved in the compile cache, and this compile's phase times."""
+        if self.cache is not None and self.cache_key is not None:
+            with self.step("store", "store the artifact in the compile cache"):
+                self.cache.store(self.cache_key, Path(path))
+        self.times.save()
+
     # -- reporting ----------------------------------------------------------------------------
-    def report(self, line: str) -> None:
+    def report(self, event: ProgressEvent) -> None:
         if self.progress is not None:
-            self.progress(line)
+            self.progress(event)
 
     def summary(self, line: str) -> None:
         """A line every compile prints: through `progress` when given, else on stderr."""
         if self.progress is not None:
-            self.progress(line)
+            self.progress(ProgressEvent.note(line))
         else:
             print(line, file=sys.stderr, flush=True)
 
     @contextmanager
-    def step(self, what: str):
-        self.report(f"{what} ...")
+    def step(self, phase: str, title: str):
+        """Report the phase's start (with its estimate) and end, and record how long it took."""
+        self.report(ProgressEvent.start(phase, title, self.times.estimate(phase, self.weight_bytes)))
         start = time.perf_counter()
+        try:
+            yield
+        except BaseException:
+            self.report(ProgressEvent.failed(phase, title, time.perf_counter() - start))
+            raise
+        elapsed = time.perf_counter() - start
+        self.times.add(phase, self.weight_bytes, elapsed)
+        self.report(ProgressEvent.done(phase, title, elapsed))
+
+
+@contextmanager
+def _quiet_loading():
+    """Without transformers' "Loading weights" bar: the compile's own progress covers the phase."""
+    from transformers.utils import logging as transformers_logging
+
+    was_enabled = transformers_logging.is_progress_bar_enabled()
+    transformers_logging.disable_progress_bar()
+    try:
         yield
-        self.report(f"{what}: done in {time.perf_counter() - start:.1f}s")
+    finally:
+        if was_enabled:
+            transformers_logging.enable_progress_bar()
 
 
 class CompiledPerRank:

@@ -130,8 +130,8 @@ def save_artifact(directory, graph: Graph, executable, tokenizer_dir=None, manif
             "ir_hash": hashlib.sha256(graph_text.encode("utf-8")).hexdigest(),
             "files": {n: {"sha256": file_sha256(staging / n), "bytes": (staging / n).stat().st_size} for n in names},
         }
-        (staging / MANIFEST).write_text(json.dumps(sealed(manifest), indent=2, sort_keys=True) + "\n", encoding="utf-8")
-        _move_into_place(staging, directory)
+        write_manifest(staging, sealed(manifest))
+        move_into_place(staging, directory)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return directory
@@ -184,7 +184,12 @@ def _expand_dirs(root: Path, names: list[str]) -> list[str]:
     return out
 
 
-def _move_into_place(staging: Path, directory: Path) -> None:
+def write_manifest(directory: Path, manifest: dict) -> None:
+    (directory / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+
+
+def move_into_place(staging: Path, directory: Path) -> None:
+    """Rename the finished `staging` directory to `directory`, replacing an artifact there."""
     old = None
     if directory.exists():
         old = directory.with_name(f".{directory.name}.old-{os.getpid()}")
@@ -274,6 +279,15 @@ def read_manifest(directory: Path, expected_sha256: str | None = None) -> dict:
         raise ArtifactError(f"{path} was edited after compiling: its fields no longer match its {FIELDS_HASH} "
                             "(options such as max_seq_len and threads are fixed when the artifact is compiled). "
                             "Fix: restore the original manifest.json, or recompile with the options you want.")
+    return manifest
+
+
+def check_files(directory: Path) -> dict:
+    """The manifest of the artifact at `directory`, after checking every file it lists (size and
+    sha256) but nothing else: what the compile cache does before it reuses an artifact."""
+    manifest = read_manifest(directory)
+    for name, entry in manifest["files"].items():
+        _check_file(directory, name, entry, check_hash=True)
     return manifest
 
 

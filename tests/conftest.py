@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,6 +16,10 @@ from tiny_models import ARCHITECTURES, save_tiny_checkpoint
 
 from kiln.frontend.default_model import default_gguf_path, default_model_dir
 from kiln.frontend.errors import ModelNotFoundError
+
+# Tests compile the same tiny models under different monkeypatched settings, which no cache key
+# sees: they compile afresh (tests/test_compile_cache.py turns the cache on in a tmp directory).
+os.environ["KILN_COMPILE_CACHE"] = "off"
 
 
 @pytest.fixture(scope="session")

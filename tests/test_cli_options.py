@@ -32,6 +32,7 @@ def no_slow_steps(monkeypatch):
     import kiln.ir_listing
 
     monkeypatch.setattr(kiln.frontend.checkpoint, "load_model", _reached)
+    monkeypatch.setattr(kiln.frontend.checkpoint, "resolve_checkpoint_dir", _reached)  # a compile's first step
     monkeypatch.setattr(kiln.frontend.default_model, "default_model_dir", _reached)
     monkeypatch.setattr(kiln.frontend.explain_targets, "load_target", _reached)
     monkeypatch.setattr(kiln.ir_listing, "show_ir", _reached)

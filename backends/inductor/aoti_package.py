@@ -18,6 +18,7 @@ import os
 import shutil
 import tempfile
 import threading
+import warnings
 from pathlib import Path
 
 import torch
@@ -75,7 +76,10 @@ def write_package(graph: Graph, module: torch.fx.GraphModule, options: BackendOp
     """Export and AOT-compile `module` into `directory/inductor.pt2` (weights left out)."""
     directory.mkdir(parents=True, exist_ok=True)
     apply_threads(options)
-    with without_stack_traces():
+    with without_stack_traces(), warnings.catch_warnings():
+        # torch's own deepcopy of its export specs constructs the deprecated LeafSpec: not ours to fix
+        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
+                                category=FutureWarning)
         program = export_module(graph, module)
         torch._inductor.aoti_compile_and_package(
             program, package_path=str(directory / PACKAGE_FILE), inductor_configs=PACKAGE_CONFIGS)
