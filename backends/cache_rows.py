@@ -5,8 +5,9 @@ A compiled step reads and writes cache rows [0, batch). To run one request that 
 front, runs, and swaps them back (`run_at_rows`): a few MB of copies per call, small beside the
 prefill chunk that needs it (decode steps run every slot at once from row 0 and never swap).
 Prefix caching copies the keys and values of a shared prefix from one row to another
-(`copy_prefix`). Both work on zero-copy torch views of a backend's buffers
-(`Executable.cache_views`), [max_batch, kv_heads, max_seq_len, head_dim] each.
+(`copy_prefix`; beam search forks its beams so), contrastive search single slots (`copy_slots`).
+Both work on zero-copy torch views of a backend's buffers (`Executable.cache_views`),
+[max_batch, kv_heads, max_seq_len, head_dim] each.
 """
 from __future__ import annotations
 
@@ -79,6 +80,11 @@ def _swap(views: Sequence[torch.Tensor], batch: int, first_row: int, used: int) 
 
 def copy_prefix(views: Sequence[torch.Tensor], source_row: int, target_row: int, length: int) -> None:
     """Copy the keys and values of slots [0, length) from one row to another."""
-    if source_row != target_row and length > 0:
+    copy_slots(views, source_row, target_row, 0, length)
+
+
+def copy_slots(views: Sequence[torch.Tensor], source_row: int, target_row: int, start: int, end: int) -> None:
+    """Copy the keys and values of slots [start, end) from one row to another."""
+    if source_row != target_row and end > start:
         for cache in views:
-            cache[target_row, :, :length].copy_(cache[source_row, :, :length])
+            cache[target_row, :, start:end].copy_(cache[source_row, :, start:end])

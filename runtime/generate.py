@@ -31,6 +31,7 @@ from kiln.runtime.sampler import SamplingParams
 from kiln.runtime.samples import generate_samples
 from kiln.runtime.scoring import TokenScores, score_tokens
 from kiln.runtime.speculative import PromptLookupDrafter
+from kiln.runtime.search import pop_search, search_generations
 from kiln.runtime.text_stream import TextStream
 from kiln.runtime.token_ids import check_token_ids, check_token_set, model_vocab_size
 from kiln.runtime.tokenizer import Tokenizer
@@ -87,6 +88,10 @@ class LLM:
         min_tokens (no EOS or stop token before that many) and bad_words (words or token id
         lists never generated, runtime/bad_words.py).
 
+        `num_beams` (with length_penalty, early_stopping, num_return_sequences) runs beam search
+        (runtime/beam_search.py), `penalty_alpha` with `top_k` contrastive search
+        (runtime/contrastive_search.py), both as Hugging Face defines them, one prompt at a time.
+
         `speculative` turns on speculative decoding, one prompt at a time: "prompt_lookup"
         (n-gram drafts from the context), "heads" (the draft heads `kiln train-speculator` stored
         in the artifact; "heads:mlp" or "heads:medusa" picks a kind), another `LLM` compiled from
@@ -118,11 +123,15 @@ class LLM:
         (prompt index, piece) pairs for a list; the returned stream's `.results` holds the
         GenerationResults afterwards. Bad arguments raise here, before any model call."""
         speculative = sampling.pop("speculative", None)
+        search = pop_search(sampling)
         resolve_bad_words(self.tokenizer, sampling)
         constraint = pop_constraint(self.tokenizer, sampling)
         params = sampling_params(temperature, top_k, top_p, sampling)
         single, token_lists, settings, seeds = self._plan(prompts, max_new_tokens, params, seed, stop, ignore_eos,
                                                          stop_token_ids, constraint)
+        if search is not None:
+            return TextStream(search_generations(self, token_lists, settings, seeds, search, speculative, constraint),
+                              single)
         if speculative is not None and constraint is not None:
             raise GenerationError("speculative decoding does not take json_schema, regex or choices. Fix: drop "
                                   "one of them (forced tokens already skip decode steps without a drafter).")
