@@ -177,7 +177,7 @@ class BeamSearch:
         logits = self.executable.run(tokens, torch.arange(len(self.prompt))[None], **last_only)[0, -1]
         self.model_steps += 1
         self.prefill_s = time.perf_counter() - start
-        return logits.float()
+        return logits.float().cpu()
 
     def _fork(self, parent_rows: list[int], length: int) -> list[int]:
         """Rows for the new beams, whose parents sit in `parent_rows` with `length` slots cached:
@@ -207,7 +207,7 @@ class BeamSearch:
         out = self.executable.run(torch.tensor(by_row)[:, None], torch.full((len(rows), 1), position))
         self.model_steps += 1
         self.decode_s += time.perf_counter() - start
-        return out[torch.tensor(rows), 0].float()
+        return out[:, 0].float().cpu()[torch.tensor(rows)]
 
     # -- the end -----------------------------------------------------------------------------
     def _result(self, tokens: list[int], logprobs: list[TokenLogprob], elapsed: float) -> GenerationResult:

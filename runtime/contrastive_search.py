@@ -116,7 +116,7 @@ class ContrastiveSearch:
             return
         start = time.perf_counter()
         prompt = request.prompt
-        logits = self.executable.run(torch.tensor([prompt]), torch.arange(len(prompt))[None])[0].float()
+        logits = self.executable.run(torch.tensor([prompt]), torch.arange(len(prompt))[None])[0].float().cpu()
         context = self.to_hidden(logits)  # [prompt, hidden]
         views = self.executable.cache_views()
         for row in range(1, self.top_k):
@@ -140,7 +140,7 @@ class ContrastiveSearch:
         probs = torch.softmax(sampler.process(logits, request.prompt, request.tokens), dim=-1)
         top_probs, top_ids = torch.topk(probs, self.top_k)
         position = len(request.prompt) + len(request.tokens)
-        out = self.executable.run(top_ids[:, None], torch.full((self.top_k, 1), position))[:, 0].float()
+        out = self.executable.run(top_ids[:, None], torch.full((self.top_k, 1), position))[:, 0].float().cpu()
         hidden = self.to_hidden(out)  # [top_k, hidden]
         scores = (1.0 - self.alpha) * top_probs - self.alpha * degeneration_penalty(context, hidden)
         choice = int(torch.argmax(scores))

@@ -36,6 +36,10 @@ def generate_samples(llm, prompts, n: int, best_of: int | None, seed, keywords: 
     """`llm.generate` with `n` / `best_of` (see the module docstring); `keywords` are generate's
     other arguments. One prompt -> a list of n results; a list -> a list of such lists."""
     n, best_of = check_counts(n, best_of)
+    searched = sorted(set(keywords) & {"num_beams", "penalty_alpha"})
+    if searched:
+        raise GenerationError(f"n and best_of draw samples; {searched} search deterministically. Fix: drop n and "
+                              "best_of (num_return_sequences returns several beams).")
     single, token_lists = llm._encode_prompts(prompts)
     seeds = _sample_seeds(seed, len(token_lists), best_of)
     ranking = best_of > n

@@ -112,6 +112,7 @@ def test_one_beam_is_greedy_and_logprobs_add_up(tiny_model_dirs):
     (dict(num_beams=2, penalty_alpha=0.5), "does not combine"),
     (dict(num_beams=2, regex="[a-z]+"), "does not take speculative, json_schema"),
     (dict(num_return_sequences=2), "from 1 to num_beams \\(1\\)"),
+    (dict(num_beams=2, n=2), "n and best_of draw samples"),
 ])
 def test_bad_beam_requests_are_clear_errors(tiny_model_dirs, options, message):
     llm, _ = searchable(tiny_model_dirs("llama"))
