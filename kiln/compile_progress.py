@@ -12,6 +12,7 @@ left per phase, or a spinner with the elapsed time when nothing estimates the ph
 """
 from __future__ import annotations
 
+import os
 import sys
 import threading
 import time
@@ -105,30 +106,37 @@ class ProgressBars:
         from tqdm import tqdm
 
         estimate = event.estimate_s if event.estimate_s and event.estimate_s > 0 else None
-        self._bar = tqdm(total=estimate, file=self.stream or sys.stderr, leave=False, dynamic_ncols=True,
+        stream = self.stream or sys.stderr
+        sized = _columns(stream) > 0  # a terminal that reports no width gets 80 columns, not an empty bar
+        self._bar = tqdm(total=estimate, file=stream, leave=False, dynamic_ncols=sized, ncols=None if sized else 80,
+                         nrows=None if sized else 24,
                          desc=f"{self.prefix} {event.title}", bar_format=self._format(estimate))
         self._stop.clear()
         self._ticker = threading.Thread(target=self._tick, args=(self._bar, estimate), daemon=True)
         self._ticker.start()
 
     @staticmethod
-    def _format(estimate: float | None) -> str:
+    def _format(estimate: float | None, elapsed: float = 0.0) -> str:
+        """tqdm's bar format; the time left is the estimate less the elapsed time (the phase
+        gives no rate to extrapolate)."""
         if estimate is None:
-            return "{desc} {postfix} {elapsed}"
-        return "{desc} |{bar}| {elapsed} elapsed, ~{remaining} left"
+            return "{desc} {elapsed} elapsed"
+        from tqdm import tqdm
+
+        return "{desc} |{bar}| {elapsed} elapsed, ~" + tqdm.format_interval(max(estimate - elapsed, 0)) + " left"
 
     def _tick(self, bar, estimate: float | None) -> None:
         """Move the bar with the clock: the phase reports nothing while it runs."""
-        started, turn = time.monotonic(), 0
+        started, turn, title = time.monotonic(), 0, bar.desc
         while not self._stop.wait(self.TICK_S):
             elapsed = time.monotonic() - started
             if estimate is not None and elapsed < estimate:
-                bar.n = elapsed
+                bar.n, bar.bar_format = elapsed, self._format(estimate, elapsed)
             else:
                 if estimate is not None:  # ran over: spin, and say so
                     bar.total, bar.bar_format, estimate = None, self._format(None) + " (longer than last time)", None
                 turn += 1
-                bar.set_postfix_str(self.SPINNER[turn % len(self.SPINNER)], refresh=False)
+                bar.set_description_str(f"{title} {self.SPINNER[turn % len(self.SPINNER)]}", refresh=False)
             bar.refresh()
 
     def _close(self) -> None:
@@ -143,6 +151,13 @@ class ProgressBars:
         from tqdm import tqdm
 
         tqdm.write(line, file=self.stream or sys.stderr)
+
+
+def _columns(stream) -> int:
+    try:
+        return os.get_terminal_size(stream.fileno()).columns
+    except (AttributeError, OSError, ValueError):
+        return 0
 
 
 def for_stream(stream=None, prefix: str = "[compile-model]"):
