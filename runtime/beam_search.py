@@ -30,6 +30,7 @@ import torch
 from kiln.backends.cache_rows import copy_prefix
 from kiln.runtime.request import GenerationSettings, Request
 from kiln.runtime.results import GenerationResult
+from kiln.runtime.row_prefill import prefill_row0
 from kiln.runtime.sampler import TokenLogprob
 from kiln.runtime.token_ids import check_request_ids, model_vocab_size
 
@@ -172,12 +173,10 @@ class BeamSearch:
     def _prefill(self) -> torch.Tensor:
         """The prompt into row 0; the logits [vocab] after it."""
         start = time.perf_counter()
-        tokens = torch.tensor([self.prompt])
-        last_only = {"last_only": True} if getattr(self.executable, "selects_logits", False) else {}
-        logits = self.executable.run(tokens, torch.arange(len(self.prompt))[None], **last_only)[0, -1]
+        logits = prefill_row0(self.executable, self.prompt)
         self.model_steps += 1
         self.prefill_s = time.perf_counter() - start
-        return logits.float().cpu()
+        return logits
 
     def _fork(self, parent_rows: list[int], length: int) -> list[int]:
         """Rows for the new beams, whose parents sit in `parent_rows` with `length` slots cached:

@@ -35,6 +35,7 @@ from kiln.runtime.errors import GenerationError
 from kiln.runtime.last_hidden import HiddenFromLogits, SpeculatorError, output_head
 from kiln.runtime.request import GenerationSettings, Request
 from kiln.runtime.results import GenerationResult
+from kiln.runtime.row_prefill import prefill_row0
 from kiln.runtime.token_ids import check_request_ids, model_vocab_size
 
 _SOLVERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # graph -> HiddenStates
@@ -116,14 +117,14 @@ class ContrastiveSearch:
             return
         start = time.perf_counter()
         prompt = request.prompt
-        logits = self.executable.run(torch.tensor([prompt]), torch.arange(len(prompt))[None])[0].float().cpu()
-        context = self.to_hidden(logits)  # [prompt, hidden]
+        states: list[torch.Tensor] = []  # the prompt's hidden states, a chunk at a time
+        next_logits = prefill_row0(self.executable, prompt, lambda logits: states.append(self.to_hidden(logits)))
+        context = torch.cat(states)  # [prompt, hidden]
         views = self.executable.cache_views()
         for row in range(1, self.top_k):
             copy_prefix(views, 0, row, len(prompt))
         request.prefill_s = time.perf_counter() - start
         request.model_steps += 1
-        next_logits = logits[-1]
         while request.generating:
             start = time.perf_counter()
             next_logits, chosen_hidden, piece = self._step(next_logits, context, views)

@@ -4,6 +4,7 @@ method itself); its candidates run in one decode call per token."""
 import pytest
 import torch
 
+from kiln.runtime import row_prefill
 from kiln.runtime.errors import GenerationError
 from kiln.runtime.generate import LLM
 from hf_oracle import prompts
@@ -59,6 +60,17 @@ def test_candidates_run_in_one_call_per_token(tiny_model_dirs):
     assert result.stats.model_steps == len(log.calls)
     assert [c.logprob for c in result.logprobs] == pytest.approx(llm.score(prompt, result.token_ids).token_logprobs,
                                                                  abs=1e-4)
+
+
+def test_a_prompt_prefilled_in_chunks_gives_the_same_tokens(tiny_model_dirs, monkeypatch):
+    llm, _ = searchable(tiny_model_dirs("mistral"))
+    (prompt,) = prompts([11], seed=9)
+    options = dict(max_new_tokens=5, ignore_eos=True)
+    whole = [llm.generate(prompt, penalty_alpha=0.5, top_k=3, **options).token_ids,
+             llm.generate(prompt, num_beams=3, **options).token_ids]
+    monkeypatch.setattr(row_prefill, "CHUNK", 4)  # the prompt's hidden states come from three calls
+    assert [llm.generate(prompt, penalty_alpha=0.5, top_k=3, **options).token_ids,
+            llm.generate(prompt, num_beams=3, **options).token_ids] == whole
 
 
 def test_every_chosen_token_is_fed_so_the_context_holds_one_fewer(tiny_model_dirs):
