@@ -92,11 +92,13 @@ class LLM:
         (runtime/beam_search.py), `penalty_alpha` with `top_k` contrastive search
         (runtime/contrastive_search.py), both as Hugging Face defines them, one prompt at a time.
 
-        `speculative` turns on speculative decoding, one prompt at a time: "prompt_lookup"
-        (n-gram drafts from the context), "heads" (the draft heads `kiln train-speculator` stored
-        in the artifact; "heads:mlp" or "heads:medusa" picks a kind), another `LLM` compiled from
-        a model with the same tokenizer (it drafts), or any `kiln.runtime.speculative.Drafter`. Greedy output is
-        identical to plain decoding; the stats report acceptance and tokens per target step.
+        `speculative` turns on speculative decoding: "prompt_lookup" (n-gram drafts from each
+        request's context, inside the engine: a list of prompts speculates side by side), or, one
+        prompt at a time holding the executable alone, "heads" (the draft heads
+        `kiln train-speculator` stored in the artifact; "heads:mlp" or "heads:medusa" picks a
+        kind), another `LLM` compiled from a model with the same tokenizer (it drafts), or any
+        `kiln.runtime.speculative.Drafter`. Greedy output is identical to plain decoding; the
+        stats report acceptance and tokens per target step.
 
         Structured output (one of): `json_schema` (a dict, JSON text or pydantic model class; the
         output is compact JSON valid under it), `regex` (the whole output matches it), `choices`
@@ -219,11 +221,9 @@ class LLM:
 
     def _speculative(self, token_lists, settings, seeds, speculative) -> list:
         """Speculative generations of one prompt each, holding the executable alone while they run."""
-        from kiln.runtime.speculative import ModelDrafter, PromptLookupDrafter, SpeculativeGeneration
+        from kiln.runtime.speculative import ModelDrafter, SpeculativeGeneration
 
         def drafter():
-            if speculative == "prompt_lookup":
-                return PromptLookupDrafter()
             if isinstance(speculative, str) and speculative.split(":")[0] == "heads":
                 return self._heads_drafter(speculative.partition(":")[2] or None)
             if isinstance(speculative, LLM):

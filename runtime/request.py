@@ -229,7 +229,7 @@ class Request:
         deterministic, so this is the standard accept/reject rule: every emitted token is
         distributed as the target's processed distribution)."""
         sampler = self.sampler
-        raw = logits.detach().float()
+        raw = logits.detach().float().cpu()
         processed = sampler.process(raw, self.prompt, self.tokens)
         if self.settings.sampling.greedy:
             token = int(processed.numpy().argmax())

@@ -129,7 +129,6 @@ class SpeculativeGeneration:
         self.request = Request(list(prompt), settings, seed, self.max_seq_len,
                                decoder_factory() if decoder_factory else None)
         self.drafter = drafter
-        self.greedy = settings.sampling.greedy
         self.target_steps = self.drafted = self.accepted = 0
 
     def __iter__(self):
@@ -185,22 +184,8 @@ class SpeculativeGeneration:
             observe(logits)
 
     def _judge(self, logits: torch.Tensor, guess: int) -> TokenLogprob:
-        """The token to emit where the drafter guessed `guess` (the guess itself when accepted)."""
-        request = self.request
-        sampler = request.sampler
-        raw = logits.detach().float()
-        processed = sampler.process(raw, request.prompt, request.tokens)
-        if self.greedy:
-            token = int(torch.argmax(processed))
-        else:
-            probs = torch.softmax(processed, dim=-1)
-            if float(torch.rand((), generator=sampler.generator)) < float(probs[guess]):
-                token = guess
-            else:
-                rest = probs.clone()
-                rest[guess] = 0.0
-                token = int(torch.multinomial(rest / rest.sum(), 1, generator=sampler.generator))
-        return sampler._with_logprobs(raw, token)
+        """The token to emit where the drafter guessed `guess` (Request.judge: the accept/reject rule)."""
+        return self.request.judge(logits, guess)
 
     def results(self) -> list[GenerationResult]:
         request = self.request
