@@ -7,6 +7,7 @@ after a context the drafter did not see grow, it proposes nothing (the target de
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Sequence
 
@@ -32,13 +33,26 @@ class HeadsDrafter:
 
     def observe(self, logits: torch.Tensor) -> None:
         """The raw logits [vocab] that chose the newest token."""
-        self.hidden = self.to_hidden(logits.detach())
+        with _one_thread():
+            self.hidden = self.to_hidden(logits.detach())
 
     def propose(self, context: Sequence[int], max_tokens: int) -> list[int]:
         if self.hidden is None or max_tokens < 1:
             return []
-        return self.heads.draft(self.hidden, int(context[-1]), max_tokens, self.min_confidence)
+        with _one_thread():
+            return self.heads.draft(self.hidden, int(context[-1]), max_tokens, self.min_confidence)
 
     def feedback(self, drafted: int, accepted: int) -> None:
         pass  # the next observe() carries everything the heads need
 
+
+@contextmanager
+def _one_thread():
+    """The heads' matrices are a few MB: a second thread buys little and costs a synchronization
+    per op, which on a machine other processes keep busy can take milliseconds."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
