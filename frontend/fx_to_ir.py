@@ -165,10 +165,8 @@ class FxToIr:
 
     def _rename(self, value: Value, name: str) -> Value:
         """Give a graph output a stable name (a no-op reshape would be noise: rename in place)."""
-        if value.producer is None:
-            return value
-        self.graph._names.discard(value.name)
-        value.name = self.graph._claim(name)
+        if value.producer is not None:
+            self.graph.rename(value, name)
         return value
 
 

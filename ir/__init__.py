@@ -2,7 +2,7 @@
 round-trips exactly, and a reference interpreter that runs any graph on the CPU."""
 from .dims import Dim, SymbolBound, evaluate, format_dim, parse_dim, symbol
 from .dtypes import from_torch, to_torch
-from .graph import Graph, Node, Value
+from .graph import Graph, GraphEditError, Node, Value
 from .interpreter import InterpreterError, run_graph
 from .parser import ParseError, parse_graph
 from .printer import print_graph
@@ -12,7 +12,7 @@ from .verifier import VerificationError, verify
 
 __all__ = [
     "Dim", "SymbolBound", "evaluate", "format_dim", "parse_dim", "symbol", "from_torch", "to_torch",
-    "Graph", "Node", "Value", "InterpreterError", "run_graph", "ParseError", "parse_graph",
+    "Graph", "GraphEditError", "Node", "Value", "InterpreterError", "run_graph", "ParseError", "parse_graph",
     "print_graph", "REQUIRED", "OpDef", "OpError", "all_ops", "get_op", "register", "TensorType",
     "VerificationError", "verify",
 ]

@@ -2,6 +2,11 @@
 
 Weights are graph parameters: typed values whose tensors live out of line in `Graph.weights`,
 so the text form stays small and passes can rewrite weights without touching the listing.
+
+The Graph owns its edits, as torch.fx's does: passes create nodes with `create`, place them with
+`append` / `insert_before` / `insert_after`, rewire with `replace_all_uses` / `set_input`, and
+remove them with `erase` (which refuses a node something still reads). Each value knows the
+node making it (`producer`) and the nodes reading it (`users`), both kept current by those edits.
 """
 from __future__ import annotations
 
@@ -13,16 +18,26 @@ import torch
 
 from .dims import SymbolBound, is_dim, normalize
 from .dtypes import from_torch
+from .errors import KilnError
+from .node_list import NodeList, drop_use
 from .tensor_type import TensorType
+
+
+class GraphEditError(KilnError, ValueError):
+    """An edit would break the graph (erasing a node that is still read, placing a node twice)."""
 
 
 @dataclass(eq=False)
 class Value:
-    """An SSA value: defined once (graph input, parameter or node output), typed."""
+    """An SSA value: defined once (graph input, parameter or node output), typed.
+
+    `users`: the graph's nodes reading this value, one entry per read (a node reading it twice is
+    listed twice), in the order the reads were made; graph outputs are not users."""
 
     name: str
     type: TensorType
     producer: "Node | None" = None
+    users: "list[Node]" = field(default_factory=list, repr=False)
 
     def __repr__(self) -> str:
         return f"%{self.name}: {self.type}"
@@ -65,12 +80,21 @@ class Graph:
         self.inputs: list[Value] = []
         self.params: dict[str, Value] = {}
         self.weights: dict[str, torch.Tensor] = {}
-        self.nodes: list[Node] = []
+        self._nodes = NodeList()
         self.outputs: list[Value] = []
         self.symbols: dict[str, SymbolBound] = {}
         self.meta: dict[str, Any] = {}
         self._names: set[str] = set()
         self._counter = itertools.count()
+
+    @property
+    def nodes(self) -> NodeList:
+        """The nodes in order. Read it freely; edit through the methods below."""
+        return self._nodes
+
+    @nodes.setter
+    def nodes(self, nodes) -> None:
+        self._nodes[:] = list(nodes)
 
     # -- building -----------------------------------------------------------------------
     def fresh_name(self, hint: str | None = None) -> str:
@@ -126,24 +150,91 @@ class Graph:
 
     def call(self, op: str, *inputs, name: str | None = None, **attrs):
         """Append a node; returns its output Value (or a tuple for multi-output ops)."""
-        node = self.create(op, inputs, attrs, [name] if name else None)
-        self.nodes.append(node)
+        node = self.append(self.create(op, inputs, attrs, [name] if name else None))
         return node.outputs[0] if len(node.outputs) == 1 else tuple(node.outputs)
 
     # -- editing ------------------------------------------------------------------------
-    def users(self) -> dict[Value, list[Node]]:
-        """Map from each value to the nodes that read it."""
-        result: dict[Value, list[Node]] = {}
-        for node in self.nodes:
-            for v in node.inputs:
-                if v is not None:
-                    result.setdefault(v, []).append(node)
-        return result
+    def append(self, node: Node) -> Node:
+        """Put a created node at the end of the graph; returns it."""
+        self._insert(len(self._nodes), [node])
+        return node
+
+    def insert_before(self, anchor: Node, *nodes: Node) -> None:
+        """Put created nodes, in order, just before `anchor`."""
+        self._insert(self._anchor_position(anchor), nodes)
+
+    def insert_after(self, anchor: Node, *nodes: Node) -> None:
+        """Put created nodes, in order, just after `anchor`."""
+        self._insert(self._anchor_position(anchor) + 1, nodes)
+
+    def _anchor_position(self, anchor: Node) -> int:
+        if anchor not in self._nodes:
+            raise GraphEditError(f"node `{anchor}` is not in the graph. Fix: insert next to a node of the graph")
+        return self.position(anchor)
+
+    def _insert(self, at: int, nodes) -> None:
+        try:
+            self._nodes[at:at] = nodes
+        except ValueError as e:  # a node is in the graph already
+            raise GraphEditError(f"{e}. Fix: insert each node made by graph.create once") from None
+
+    def erase(self, *nodes: Node) -> None:
+        """Remove nodes whose outputs nothing outside them reads, releasing their names. Raises
+        GraphEditError naming a reader (or a graph output) otherwise."""
+        gone = {id(n) for n in nodes}
+        for node in nodes:
+            for v in node.outputs:
+                reader = next((u for u in v.users if id(u) not in gone), None)
+                if reader is not None or self.is_output(v):
+                    what = f"read by `{reader}`" if reader is not None else "a graph output"
+                    raise GraphEditError(f"cannot erase `{node}`: %{v.name} is still {what}. "
+                                         "Fix: replace its uses first (graph.replace_all_uses)")
+        self._nodes.remove_all(list(nodes))
+        for node in nodes:
+            self.forget_names(node)
 
     def replace_all_uses(self, old: Value, new: Value) -> None:
-        for node in self.nodes:
+        """Point every read of `old` (graph outputs included) at `new`. A graph output keeps its
+        name: when `old` is one and `new` is a node's result not yet an output, the two values
+        swap names (both stay claimed; erasing old's node releases the name new had)."""
+        if old is new:
+            return
+        for node in {id(u): u for u in old.users}.values():
             node.inputs = [new if v is old else v for v in node.inputs]
-        self.outputs = [new if v is old else v for v in self.outputs]
+        new.users += old.users
+        old.users.clear()
+        if self.is_output(old):
+            if new.producer is not None and not self.is_output(new):
+                old.name, new.name = new.name, old.name
+            self.outputs = [new if v is old else v for v in self.outputs]
+
+    def set_input(self, node: Node, index: int, value: Value | None) -> None:
+        """Make `node` read `value` as its input `index`."""
+        old = node.inputs[index]
+        node.inputs[index] = value
+        if node in self._nodes:
+            if old is not None:
+                drop_use(old.users, node)
+            if value is not None:
+                value.users.append(node)
+
+    def rename(self, value: Value, name: str) -> None:
+        """Give `value` the name `name` (which must be free), releasing its old one."""
+        if name == value.name:
+            return
+        if name in self._names:
+            raise GraphEditError(f"cannot rename %{value.name} to %{name}: the name is taken. "
+                                 "Fix: pick a free one (graph.fresh_name)")
+        self._claim(name)
+        self._names.discard(value.name)
+        value.name = name
+
+    def is_output(self, value: Value) -> bool:
+        return any(v is value for v in self.outputs)
+
+    def position(self, node: Node) -> int:
+        """The node's index in `nodes`, for ordering nodes (cached until the nodes change)."""
+        return self._nodes.position(node)
 
     def remove_param(self, name: str) -> None:
         del self.params[name]

@@ -114,7 +114,7 @@ def parse_graph(text: str) -> Graph:
                 attrs = parse_attrs(m.group(4)) if m.group(4) else {}
                 node = graph.make_node(m.group(2), inputs, attrs, [TensorType.parse(t) for _, t in outs],
                                        names=[n for n, _ in outs])
-                graph.nodes.append(node)
+                graph.append(node)
                 env.update({v.name: v for v in node.outputs})
         except ParseError as e:
             raise ParseError(f"line {lineno}: {e}: {line!r}") from None

@@ -36,8 +36,7 @@ def constant_subgraph(graph: Graph, value: Value) -> list[Node] | None:
         if len(nodes) > MAX_NODES:
             return None
         stack += [i for i in node.inputs if i is not None]
-    order = {id(n): i for i, n in enumerate(graph.nodes)}
-    return sorted(nodes, key=lambda n: order[id(n)])
+    return sorted(nodes, key=graph.position)
 
 
 def sample_bindings(graph: Graph) -> dict[str, int]:

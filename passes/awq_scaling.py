@@ -69,29 +69,26 @@ def search_scale(x: torch.Tensor, mean_abs: torch.Tensor, weight: torch.Tensor,
 
 def fold_inverse_scale(graph: Graph, group: LinearGroup, s: torch.Tensor) -> None:
     """Make the group read x / s: fold 1 / s into the norm that makes x, or insert a `mul`."""
-    users = graph.users()
     norm = group.input.producer
-    readers = users.get(group.input, [])
     if (norm is not None and norm.op in NORM_OPS and group.input is norm.outputs[0]
-            and all(any(r is n for n in group.linears) for r in readers)
-            and not any(v is group.input for v in graph.outputs) and _fold_into_norm(graph, norm, s, users)):
+            and all(any(r is n for n in group.linears) for r in group.input.users)
+            and not graph.is_output(group.input) and _fold_into_norm(graph, norm, s)):
         return
     inverse = graph.add_param(graph.fresh_name(f"{group.input.name}.awq_inverse_scale"), 1.0 / s)
     mul = graph.create("mul", [group.input, inverse])
-    first = min(graph.nodes.index(n) for n in group.linears)
-    graph.nodes.insert(first, mul)
+    graph.insert_before(min(group.linears, key=graph.position), mul)
     for node in group.linears:
-        node.inputs[0] = mul.output
+        graph.set_input(node, 0, mul.output)
 
 
-def _fold_into_norm(graph: Graph, norm: Node, s: torch.Tensor, users) -> bool:
+def _fold_into_norm(graph: Graph, norm: Node, s: torch.Tensor) -> bool:
     """Divide the norm's affine weight (and bias) by s; False where it has none of its own."""
     params = [norm.inputs[1], norm.inputs[2]] if norm.op == "layer_norm" else [norm.inputs[-1]]
     weight = params[0]
-    if weight is None or weight.name not in graph.params or len(users.get(weight, [])) != 1:
+    if weight is None or weight.name not in graph.params or len(weight.users) != 1:
         return False
     if len(params) > 1 and params[1] is not None and (params[1].name not in graph.params
-                                                      or len(users.get(params[1], [])) != 1):
+                                                      or len(params[1].users) != 1):
         return False
     offset = norm.attrs.get("offset", 0.0)
     graph.weights[weight.name] = (graph.weights[weight.name] + offset) / s - offset

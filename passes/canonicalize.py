@@ -15,8 +15,6 @@ from __future__ import annotations
 
 from kiln.ir import Graph, Node, Value
 
-from .rewrite import drop_nodes, replace_value
-
 
 def _is_full_of(value: Value | None, constant: float) -> bool:
     node = value.producer if value is not None else None
@@ -28,7 +26,7 @@ def _normalized_perm(node: Node) -> tuple[int, ...]:
     return tuple(p % rank for p in node.attrs["perm"])
 
 
-def _collapse_chain(node: Node) -> None:
+def _collapse_chain(graph: Graph, node: Node) -> None:
     """reshape(reshape(x)) and permute(permute(x)): make `node` read x directly."""
     inner = node.inputs[0].producer if node.op in ("reshape", "permute") else None
     if inner is None or inner.op != node.op:
@@ -36,7 +34,7 @@ def _collapse_chain(node: Node) -> None:
     if node.op == "permute":  # out[i] = mid[outer[i]] = x[inner[outer[i]]]
         inner_perm = _normalized_perm(inner)
         node.attrs["perm"] = tuple(inner_perm[p] for p in _normalized_perm(node))
-    node.inputs[0] = inner.inputs[0]
+    graph.set_input(node, 0, inner.inputs[0])
 
 
 def _identity_operand(node: Node) -> Value | None:
@@ -66,10 +64,10 @@ def canonicalize(graph: Graph) -> Graph:
     """Apply the rewrites above in one forward sweep, in place."""
     removed = []
     for node in graph.nodes:  # producers come first, so each node sees its inputs' final form
-        _collapse_chain(node)
+        _collapse_chain(graph, node)
         passed_through = _identity_operand(node)
         if passed_through is not None:
-            replace_value(graph, node.outputs[0], passed_through)
+            graph.replace_all_uses(node.outputs[0], passed_through)
             removed.append(node)
-    drop_nodes(graph, removed)
+    graph.erase(*removed)
     return graph

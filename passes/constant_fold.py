@@ -14,8 +14,6 @@ import torch
 
 from kiln.ir import Graph, Node, get_op
 
-from .rewrite import drop_nodes, replace_value
-
 MAX_FOLDED_ELEMENTS = 4096  # bigger constants are cheaper to compute at run time than to store
 
 
@@ -52,23 +50,20 @@ def _uniform_value(tensor: torch.Tensor):
 def fold_constants(graph: Graph) -> Graph:
     """Replace uniform constant subexpressions by `full` nodes, in place."""
     known: dict[int, torch.Tensor] = {}  # id(Value) -> its constant tensor
-    nodes, folded = [], []
-    for node in graph.nodes:
+    folded = []
+    for node in list(graph.nodes):
         results = _evaluate(node, known)
         if results is None:
-            nodes.append(node)
             continue
         known.update((id(v), t) for v, t in zip(node.outputs, results))
         value = _uniform_value(results[0]) if len(results) == 1 and node.op != "full" else None
         if value is None:
-            nodes.append(node)
             continue
         out = node.outputs[0]
         full = graph.create("full", [], {"shape": out.type.shape, "value": value, "dtype": out.type.dtype})
         known[id(full.outputs[0])] = results[0]
-        replace_value(graph, out, full.outputs[0])
-        nodes.append(full)
+        graph.insert_after(node, full)
+        graph.replace_all_uses(out, full.outputs[0])
         folded.append(node)
-    graph.nodes = nodes
-    drop_nodes(graph, folded)
+    graph.erase(*folded)
     return graph

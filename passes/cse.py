@@ -9,8 +9,6 @@ from __future__ import annotations
 from kiln.ir import Graph, Node
 from kiln.ir.printer import format_attr
 
-from .rewrite import drop_nodes, replace_value
-
 
 def _key(node: Node) -> tuple:
     # Attributes compare by text form, so 1, 1.0 and true stay distinct.
@@ -26,7 +24,7 @@ def eliminate_common_subexpressions(graph: Graph) -> Graph:
         original = first.setdefault(_key(node), node)
         if original is not node:
             for repeated, kept in zip(node.outputs, original.outputs):
-                replace_value(graph, repeated, kept)
+                graph.replace_all_uses(repeated, kept)
             duplicates.append(node)
-    drop_nodes(graph, duplicates)
+    graph.erase(*duplicates)
     return graph

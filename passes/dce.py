@@ -6,21 +6,22 @@ so artifacts do not carry them. Graph inputs are kept: they are the signature.
 """
 from __future__ import annotations
 
-from kiln.ir import Graph
+from kiln.ir import Graph, Value
+
+
+def _is_live(value: Value, graph: Graph, dead: set[int]) -> bool:
+    return graph.is_output(value) or any(id(u) not in dead for u in value.users)
 
 
 def eliminate_dead_code(graph: Graph) -> Graph:
     """Remove dead nodes and unused parameters (with their weights) in place."""
-    live = {id(v) for v in graph.outputs}
-    kept = []
+    dead_nodes, dead = [], set()
     for node in reversed(graph.nodes):  # IR ops are pure, so an unused result is dead
-        if any(id(v) in live for v in node.outputs):
-            kept.append(node)
-            live.update(id(v) for v in node.inputs if v is not None)
-        else:
-            graph.forget_names(node)
-    graph.nodes = kept[::-1]
+        if not any(_is_live(v, graph, dead) for v in node.outputs):
+            dead_nodes.append(node)
+            dead.add(id(node))
+    graph.erase(*dead_nodes)
     for name, value in list(graph.params.items()):
-        if id(value) not in live:
+        if not _is_live(value, graph, dead):
             graph.remove_param(name)
     return graph

@@ -14,15 +14,14 @@ from kiln.ir.dims import dims_equal
 from kiln.ir.ops.shape_rules import numel
 
 from .dce import eliminate_dead_code
-from .match import has_shape, made_by, sole_user
-from .rewrite import insert_before, replace_value
+from .match import has_shape, made_by, sole_reader
 
 
-def _unflattened(outer: Node, graph: Graph, users) -> list[Node] | None:
+def _unflattened(outer: Node, graph: Graph) -> list[Node] | None:
     """New nodes computing `outer`'s value as linear(x in outer's leading dims), or None."""
     linear = made_by(outer.inputs[0], "linear")
     flatten = made_by(linear.inputs[0], "reshape") if linear is not None else None
-    if flatten is None or sole_user(users, linear.output, graph) is not outer:
+    if flatten is None or sole_reader(linear.output, graph) is not outer:
         return None
     x, flat, lead = flatten.inputs[0], flatten.output, outer.output.type.shape[:-1]
     if flat.type.rank != 2 or not dims_equal(flat.type.shape[0], numel(lead)):
@@ -36,10 +35,9 @@ def _unflattened(outer: Node, graph: Graph, users) -> list[Node] | None:
 
 def fold_linear_reshapes(graph: Graph) -> Graph:
     """Drop the reshapes around linears described above, in place; dead nodes are removed."""
-    users = graph.users()
     for node in [n for n in graph.nodes if n.op == "reshape"]:
-        nodes = _unflattened(node, graph, users)
+        nodes = _unflattened(node, graph)
         if nodes is not None:
-            insert_before(graph, node, nodes)
-            replace_value(graph, node.output, nodes[-1].output)
+            graph.insert_before(node, *nodes)
+            graph.replace_all_uses(node.output, nodes[-1].output)
     return eliminate_dead_code(graph)

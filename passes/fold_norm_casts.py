@@ -14,8 +14,7 @@ from __future__ import annotations
 from kiln.ir import Graph, Node, Value
 
 from .dce import eliminate_dead_code
-from .match import made_by, sole_user
-from .rewrite import insert_before, replace_value
+from .match import made_by, sole_reader
 
 HALF = ("f16", "bf16")
 
@@ -28,15 +27,15 @@ def _upcast_from_half(value: Value | None) -> Value | None:
     return cast.inputs[0]
 
 
-def _downcast(users, norm: Node, dtype: str) -> Node | None:
+def _downcast(norm: Node, dtype: str) -> Node | None:
     """The sole reader of the norm when it casts the result back to `dtype`."""
-    cast = sole_user(users, norm.output)
+    cast = sole_reader(norm.output)
     return cast if cast is not None and cast.op == "cast" and cast.attrs["dtype"] == dtype else None
 
 
-def _weight_multiply(users, cast: Node) -> tuple[Node, Value] | None:
+def _weight_multiply(cast: Node) -> tuple[Node, Value] | None:
     """(mul node, weight) when the cast's sole reader multiplies it by a [hidden] weight."""
-    mul = sole_user(users, cast.output)
+    mul = sole_reader(cast.output)
     if mul is None or mul.op != "mul":
         return None
     other = mul.inputs[1] if mul.inputs[0] is cast.output else mul.inputs[0]
@@ -48,12 +47,11 @@ def _weight_multiply(users, cast: Node) -> tuple[Node, Value] | None:
 
 def fold_norm_casts(graph: Graph) -> Graph:
     """Rewrite each f32-cast rms_norm of a half-precision input, in place; dead nodes go."""
-    users = graph.users()
     for norm in [n for n in graph.nodes if n.op == "rms_norm"]:
         x = _upcast_from_half(norm.inputs[0])
         if x is None:
             continue
-        cast = _downcast(users, norm, x.type.dtype)
+        cast = _downcast(norm, x.type.dtype)
         weight = norm.inputs[1]
         if weight is not None:  # Gemma's form: the weight comes in as cast(w, f32) of a half w
             weight = _upcast_from_half(weight)
@@ -63,10 +61,10 @@ def fold_norm_casts(graph: Graph) -> Graph:
             continue
         last = cast
         if weight is None:  # Llama's form: the weight multiplies after the cast back
-            found = _weight_multiply(users, cast)
+            found = _weight_multiply(cast)
             if found is not None and norm.attrs.get("offset", 0.0) == 0.0:
                 last, weight = found
         fused = graph.create("rms_norm", [x, weight], dict(norm.attrs))
-        insert_before(graph, last, [fused])
-        replace_value(graph, last.output, fused.output)
+        graph.insert_before(last, fused)
+        graph.replace_all_uses(last.output, fused.output)
     return eliminate_dead_code(graph)

@@ -14,16 +14,15 @@ from __future__ import annotations
 from kiln.ir import Graph, Value
 
 from .dce import eliminate_dead_code
-from .match import Users, made_by
-from .rewrite import insert_before, replace_value
+from .match import made_by
 
 
-def _transposed_weight(graph: Graph, b: Value, users: Users) -> Value | None:
+def _transposed_weight(graph: Graph, b: Value) -> Value | None:
     """b's matrix in [out, in] layout, or None if b is not a weight matrix."""
     permute = made_by(b, "permute")
     if permute is not None and tuple(p % 2 for p in permute.attrs["perm"]) == (1, 0):
         return permute.inputs[0]
-    if b.name in graph.params and b.name in graph.weights and b.type.rank == 2 and len(users[b]) == 1:
+    if b.name in graph.params and b.name in graph.weights and b.type.rank == 2 and len(b.users) == 1:
         tensor = graph.weights[b.name].t().contiguous()
         return graph.add_param(graph.fresh_name(f"{b.name}.transposed"), tensor)
     return None
@@ -31,15 +30,14 @@ def _transposed_weight(graph: Graph, b: Value, users: Users) -> Value | None:
 
 def fold_transposes(graph: Graph) -> Graph:
     """Rewrite matmuls by weight matrices into `linear`, in place; dead nodes and weights are removed."""
-    users = graph.users()
     for node in [n for n in graph.nodes if n.op == "matmul"]:
         x, b = node.inputs
         if b.type.rank != 2:
             continue
-        weight = _transposed_weight(graph, b, users)
+        weight = _transposed_weight(graph, b)
         if weight is None:
             continue
         linear = graph.create("linear", [x, weight, None])
-        insert_before(graph, node, [linear])
-        replace_value(graph, node.output, linear.output)
+        graph.insert_before(node, linear)
+        graph.replace_all_uses(node.output, linear.output)
     return eliminate_dead_code(graph)

@@ -12,27 +12,25 @@ from kiln.ir import Graph, Node
 
 from .dce import eliminate_dead_code
 from .match import made_by, same_type
-from .rewrite import insert_before, replace_value
 
 
-def _defined_before(value, anchor: Node, index: dict[int, int]) -> bool:
-    return value is None or value.producer is None or index[id(value.producer)] < index[id(anchor)]
+def _defined_before(value, anchor: Node, graph: Graph) -> bool:
+    return value is None or value.producer is None or graph.position(value.producer) < graph.position(anchor)
 
 
 def fuse_add_rms_norm(graph: Graph) -> Graph:
     """Rewrite each add -> rms_norm pair into `add_rms_norm`, in place; dead nodes are removed."""
     fused = set()
-    index = {id(n): i for i, n in enumerate(graph.nodes)}
     for norm in [n for n in graph.nodes if n.op == "rms_norm"]:
         x, weight = norm.inputs
         add = made_by(x, "add")
         if add is None or id(add) in fused or not all(same_type(v, x) for v in add.inputs):
             continue
-        if not _defined_before(weight, add, index):  # the fused node takes the add's place
+        if not _defined_before(weight, add, graph):  # the fused node takes the add's place
             continue
         node = graph.create("add_rms_norm", [add.inputs[0], add.inputs[1], weight], dict(norm.attrs))
-        insert_before(graph, add, [node])
-        replace_value(graph, add.output, node.outputs[1])
-        replace_value(graph, norm.output, node.outputs[0])
+        graph.insert_before(add, node)
+        graph.replace_all_uses(add.output, node.outputs[1])
+        graph.replace_all_uses(norm.output, node.outputs[0])
         fused.add(id(add))
     return eliminate_dead_code(graph)

@@ -28,8 +28,7 @@ from kiln.ir import Graph, Node, Value
 
 from .alibi_bias import alibi_slopes
 from .dce import eliminate_dead_code
-from .match import Users, constant, has_shape, is_last_axis, made_by, sole_user, split_operands
-from .rewrite import insert_before, replace_value
+from .match import constant, has_shape, is_last_axis, made_by, sole_reader, split_operands
 
 VERY_NEGATIVE = -1e30  # an additive mask entry at or below this hides the key
 
@@ -137,11 +136,11 @@ def _scores_chain(graph: Graph, softmax: Node) -> ScoresChain | None:
     return _walk(graph, scores, ScoresChain(), scores.type.shape)
 
 
-def _only_path(start: Value, end: Node, users: Users, graph: Graph) -> list[Node] | None:
+def _only_path(start: Value, end: Node, graph: Graph) -> list[Node] | None:
     """The nodes from `start` to `end` if each value on the way has one reader (the next node)."""
     path, value = [], start
     while len(path) < 16:
-        user = sole_user(users, value, graph)
+        user = sole_reader(value, graph)
         if user is None or len(user.outputs) != 1:
             return None
         path.append(user)
@@ -151,12 +150,12 @@ def _only_path(start: Value, end: Node, users: Users, graph: Graph) -> list[Node
     return None
 
 
-def _probs_matmul(softmax: Node, users: Users, graph: Graph) -> Node | None:
+def _probs_matmul(softmax: Node, graph: Graph) -> Node | None:
     """The matmul(probs, v) the softmax feeds as first operand (through a reshape or not)."""
     probs = softmax.output
-    user = sole_user(users, probs, graph)
+    user = sole_reader(probs, graph)
     if user is not None and user.op == "reshape":
-        probs, user = user.output, sole_user(users, user.output, graph)
+        probs, user = user.output, sole_reader(user.output, graph)
     return user if user is not None and user.op == "matmul" and user.inputs[0] is probs else None
 
 
@@ -197,12 +196,12 @@ def _visible_of_hidden(graph: Graph, hidden: Value, new_nodes: list[Node]) -> Va
     return node.output
 
 
-def _fuse_one(graph: Graph, softmax: Node, users: Users) -> bool:
+def _fuse_one(graph: Graph, softmax: Node) -> bool:
     scores = softmax.inputs[0]
     if scores.type.rank != 4 or not is_last_axis(softmax.attrs["axis"], 4):
         return False
-    chain, second = _scores_chain(graph, softmax), _probs_matmul(softmax, users, graph)
-    if chain is None or second is None or _only_path(chain.matmul.output, softmax, users, graph) is None:
+    chain, second = _scores_chain(graph, softmax), _probs_matmul(softmax, graph)
+    if chain is None or second is None or _only_path(chain.matmul.output, softmax, graph) is None:
         return False
     batch, heads, rows, keys = scores.type.shape
     (q, k_t), v = chain.matmul.inputs, second.inputs[1]
@@ -213,7 +212,7 @@ def _fuse_one(graph: Graph, softmax: Node, users: Users) -> bool:
     if not all(_fits(value, shape) for value, shape in shapes.items()):
         return False
     out_shape = (batch, heads, rows, value_dim)
-    out_user = sole_user(users, second.output, graph)
+    out_user = sole_reader(second.output, graph)
     last = out_user if out_user is not None and out_user.op == "reshape" and has_shape(
         out_user.output, out_shape) else second
     new_nodes: list[Node] = []
@@ -229,14 +228,13 @@ def _fuse_one(graph: Graph, softmax: Node, users: Users) -> bool:
         flat = graph.create("reshape", [result], {"shape": second.output.type.shape})
         new_nodes.append(flat)
         result = flat.output
-    insert_before(graph, last, new_nodes)
-    replace_value(graph, last.output, result)
+    graph.insert_before(last, *new_nodes)
+    graph.replace_all_uses(last.output, result)
     return True
 
 
 def fuse_attention_pattern(graph: Graph) -> Graph:
     """Rewrite each matmul/softmax/matmul attention into `attention`, in place; dead nodes are removed."""
-    users = graph.users()
     for softmax in [n for n in graph.nodes if n.op == "softmax"]:
-        _fuse_one(graph, softmax, users)
+        _fuse_one(graph, softmax)
     return eliminate_dead_code(graph)

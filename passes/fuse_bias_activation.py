@@ -17,8 +17,7 @@ import math
 from kiln.ir import Graph, Node, Value
 
 from .dce import eliminate_dead_code
-from .match import Users, is_constant, is_vector_over_last_dim, made_by, same_type, sole_user, split_operands
-from .rewrite import insert_before, replace_value
+from .match import is_constant, is_vector_over_last_dim, made_by, same_type, sole_reader, split_operands
 
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 GELU_TANH_CUBIC = 0.044715
@@ -29,7 +28,7 @@ def _is_unbiased_linear(value: Value) -> bool:
     return linear is not None and linear.inputs[2] is None
 
 
-def _bias_fold(add: Node, users: Users, graph: Graph) -> Node | None:
+def _bias_fold(add: Node, graph: Graph) -> Node | None:
     """linear(x, W, b) for add(linear(x, W), b), else None."""
     split = split_operands(add, _is_unbiased_linear)
     if split is None:
@@ -38,7 +37,7 @@ def _bias_fold(add: Node, users: Users, graph: Graph) -> Node | None:
     linear = linear_out.producer
     if not is_vector_over_last_dim(bias, linear_out) or bias.type.dtype != linear_out.type.dtype:
         return None
-    if not same_type(add.output, linear_out) or sole_user(users, linear_out, graph) is not add:
+    if not same_type(add.output, linear_out) or sole_reader(linear_out, graph) is not add:
         return None
     return graph.create("linear", [linear.inputs[0], linear.inputs[1], bias])
 
@@ -94,14 +93,13 @@ def _gelu(mul: Node, graph: Graph) -> Node | None:
 
 def fuse_bias_activation(graph: Graph) -> Graph:
     """Apply the rewrites above, in place; dead nodes are removed."""
-    users = graph.users()
     for node in list(graph.nodes):
         fused = None
         if node.op == "add":
-            fused = _bias_fold(node, users, graph)
+            fused = _bias_fold(node, graph)
         elif node.op == "mul":
             fused = _silu(node, graph) or _gelu(node, graph)
         if fused is not None:
-            insert_before(graph, node, [fused])
-            replace_value(graph, node.output, fused.output)
+            graph.insert_before(node, fused)
+            graph.replace_all_uses(node.output, fused.output)
     return eliminate_dead_code(graph)

@@ -13,9 +13,8 @@ from __future__ import annotations
 from kiln.ir import Graph, Node, Value
 
 from .dce import eliminate_dead_code
-from .match import (Users, constant, is_vector_over_last_dim, made_by, reduces_last_axis, same_type, sole_user,
+from .match import (constant, is_vector_over_last_dim, made_by, reduces_last_axis, same_type, sole_reader,
                     split_operands)
-from .rewrite import insert_before, replace_value
 
 
 def _centered(value: Value) -> Value | None:
@@ -37,7 +36,7 @@ def _variance_of(value: Value) -> Value | None:
     return d if d is other else None
 
 
-def _normalized(root: Node, users: Users) -> tuple[Value, float, Node] | None:
+def _normalized(root: Node) -> tuple[Value, float, Node] | None:
     """(x, eps, the node giving y) for root = rsqrt(var + eps) or sqrt(var + eps)."""
     total = made_by(root.inputs[0], "add")
     split = split_operands(total, lambda v: constant(v) is not None) if total is not None else None
@@ -46,19 +45,19 @@ def _normalized(root: Node, users: Users) -> tuple[Value, float, Node] | None:
     if x is None:
         return None
     op = "mul" if root.op == "rsqrt" else "div"
-    for user in users.get(root.output, []):
+    for user in root.output.users:
         operands = split_operands(user, lambda v: v is d) if user.op == op else None
         if operands is not None and (op == "mul" or user.inputs[0] is d) and same_type(user.output, x):
             return x, float(constant(split[0])), user
     return None
 
 
-def _affine(y: Node, x: Value, users: Users, graph: Graph) -> tuple[Value | None, Value | None, Node]:
+def _affine(y: Node, x: Value, graph: Graph) -> tuple[Value | None, Value | None, Node]:
     """(weight, bias, last node) of the `* weight + bias` after y; each part optional."""
     weight = bias = None
     last = y
     for op in ("mul", "add"):
-        user = sole_user(users, last.output, graph)
+        user = sole_reader(last.output, graph)
         split = split_operands(user, lambda v: v is last.output) if user is not None and user.op == op else None
         if split is None or not is_vector_over_last_dim(split[1], x) or not same_type(user.output, x):
             continue
@@ -72,14 +71,13 @@ def _affine(y: Node, x: Value, users: Users, graph: Graph) -> tuple[Value | None
 
 def fuse_layer_norm(graph: Graph) -> Graph:
     """Rewrite every LayerNorm pattern above into `layer_norm`, in place; dead nodes are removed."""
-    users = graph.users()
     for root in [n for n in graph.nodes if n.op in ("rsqrt", "sqrt")]:
-        match = _normalized(root, users)
+        match = _normalized(root)
         if match is None:
             continue
         x, eps, y = match
-        weight, bias, last = _affine(y, x, users, graph)
+        weight, bias, last = _affine(y, x, graph)
         norm = graph.create("layer_norm", [x, weight, bias], {"eps": eps})
-        insert_before(graph, last, [norm])
-        replace_value(graph, last.output, norm.output)
+        graph.insert_before(last, norm)
+        graph.replace_all_uses(last.output, norm.output)
     return eliminate_dead_code(graph)

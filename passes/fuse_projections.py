@@ -18,18 +18,16 @@ import torch
 from kiln.ir import Graph, Node, Value
 
 from .dce import eliminate_dead_code
-from .match import Users
-from .rewrite import insert_before, replace_value
 
 
-def _own_param(value: Value | None, graph: Graph, users: Users) -> bool:
-    return value is not None and value.name in graph.params and len(users.get(value, [])) == 1
+def _own_param(value: Value | None, graph: Graph) -> bool:
+    return value is not None and value.name in graph.params and len(value.users) == 1
 
 
-def _mergeable(node: Node, graph: Graph, users: Users) -> bool:
+def _mergeable(node: Node, graph: Graph) -> bool:
     weight, bias = node.inputs[1], node.inputs[2]
-    return (_own_param(weight, graph, users) and weight.name in graph.weights
-            and (bias is None or (_own_param(bias, graph, users) and bias.name in graph.weights)))
+    return (_own_param(weight, graph) and weight.name in graph.weights
+            and (bias is None or (_own_param(bias, graph) and bias.name in graph.weights)))
 
 
 def merged_name(names: list[str]) -> str:
@@ -47,11 +45,11 @@ def _merged_param(graph: Graph, values: list[Value]) -> Value:
     return graph.add_param(graph.fresh_name(merged_name([v.name for v in values])), tensor)
 
 
-def _groups(graph: Graph, users: Users) -> list[list[Node]]:
+def _groups(graph: Graph) -> list[list[Node]]:
     """Mergeable linears by shared input, in graph order, for inputs read by two or more."""
     by_input: dict[int, list[Node]] = {}
     for node in graph.nodes:
-        if node.op == "linear" and _mergeable(node, graph, users):
+        if node.op == "linear" and _mergeable(node, graph):
             by_input.setdefault(id(node.inputs[0]), []).append(node)
     groups = []
     for nodes in by_input.values():
@@ -71,13 +69,14 @@ def _merge(graph: Graph, linears: list[Node]) -> None:
         end = start + node.inputs[1].type.shape[0]
         part = graph.create("slice", [merged.output], {"axis": -1, "start": start, "end": end})
         new_nodes.append(part)
-        replace_value(graph, node.output, part.output)
         start = end
-    insert_before(graph, linears[0], new_nodes)
+    graph.insert_before(linears[0], *new_nodes)
+    for node, part in zip(linears, new_nodes[1:]):
+        graph.replace_all_uses(node.output, part.output)
 
 
 def fuse_projections(graph: Graph) -> Graph:
     """Merge each group of linears sharing an input, in place; dead nodes and weights are removed."""
-    for linears in _groups(graph, graph.users()):
+    for linears in _groups(graph):
         _merge(graph, linears)
     return eliminate_dead_code(graph)

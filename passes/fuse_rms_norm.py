@@ -13,9 +13,8 @@ from __future__ import annotations
 from kiln.ir import Graph, Node, Value
 
 from .dce import eliminate_dead_code
-from .match import (Users, constant, is_constant, is_vector_over_last_dim, made_by, reduces_last_axis, same_type,
-                    sole_user, split_operands)
-from .rewrite import insert_before, replace_value
+from .match import (constant, is_constant, is_vector_over_last_dim, made_by, reduces_last_axis, same_type,
+                    sole_reader, split_operands)
 
 
 def _squared(value: Value) -> Value | None:
@@ -29,7 +28,7 @@ def _squared(value: Value) -> Value | None:
     return a if a is b else None
 
 
-def _normalized(rsqrt: Node, users: Users) -> tuple[Value, float, Node] | None:
+def _normalized(rsqrt: Node) -> tuple[Value, float, Node] | None:
     """(x, eps, the node computing x * rsqrt(...)) if `rsqrt` is the root of x's mean square + eps."""
     total = made_by(rsqrt.inputs[0], "add")
     split = split_operands(total, lambda v: constant(v) is not None) if total is not None else None
@@ -40,7 +39,7 @@ def _normalized(rsqrt: Node, users: Users) -> tuple[Value, float, Node] | None:
     x = _squared(mean.inputs[0]) if reduces_last_axis(mean) else None
     if x is None:
         return None
-    for user in users.get(rsqrt.output, []):
+    for user in rsqrt.output.users:
         if user.op == "mul" and split_operands(user, lambda v: v is x) and same_type(user.output, x):
             return x, float(eps), user
     return None
@@ -56,9 +55,9 @@ def _weight_of(scale: Value, x: Value) -> tuple[Value, float] | None:
     return (scale, 0.0) if is_vector_over_last_dim(scale, x) else None
 
 
-def _weighted(y: Node, x: Value, users: Users, graph: Graph) -> tuple[Value | None, float, Node]:
+def _weighted(y: Node, x: Value, graph: Graph) -> tuple[Value | None, float, Node]:
     """(weight, offset, last node of the norm): the weight multiply after y, if there is one."""
-    user = sole_user(users, y.output, graph)
+    user = sole_reader(y.output, graph)
     if user is not None and user.op == "mul":
         split = split_operands(user, lambda v: v is y.output)
         weight = _weight_of(split[1], x) if split else None
@@ -69,14 +68,13 @@ def _weighted(y: Node, x: Value, users: Users, graph: Graph) -> tuple[Value | No
 
 def fuse_rms_norm(graph: Graph) -> Graph:
     """Rewrite every RMSNorm pattern above into `rms_norm`, in place; dead nodes are removed."""
-    users = graph.users()
     for rsqrt in [n for n in graph.nodes if n.op == "rsqrt"]:
-        match = _normalized(rsqrt, users)
+        match = _normalized(rsqrt)
         if match is None:
             continue
         x, eps, y = match
-        weight, offset, last = _weighted(y, x, users, graph)
+        weight, offset, last = _weighted(y, x, graph)
         norm = graph.create("rms_norm", [x, weight], {"eps": eps, "offset": offset})
-        insert_before(graph, last, [norm])
-        replace_value(graph, last.output, norm.output)
+        graph.insert_before(last, norm)
+        graph.replace_all_uses(last.output, norm.output)
     return eliminate_dead_code(graph)

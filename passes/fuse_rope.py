@@ -26,13 +26,11 @@ from kiln.ir import Graph, Node, Value, get_op, to_torch
 from kiln.ir.dims import dims_equal, evaluate
 
 from .dce import eliminate_dead_code
-from .match import Users, has_shape, is_last_axis, made_by, sole_user, split_operands
-from .rewrite import insert_before, replace_value
+from .match import has_shape, is_last_axis, made_by, sole_reader, split_operands
 
 ELEMENTWISE = {"add", "sub", "mul", "div", "pow", "neg", "exp", "cos", "sin", "reciprocal", "sqrt", "rsqrt",
                "cast", "maximum", "minimum", "where", "gt", "lt", "ge", "le", "eq", "ne"}
 CONSTANTS = {"full", "arange"}
-
 
 def _halves_of(rotated: Value) -> tuple[Value, int] | None:
     """(x, h) if `rotated` is rotate_half(x) = cat(-x[..., h:], x[..., :h]) with x's last dim 2h."""
@@ -95,10 +93,10 @@ def _allowed(node: Node) -> bool:
     return False
 
 
-def position_function(graph: Graph, value: Value, order: dict[int, int]) -> tuple[Value, list[Node]] | None:
+def position_function(graph: Graph, value: Value) -> tuple[Value, list[Node]] | None:
     """(positions input, the nodes computing `value` in graph order) if `value` depends on one
     integer graph input of rank 2 and on constants only, through ops that keep each (b, t) to
-    itself. `order` maps id(node) to its index in graph.nodes."""
+    itself."""
     inputs, nodes, seen, stack = set(), [], set(), [value]
     while stack:
         v = stack.pop()
@@ -119,7 +117,7 @@ def position_function(graph: Graph, value: Value, order: dict[int, int]) -> tupl
         stack += [i for i in node.inputs if i is not None]
     if len(inputs) != 1:
         return None
-    return inputs.pop(), sorted(nodes, key=lambda n: order[id(n)])
+    return inputs.pop(), sorted(nodes, key=graph.position)
 
 
 class RopeTables:
@@ -128,7 +126,6 @@ class RopeTables:
 
     def __init__(self, graph: Graph):
         self.graph = graph
-        self.order = {id(n): i for i, n in enumerate(graph.nodes)}
         self.env = {id(v): graph.weights[name] for name, v in graph.params.items() if name in graph.weights}
         self.made: list[tuple[torch.Tensor, torch.Tensor, Value, Value]] = []
 
@@ -150,7 +147,7 @@ class RopeTables:
     def table(self, value: Value, x: Value) -> tuple[Value, torch.Tensor] | None:
         """(positions, table [max_positions, half]) if `value` is a cos/sin of positions laid out
         [batch, 1, seq, 2 * half] against x [batch, heads, seq, 2 * half], its two halves equal."""
-        found = position_function(self.graph, value, self.order)
+        found = position_function(self.graph, value)
         if found is None:
             return None
         positions, nodes = found
@@ -181,10 +178,10 @@ class RopeTables:
         return cos_param, sin_param
 
 
-def _partial_rotary_whole(out: Value, x_rot: Value, users: Users, graph: Graph) -> tuple[Value, Node] | None:
+def _partial_rotary_whole(out: Value, x_rot: Value, graph: Graph) -> tuple[Value, Node] | None:
     """(x, the concat) if out is the rotated part of cat(rope(x[..., :r]), x[..., r:])."""
     head = made_by(x_rot, "slice")
-    cat = sole_user(users, out, graph)
+    cat = sole_reader(out, graph)
     if head is None or cat is None or cat.op != "concat" or len(cat.inputs) != 2 or cat.inputs[0] is not out:
         return None
     tail = made_by(cat.inputs[1], "slice")
@@ -200,7 +197,6 @@ def _partial_rotary_whole(out: Value, x_rot: Value, users: Users, graph: Graph) 
 
 def fuse_rope(graph: Graph) -> Graph:
     """Rewrite every rotary embedding above into `rope`, in place; dead nodes are removed."""
-    users = graph.users()
     tables = RopeTables(graph)
     for add in [n for n in graph.nodes if n.op == "add"]:
         terms = _rotary_terms(add)
@@ -211,11 +207,11 @@ def fuse_rope(graph: Graph) -> Graph:
         if cos_table is None or sin_table is None or cos_table[0] is not sin_table[0]:
             continue
         positions = cos_table[0]
-        anchor, whole = add, _partial_rotary_whole(add.output, x, users, graph)
+        anchor, whole = add, _partial_rotary_whole(add.output, x, graph)
         if whole is not None:
             x, anchor = whole
         cos_param, sin_param = tables.params_for(cos_table[1], sin_table[1])
         rope = graph.create("rope", [x, positions, cos_param, sin_param])
-        insert_before(graph, anchor, [rope])
-        replace_value(graph, anchor.output, rope.output)
+        graph.insert_before(anchor, rope)
+        graph.replace_all_uses(anchor.output, rope.output)
     return eliminate_dead_code(graph)

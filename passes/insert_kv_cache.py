@@ -68,8 +68,7 @@ def _make_stateful(graph: Graph, node: Node, layer: int, positions: Value, max_b
     written = [graph.create("kv_write", [cache, new, positions]) for cache, new in zip(caches, (k, v))]
     attrs = dict(node.attrs, causal=False, window=window)
     attention = graph.create("attention", [q, written[0].output, written[1].output, None, positions], attrs)
-    index = graph.nodes.index(node)
-    graph.nodes[index:index + 1] = [*written, attention]
+    graph.insert_before(node, *written, attention)
     graph.replace_all_uses(node.output, attention.output)
-    graph.forget_names(node)
+    graph.erase(node)
     return [w.output for w in written]

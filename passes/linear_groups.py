@@ -27,12 +27,11 @@ def find_groups(graph: Graph, scheme: QuantScheme, include_embeddings: bool = Fa
     """Eligible linears grouped by input, in graph order. Left out: weights read anywhere else,
     and (unless `include_embeddings`) the output projection and tables shared with an embedding."""
     skipped = set() if include_embeddings else output_projections(graph) | embedding_tables(graph)
-    users = graph.users()
     groups: dict[int, LinearGroup] = {}
     for node in graph.nodes:
         weight = node.inputs[1] if node.op == "linear" else None
         if (weight is None or weight.name in skipped or not eligible_weight(graph, weight, scheme)
-                or len(users.get(weight, [])) != 1):
+                or len(weight.users) != 1):
             continue
         groups.setdefault(id(node.inputs[0]), LinearGroup(node.inputs[0], [])).linears.append(node)
     return list(groups.values())

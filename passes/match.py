@@ -3,7 +3,8 @@
 Each fusion pass matches its pattern by hand, producer by producer from an anchor node, so
 that the matcher reads like the formula it recognizes. These are the questions they share:
 which op made this value, is it a constant and which, which operand of a commutative op is
-the one we look for, is an axis the last one, is a value read by exactly one node.
+the one we look for, is an axis the last one, is a value read by exactly one node (its `users`,
+which the graph keeps current).
 """
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from typing import Callable
 from kiln.ir import Graph, Node, Value
 from kiln.ir.dims import dims_equal
 
-Users = dict[Value, list[Node]]
 COMMUTATIVE = ("add", "mul")
 
 
@@ -57,12 +57,11 @@ def reduces_last_axis(node: Node | None) -> bool:
     return len(axes) == 1 and is_last_axis(axes[0], node.inputs[0].type.rank)
 
 
-def sole_user(users: Users, value: Value, graph: Graph | None = None) -> Node | None:
-    """The one node reading `value`, or None if several (or none, or a graph output) read it."""
-    readers = users.get(value, [])
-    if len(readers) != 1 or (graph is not None and any(v is value for v in graph.outputs)):
+def sole_reader(value: Value, graph: Graph | None = None) -> Node | None:
+    """The one node reading `value`, or None if several (or none) do, or it is an output of `graph`."""
+    if len(value.users) != 1 or (graph is not None and graph.is_output(value)):
         return None
-    return readers[0]
+    return value.users[0]
 
 
 def has_shape(value: Value, shape: tuple) -> bool:

@@ -14,7 +14,6 @@ from kiln.ir import Graph, Value
 
 from .dce import eliminate_dead_code
 from .quant_schemes import QuantScheme
-from .rewrite import replace_value
 from .round_to_nearest import QuantizedWeight, fits, quantize_weight
 
 
@@ -22,13 +21,13 @@ def output_projections(graph: Graph) -> set[str]:
     """Names of the weights of linears whose result flows, through shape ops only, into a graph output."""
     shape_ops = {"reshape", "slice", "cast", "permute"}
     outputs = {id(v) for v in graph.outputs}
-    users, names = graph.users(), set()
+    names = set()
     for node in graph.nodes:
         if node.op != "linear":
             continue
         value = node.output
-        while id(value) not in outputs and len(users.get(value, [])) == 1 and users[value][0].op in shape_ops:
-            value = users[value][0].output
+        while id(value) not in outputs and len(value.users) == 1 and value.users[0].op in shape_ops:
+            value = value.users[0].output
         if id(value) in outputs:
             names.add(node.inputs[1].name)
     return names
@@ -81,8 +80,8 @@ def quantize_weights(graph: Graph, scheme: QuantScheme, include_embeddings: bool
     weights (by name) another scheme than `scheme` (mixed precision)."""
     skipped = set() if include_embeddings else output_projections(graph) | embedding_tables(graph)
     quantizer = WeightQuantizer(graph, scheme, overrides)
-    new_nodes, replaced = [], 0
-    for node in graph.nodes:
+    replaced = 0
+    for node in list(graph.nodes):
         replacement = None
         if node.op == "linear" and node.inputs[1].name not in skipped and eligible_weight(graph, node.inputs[1], scheme):
             qweight, scales, zeros = quantizer.params_for(node.inputs[1])
@@ -93,13 +92,11 @@ def quantize_weights(graph: Graph, scheme: QuantScheme, include_embeddings: bool
             replacement = graph.create("embedding_q", [qweight, scales, node.inputs[1], zeros],
                                        quantizer.attrs(node.inputs[0]))
         if replacement is None:
-            new_nodes.append(node)
             continue
-        new_nodes.append(replacement)
-        replace_value(graph, node.output, replacement.output)
-        graph.forget_names(node)
+        graph.insert_before(node, replacement)
+        graph.replace_all_uses(node.output, replacement.output)
+        graph.erase(node)
         replaced += 1
-    graph.nodes = new_nodes
     eliminate_dead_code(graph)  # drops the f32 weights nothing reads any more
     graph.meta["quantization"] = {
         "scheme": scheme.name, "quantized_nodes": replaced, "quantize_embeddings": include_embeddings,

@@ -92,7 +92,6 @@ class _Sharder:
         self.env: dict[int, Value] = {}  # source value -> rebuilt value
         self.layouts: dict[int, Layout] = {}  # rebuilt value -> its layout (absent: replicated)
         self.param_specs: dict[str, tuple] = {}
-        self.users = graph.users()
         self.column = _column_parallel_linears(graph)
         self.lm_head = _lm_head(graph)
 
@@ -130,8 +129,7 @@ class _Sharder:
         return None if v is None else self.layouts.get(id(v))
 
     def _emit(self, op: str, inputs, attrs: dict, layout: Layout | None = None) -> Value:
-        node = self.out.create(op, inputs, attrs)
-        self.out.nodes.append(node)
+        node = self.out.append(self.out.create(op, inputs, attrs))
         for v in node.outputs:
             if layout is not None:
                 self.layouts[id(v)] = layout
@@ -212,7 +210,7 @@ class _Sharder:
         """The output's segments: one per slice of the last axis that reads it (fused q/k/v or
         gate/up), else one; a segment that a reshape splits into heads is cut by heads."""
         width = node.output.type.shape[-1]
-        readers = self.users.get(node.output, [])
+        readers = node.output.users
         if readers and all(r.op == "slice" and r.attrs["axis"] in (-1, node.output.type.rank - 1)
                            and r.attrs["step"] == 1 for r in readers):
             heads: dict[tuple[int, int], int | None] = {}
@@ -227,7 +225,7 @@ class _Sharder:
 
     def _heads_after(self, value: Value) -> int | None:
         """n where a reader reshapes [..., n * d] into [..., n, d] (attention heads), else None."""
-        for reader in self.users.get(value, []):
+        for reader in value.users:
             if reader.op == "reshape":
                 out = reader.output.type.shape
                 if len(out) == value.type.rank + 1 and isinstance(out[-2], int):

@@ -78,7 +78,7 @@ def copy_graph(graph: Graph) -> Graph:
     for node in graph.nodes:
         inputs = [None if v is None else new[id(v)] for v in node.inputs]
         copy = clone.make_node(node.op, inputs, node.attrs, [v.type for v in node.outputs], [v.name for v in node.outputs])
-        clone.nodes.append(copy)
+        clone.append(copy)
         new.update({id(v): c for v, c in zip(node.outputs, copy.outputs)})
     clone.outputs = [new[id(v)] for v in graph.outputs]
     return clone
@@ -251,9 +251,8 @@ def test_cos_of_the_token_index_rather_than_its_position_is_no_table():
     index = graph.call("cast", graph.call("arange", end=seq), dtype="f32")
     by_index = graph.call("cos", graph.call("add", graph.call("cast", positions, dtype="f32"), index))
     by_position = graph.call("sin", graph.call("cast", positions, dtype="f32"))
-    order = {id(n): i for i, n in enumerate(graph.nodes)}
-    assert position_function(graph, by_index, order) is None
-    assert position_function(graph, by_position, order)[0] is positions
+    assert position_function(graph, by_index) is None
+    assert position_function(graph, by_position)[0] is positions
 
 
 class HandWrittenLayerNorm(torch.nn.Module):

@@ -235,6 +235,7 @@ FX_LOWERINGS: dict[str, Lowering] = {
     "any": lambda b, node, args, attrs: b.call(torch.any, b.method("bool", args[0]),
                                                dim=tuple(attrs["axes"]), keepdim=attrs["keepdim"]),
     "cumsum": _torch_call(torch.cumsum, axis="dim"),
+    "topk": _torch_call(torch.topk, axis="dim"),
     "softmax": _torch_call(torch.softmax, axis="dim"),
     "reshape": lambda b, node, args, attrs: b.method("reshape", args[0], attrs["shape"]),
     "permute": lambda b, node, args, attrs: b.method("permute", args[0], attrs["perm"]),
@@ -280,10 +281,9 @@ def attribute_name(ir_name: str, prefix: str, taken: set[str]) -> str:
 
 def _check_state_use(graph: Graph, state: Mapping[str, torch.Tensor]) -> None:
     """A state input is written in place, so only one kv_write may read it (as its cache)."""
-    users = graph.users()
     for v in graph.inputs:
         if v.name in state:
-            readers = users.get(v, [])
+            readers = v.users
             if len(readers) != 1 or readers[0].op != "kv_write" or readers[0].inputs[0] is not v:
                 raise LoweringError(f"state input %{v.name} must be read by exactly one kv_write (as its "
                                     f"cache); it is read by {[n.op for n in readers]}")

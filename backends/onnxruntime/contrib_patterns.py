@@ -50,22 +50,21 @@ def plan_contrib_ops(graph: Graph, attention_dtypes: frozenset[str] = frozenset(
     """Find every contrib-op group of `graph`; attention goes to GroupQueryAttention only in
     `attention_dtypes` (the provider's kernel types), else it stays in plain ONNX ops."""
     plan = Plan()
-    users = graph.users()
     outputs = {id(v) for v in graph.outputs}
     for node in graph.nodes:
         if node.op == "attention" and node.inputs[0].type.dtype in attention_dtypes:
-            _plan_attention(graph, node, users, outputs, plan)
+            _plan_attention(graph, node, outputs, plan)
     absorbed: set[int] = set()
     for node in graph.nodes:
-        _plan_norm(graph, node, users, absorbed, plan)
+        _plan_norm(node, absorbed, plan)
     for node in graph.nodes:
         if node.op in ("linear", "linear_q"):
-            _plan_split_projection(graph, node, users, outputs, plan)
+            _plan_split_projection(graph, node, outputs, plan)
     return plan
 
 
 # -- attention -----------------------------------------------------------------------------
-def _plan_attention(graph: Graph, node: Node, users, outputs, plan: Plan) -> None:
+def _plan_attention(graph: Graph, node: Node, outputs, plan: Plan) -> None:
     q, k, v, mask, positions = node.inputs
     writes = [k.producer, v.producer]
     if mask is not None or positions is not graph.inputs[1] or any(w is None or w.op != "kv_write" for w in writes):
@@ -73,9 +72,9 @@ def _plan_attention(graph: Graph, node: Node, users, outputs, plan: Plan) -> Non
     if node.attrs["alibi"]:
         return  # GroupQueryAttention has no ALiBi: the plain lowering adds the bias
     caches = [w.inputs[0] for w in writes]
-    if any(c not in graph.inputs[2:] or users.get(c) != [w] for c, w in zip(caches, writes)):
+    if any(c not in graph.inputs[2:] or c.users != [w] for c, w in zip(caches, writes)):
         return
-    if any(w.inputs[2] is not positions or users.get(w.output, []) != [node] for w in writes):
+    if any(w.inputs[2] is not positions or w.output.users != [node] for w in writes):
         return
     q_heads, kv_heads, head_dim = q.type.shape[1], k.type.shape[1], q.type.shape[3]
     if not all(isinstance(d, int) for d in (q_heads, kv_heads, head_dim)) or head_dim % 8 or q_heads % kv_heads:
@@ -86,7 +85,7 @@ def _plan_attention(graph: Graph, node: Node, users, outputs, plan: Plan) -> Non
         return
     max_seq_len = caches[0].type.shape[2]
     rotary = _foldable_rope(q, writes[0].inputs[1], positions, head_dim, max_seq_len)
-    out_reshape = _bsh_reader(node.output, users, outputs)
+    out_reshape = _bsh_reader(node.output, outputs)
     q_in, k_in = (rotary[0], rotary[1]) if rotary is not None else (q, writes[0].inputs[1])
     v_in = writes[1].inputs[1]
     sources = [_bsh_source(x) for x in (q_in, k_in, v_in)]
@@ -134,15 +133,15 @@ def _bsh_source(value: Value) -> Value | None:
     return source
 
 
-def _bsh_reader(out: Value, users, outputs) -> Node | None:
+def _bsh_reader(out: Value, outputs) -> Node | None:
     """The reshape reading attention's output as [b, s, h*d] through permute(0, 2, 1, 3), if any."""
-    readers = users.get(out, [])
+    readers = out.users
     if id(out) in outputs or len(readers) != 1 or readers[0].op != "permute":
         return None
     permute = readers[0]
     if tuple(p % 4 for p in permute.attrs["perm"]) != (0, 2, 1, 3):
         return None
-    after = users.get(permute.output, [])
+    after = permute.output.users
     if id(permute.output) in outputs or len(after) != 1 or after[0].op != "reshape":
         return None
     return after[0]
@@ -220,8 +219,8 @@ def _emit_gqa(b: OnnxBuilder, node: Node, writes: list[Node], inputs: tuple, rot
 
 
 # -- normalizations ------------------------------------------------------------------------
-def _plan_norm(graph: Graph, node: Node, users, absorbed: set[int], plan: Plan) -> None:
-    match = _match_norm(graph, node)
+def _plan_norm(node: Node, absorbed: set[int], plan: Plan) -> None:
+    match = _match_norm(node)
     if match is None:
         return
     kind, x, weight, bias, eps, offset = match
@@ -238,7 +237,7 @@ def _plan_norm(graph: Graph, node: Node, users, absorbed: set[int], plan: Plan) 
     plan.emitters[id(node)] = lambda b: _emit_norm(b, kind, x, weight, bias, eps, offset, add if skip_add else None)
 
 
-def _match_norm(graph: Graph, node: Node):
+def _match_norm(node: Node):
     """(kind, x, weight, bias, eps, offset) for rms_norm, layer_norm, or a decomposed RMS norm."""
     if node.op == "rms_norm":
         return "rms", node.inputs[0], node.inputs[1], None, node.attrs["eps"], node.attrs["offset"]
@@ -297,11 +296,11 @@ def _emit_norm(b: OnnxBuilder, kind: str, x: Value, weight, bias, eps: float, of
 
 
 # -- projections -----------------------------------------------------------------------------
-def _plan_split_projection(graph: Graph, node: Node, users, outputs, plan: Plan) -> None:
+def _plan_split_projection(graph: Graph, node: Node, outputs, plan: Plan) -> None:
     """A fused projection (one linear, read only through last-axis slices) becomes one MatMul per
     slice over the matching rows of the weight: no slice copies, as separate projections run."""
     constants = [v for v in node.inputs[1:] if v is not None]  # weight (or q, scales, zeros) and bias
-    readers = users.get(node.output, [])
+    readers = node.output.users
     if id(node.output) in outputs or id(node.output) in plan.packed_inputs:
         return
     if any(v.name not in graph.params for v in constants):

@@ -113,7 +113,7 @@ def logits_head(graph: Graph) -> Node | None:
     node = value.producer
     if node is None or node.op not in ("linear", "linear_q") or node.inputs[0].type.rank != 3:
         return None
-    return node if len(graph.users().get(node.inputs[0], [])) == 1 else None
+    return node if len(node.inputs[0].users) == 1 else None
 
 
 def _lower_nodes(graph: Graph, b: OnnxBuilder, plan: Plan, head: Node | None = None) -> None:
