@@ -5,22 +5,21 @@
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (the model's chat template), GET
 /v1/models, GET /health, GET /metrics (Prometheus), GET /openapi.json. Streaming uses server-sent events. Each
-request is submitted to `llm.submit` and shares the KV slots with every other request in
-flight; a full waiting queue answers 429, and a client that goes away cancels its request.
+request is submitted to `llm.submit` (`n` / `best_of` samples: that many, runtime/openai_samples.py)
+and shares the KV slots with every other request in flight; a full waiting queue answers 429,
+and a client that goes away cancels its request.
 """
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
-import re
-import secrets
 import threading
 import time
 import uuid
 
 from fastapi import FastAPI, Request
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 from starlette.responses import JSONResponse, Response
 
@@ -29,17 +28,17 @@ from kiln.runtime import openai_protocol as api
 from kiln.runtime.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from kiln.runtime.errors import ConstraintError
 from kiln.runtime.host_check import HostCheck, default_allowed_hosts
-from kiln.runtime.openai_errors import (APIError, from_kiln_error, from_validation_error, internal, invalid,
-                                        model_not_found)
+from kiln.runtime.openai_errors import APIError, internal, invalid, model_not_found
 from kiln.runtime.openai_logprobs import chat_logprobs, completion_logprobs
+from kiln.runtime.openai_request import check_request, constraint_param, parse_body, sampling_keywords, single_prompt
+from kiln.runtime.openai_samples import (Samples, best_results, collect, finished, ranking_logprobs, sample_counts,
+                                         submit_samples)
 from kiln.runtime.server_metrics import RequestTimer, ServerMetrics
 from kiln.runtime.sse import event, event_stream
 
 log = logging.getLogger(__name__)
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "cancelled": "abort"}
-MAX_JSON_DEPTH = 64  # far beyond any real body (a JSON schema's nesting included); bounds the recursions after it
-LONE_SURROGATE = re.compile("[\ud800-\udfff]")  # json.loads makes them from escapes like "\ud800"
 
 
 def create_app(llm, model_name: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
@@ -154,27 +153,32 @@ def _openapi(app: FastAPI):
 # -- the two generation endpoints ----------------------------------------------------------------
 async def _completion(llm, name: str, request: Request, metrics: ServerMetrics, request_id: str) -> Response:
     timer = metrics.timer()
-    req = await _parse(request, api.CompletionRequest)
-    _check_request(req, name)
-    if req.echo or req.suffix is not None or req.best_of not in (None, 1):
-        param = "echo" if req.echo else "suffix" if req.suffix is not None else "best_of"
+    req = await parse_body(request, api.CompletionRequest)
+    check_request(req, name)
+    if req.echo or req.suffix is not None:
+        param = "echo" if req.echo else "suffix"
         raise invalid(f"{param} is not supported by this server. Fix: leave it out.", param)
-    prompt = _single_prompt(req.prompt)
-    failed = _on_failure(request_id, _constraint_param(req))
-    handle = await _submit(llm, prompt, "prompt", _sampling(llm, req, req.max_tokens, req.logprobs), failed)
+    n, best_of = sample_counts(req.n, req.best_of, req.stream)
+    prompt = single_prompt(req.prompt)
+    failed = _on_failure(request_id, constraint_param(req))
+    sampling = sampling_keywords(llm, req, req.max_tokens, ranking_logprobs(req.logprobs, n, best_of))
+    samples = await submit_samples(llm, prompt, "prompt", sampling, best_of, failed)
     if req.stream:
-        return event_stream(_completion_events(handle, req, name, timer), handle, failed)
-    result = await _collect(handle, timer, request, failed)
-    logprobs = await asyncio.to_thread(completion_logprobs, llm, result) if req.logprobs is not None else None
-    choice = api.CompletionChoice(text=result.text, finish_reason=FINISH_REASONS.get(result.finish_reason),
-                                  logprobs=logprobs)
-    return _json(api.CompletionResponse(model=name, choices=[choice], usage=_usage(result)))
+        return event_stream(_completion_events(samples, req, name, timer), samples, failed)
+    drawn = await collect(samples, timer, request, failed)
+    choices = []
+    for index, result in enumerate(best_results(drawn, n, req.logprobs)):
+        logprobs = await asyncio.to_thread(completion_logprobs, llm, result) if req.logprobs is not None else None
+        choices.append(api.CompletionChoice(index=index, text=result.text, logprobs=logprobs,
+                                            finish_reason=FINISH_REASONS.get(result.finish_reason)))
+    return _json(api.CompletionResponse(model=name, choices=choices, usage=_usage(drawn)))
 
 
 async def _chat(llm, name: str, request: Request, metrics: ServerMetrics, request_id: str) -> Response:
     timer = metrics.timer()
-    req = await _parse(request, api.ChatCompletionRequest)
-    _check_request(req, name)
+    req = await parse_body(request, api.ChatCompletionRequest)
+    check_request(req, name)
+    n, _ = sample_counts(req.n, None, req.stream)
     messages = [_template_message(message, index) for index, message in enumerate(req.messages)]
     try:
         prompt = await asyncio.to_thread(llm.encode_chat, messages)
@@ -182,15 +186,17 @@ async def _chat(llm, name: str, request: Request, metrics: ServerMetrics, reques
         raise invalid(str(error), "messages") from None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     top = (req.top_logprobs or 0) if req.logprobs else None
-    failed = _on_failure(request_id, _constraint_param(req))
-    handle = await _submit(llm, prompt, "messages", _sampling(llm, req, max_tokens, top), failed)
+    failed = _on_failure(request_id, constraint_param(req))
+    samples = await submit_samples(llm, prompt, "messages", sampling_keywords(llm, req, max_tokens, top), n, failed)
     if req.stream:
-        return event_stream(_chat_events(handle, req, name, timer), handle, failed)
-    result = await _collect(handle, timer, request, failed)
-    logprobs = await asyncio.to_thread(chat_logprobs, llm, result) if req.logprobs else None
-    choice = api.ChatChoice(message=api.AssistantMessage(content=result.text),
-                            finish_reason=FINISH_REASONS.get(result.finish_reason), logprobs=logprobs)
-    return _json(api.ChatCompletionResponse(model=name, choices=[choice], usage=_usage(result)))
+        return event_stream(_chat_events(samples, req, name, timer), samples, failed)
+    results = await collect(samples, timer, request, failed)
+    choices = []
+    for index, result in enumerate(results):
+        logprobs = await asyncio.to_thread(chat_logprobs, llm, result) if req.logprobs else None
+        choices.append(api.ChatChoice(index=index, message=api.AssistantMessage(content=result.text),
+                                      finish_reason=FINISH_REASONS.get(result.finish_reason), logprobs=logprobs))
+    return _json(api.ChatCompletionResponse(model=name, choices=choices, usage=_usage(results)))
 
 
 def _template_message(message: api.ChatMessage, index: int) -> dict:
@@ -221,35 +227,43 @@ def _tool_arguments(arguments: str, param: str) -> dict:
     return parsed
 
 
-async def _completion_events(handle, req: api.CompletionRequest, name: str, timer: RequestTimer):
+async def _completion_events(samples: Samples, req: api.CompletionRequest, name: str, timer: RequestTimer):
     base = dict(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=name)
-    async for piece in handle:
-        timer.piece()
-        yield event(api.CompletionResponse(**base, choices=[api.CompletionChoice(text=piece)]))
-    result = await handle.wait()
-    _finished(timer, result)
-    yield event(api.CompletionResponse(**base, choices=[api.CompletionChoice(
-        text="", finish_reason=FINISH_REASONS.get(result.finish_reason))]))
+    async for index, piece in samples.pieces():
+        if piece is None:  # that sample is done
+            result = await samples.handles[index].wait()
+            piece, reason = "", FINISH_REASONS.get(result.finish_reason)
+        else:
+            timer.piece()
+            reason = None
+        yield event(api.CompletionResponse(**base, choices=[api.CompletionChoice(index=index, text=piece,
+                                                                                 finish_reason=reason)]))
+    results = await samples.results()
+    finished(timer, results)
     if req.stream_options and req.stream_options.include_usage:
-        yield event(api.CompletionResponse(**base, choices=[], usage=_usage(result)))
+        yield event(api.CompletionResponse(**base, choices=[], usage=_usage(results)))
 
 
-async def _chat_events(handle, req: api.ChatCompletionRequest, name: str, timer: RequestTimer):
+async def _chat_events(samples: Samples, req: api.ChatCompletionRequest, name: str, timer: RequestTimer):
     base = dict(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=name)
 
-    def chunk(delta: api.Delta, finish_reason=None, usage=None, choices=True):
-        listed = [api.ChatChunkChoice(delta=delta, finish_reason=finish_reason)] if choices else []
-        return event(api.ChatCompletionChunk(**base, choices=listed, usage=usage))
+    def chunk(index: int, delta: api.Delta, finish_reason=None):
+        return event(api.ChatCompletionChunk(**base, choices=[api.ChatChunkChoice(
+            index=index, delta=delta, finish_reason=finish_reason)]))
 
-    yield chunk(api.Delta(role="assistant", content=""))
-    async for piece in handle:
-        timer.piece()
-        yield chunk(api.Delta(content=piece))
-    result = await handle.wait()
-    _finished(timer, result)
-    yield chunk(api.Delta(), FINISH_REASONS.get(result.finish_reason))
+    for index in range(len(samples.handles)):
+        yield chunk(index, api.Delta(role="assistant", content=""))
+    async for index, piece in samples.pieces():
+        if piece is None:
+            result = await samples.handles[index].wait()
+            yield chunk(index, api.Delta(), FINISH_REASONS.get(result.finish_reason))
+        else:
+            timer.piece()
+            yield chunk(index, api.Delta(content=piece))
+    results = await samples.results()
+    finished(timer, results)
     if req.stream_options and req.stream_options.include_usage:
-        yield chunk(api.Delta(), usage=_usage(result), choices=False)
+        yield event(api.ChatCompletionChunk(**base, choices=[], usage=_usage(results)))
 
 
 # -- request handling ----------------------------------------------------------------------------
@@ -283,197 +297,14 @@ def _on_failure(request_id: str, constraint_param: str | None = None):
     return failed
 
 
-async def _parse(request: Request, model: type[BaseModel]):
-    """The request body as `model`: malformed JSON and invalid fields are 400s naming the problem;
-    a Content-Type other than application/json is a 415 (text/plain, form data and no type at all
-    are what a cross-origin page can POST without asking the server first)."""
-    media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
-    if media_type != "application/json":
-        raise APIError(415, f"The request's Content-Type is {media_type or 'missing'}; this endpoint takes "
-                       "application/json. Fix: send the header Content-Type: application/json (curl: "
-                       "-H 'Content-Type: application/json').", "invalid_request_error", None,
-                       "unsupported_media_type")
-    raw = await request.body()
-    try:
-        body = json.loads(raw)
-    except RecursionError:
-        raise invalid(f"The request body nests too deeply. Fix: keep it within {MAX_JSON_DEPTH} levels.") from None
-    except ValueError as error:  # malformed JSON, bytes that are not UTF-8, an integer of 4300+ digits
-        raise invalid(f"The request body is not valid JSON ({error}). Fix: send a JSON object.") from None
-    if not isinstance(body, dict):
-        raise invalid(f"The request body must be a JSON object, got {type(body).__name__}.")
-    _check_json_values(body)
-    try:
-        return model.model_validate(body)
-    except ValidationError as error:
-        raise from_validation_error(error) from None
-
-
-def _check_json_values(value, path: tuple = ()) -> None:
-    """400 for what json.loads accepts but no field can take: nesting deeper than MAX_JSON_DEPTH,
-    and text holding a lone surrogate (it has no UTF-8 form, so the tokenizer would fail on it)."""
-    if len(path) > MAX_JSON_DEPTH:
-        raise invalid(f"The request body nests deeper than {MAX_JSON_DEPTH} levels in {path[0]!r}. "
-                      f"Fix: keep it within {MAX_JSON_DEPTH} levels.", _param(path[:1]))
-    if isinstance(value, str):
-        _check_text(value, path)
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _check_text(key, path, "a key of ")  # the key itself cannot go into the answer
-            _check_json_values(item, path + (key,))
-    elif isinstance(value, list):
-        for index, item in enumerate(value):
-            _check_json_values(item, path + (index,))
-
-
-def _check_text(text: str, path: tuple, what: str = "") -> None:
-    surrogate = LONE_SURROGATE.search(text)
-    if surrogate is not None:
-        param = _param(path)
-        raise invalid(f"Invalid value for {what}{param!r}: the text holds a lone surrogate {ascii(surrogate.group())} "
-                      f"at character {surrogate.start()}, which is not Unicode text. Fix: send valid UTF-8 (a "
-                      "character beyond U+FFFF escaped as a pair of surrogates).", param, "invalid_value")
-
-
-def _param(path: tuple) -> str | None:
-    return ".".join(str(part) for part in path) or None
-
-
-def _check_request(req: api.SamplingFields, name: str) -> None:
-    if req.model != name:
-        raise model_not_found(req.model, name)
-    if req.n != 1:
-        raise invalid(f"n={req.n} is not supported: this server returns one choice per request. "
-                      "Fix: send n=1 (or leave it out) and make concurrent requests for more samples.", "n")
-    if req.stream and getattr(req, "logprobs", None) not in (None, False):
-        raise invalid("logprobs are not returned when streaming. Fix: set stream=false to get them.", "logprobs")
-
-
-def _single_prompt(prompt) -> str | list[int]:
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise invalid(f"{len(prompt)} prompts in one request; this server takes one. "
-                          "Fix: send one request per prompt (they are batched together anyway).", "prompt")
-        prompt = prompt[0]
-    if not prompt:
-        raise invalid("The prompt is empty. Fix: give at least one token of prompt.", "prompt")
-    return prompt
-
-
-def _sampling(llm, req: api.SamplingFields, max_tokens: int | None, logprobs: int | None) -> dict:
-    """llm.submit's keywords for a request."""
-    return dict(
-        max_new_tokens=llm.max_seq_len if max_tokens is None else max_tokens,
-        temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
-        seed=req.seed if req.seed is not None else secrets.randbelow(2**31),
-        stop=[s for s in ([req.stop] if isinstance(req.stop, str) else req.stop or []) if s], ignore_eos=req.ignore_eos, stop_token_ids=tuple(req.stop_token_ids),
-        min_p=req.min_p, typical_p=req.typical_p, eta=req.eta, repetition_penalty=req.repetition_penalty,
-        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-        logit_bias=_logit_bias(req.logit_bias), logprobs=logprobs, **_constraint(req))
-
-
-def _constraint_param(req: api.SamplingFields) -> str | None:
-    """The request field that holds its output constraint, if any (for errors naming it)."""
-    fmt = req.response_format
-    if fmt is not None and fmt.type != "text":
-        return "response_format"
-    return "regex" if req.regex is not None else "choices" if req.choices is not None else None
-
-
-def _constraint(req: api.SamplingFields) -> dict:
-    """The structured-output keywords of a request (json_schema, regex or choices), if any."""
-    chosen = {}
-    fmt = req.response_format
-    if fmt is not None and fmt.type == "json_object":
-        chosen["json_schema"] = {"type": "object"}
-    elif fmt is not None and fmt.type == "json_schema":
-        if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-            raise invalid("response_format of type json_schema needs json_schema.schema. Fix: send "
-                          '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}.', "response_format")
-        chosen["json_schema"] = fmt.json_schema.schema_
-    if req.regex is not None:
-        chosen["regex"] = req.regex
-    if req.choices is not None:
-        chosen["choices"] = req.choices
-    if len(chosen) > 1:
-        raise invalid(f"Give one output constraint, got {sorted(chosen)}. Fix: keep one of response_format, "
-                      "regex and choices.", "response_format")
-    return chosen
-
-
-def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
-    """Token id -> bias (llm.submit checks the ids against the model's vocabulary)."""
-    out = {}
-    for key, value in (bias or {}).items():
-        token = _token_key(key)
-        if token is None:
-            raise invalid(f"logit_bias key {key!r:.40} is not a token id. Fix: key the biases by token ids "
-                          "(decimal strings, as OpenAI's API takes them).", "logit_bias")
-        if not -100 <= value <= 100:
-            raise invalid(f"logit_bias for token {key} is {value}; biases must be in [-100, 100].", "logit_bias")
-        out[token] = float(value)
-    return out
-
-
-def _token_key(key: str) -> int | None:
-    """A logit_bias key as a token id; None unless it is decimal digits (OpenAI's form)."""
-    if not (key.isascii() and key.lstrip("-").isdigit()) or len(key) > 20:
-        return None
-    return int(key)
-
-
-async def _submit(llm, prompt, prompt_param: str, sampling: dict, failed):
-    """Queue the request (validation and tokenizing run off the event loop)."""
-    try:
-        return await asyncio.to_thread(llm.submit, prompt, **sampling)
-    except ConstraintError as error:  # a malformed or unsatisfiable constraint, found at compiling
-        raise failed(error) from None
-    except KilnError as error:
-        raise from_kiln_error(error, prompt_param) from None
-
-
-async def _collect(handle, timer: RequestTimer, request: Request, failed):
-    """The finished result of a non-streamed request; cancels it if the client goes away first.
-    An exception that ended the request becomes `failed(exception)`."""
-
-    async def drain():
-        async for _ in handle:
-            timer.piece()
-        return await handle.wait()
-
-    async def client_gone():
-        while (await request.receive())["type"] != "http.disconnect":
-            pass
-
-    generation, watch = asyncio.ensure_future(drain()), asyncio.ensure_future(client_gone())
-    try:
-        await asyncio.wait({generation, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not generation.done():
-            handle.cancel()
-            generation.cancel()
-    if not generation.done() or generation.cancelled():
-        raise APIError(499, "The client closed the connection.", "client_closed_request")
-    try:
-        result = generation.result()
-    except Exception as error:  # noqa: BLE001 - the request's failure, answered as its error
-        raise failed(error) from None
-    _finished(timer, result)
-    return result
-
-
-def _finished(timer: RequestTimer, result) -> None:
-    timer.finished(len(result.prompt_token_ids), len(result.token_ids))
-
-
 # -- response pieces -----------------------------------------------------------------------------
 def _json(model: BaseModel) -> JSONResponse:
     return JSONResponse(model.model_dump())
 
 
-def _usage(result) -> api.Usage:
-    prompt, completion = len(result.prompt_token_ids), len(result.token_ids)
+def _usage(results: list) -> api.Usage:
+    """The prompt once, and every sample's tokens (best_of's dropped ones too: they were generated)."""
+    prompt, completion = len(results[0].prompt_token_ids), sum(len(result.token_ids) for result in results)
     return api.Usage(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
 
 

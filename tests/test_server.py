@@ -185,7 +185,7 @@ def test_prompt_longer_than_the_context_is_400_context_length_exceeded(client):
 
 
 @pytest.mark.parametrize("bad, param", [
-    (dict(temperature=-1), "temperature"), (dict(n=2), "n"), (dict(top_p=0), "top_p"),
+    (dict(temperature=-1), "temperature"), (dict(n=0), "n"), (dict(top_p=0), "top_p"),
     (dict(logit_bias={"999999": 1}), "logit_bias"), (dict(extra_body={"bogus": 1}), "bogus"),
 ])
 def test_invalid_parameters_are_400_naming_the_parameter(client, bad, param):

@@ -1,0 +1,39 @@
+"""Serving an app on a loopback port for the `openai` client: uvicorn in a daemon thread."""
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import uvicorn
+
+import kiln
+
+_ARTIFACTS: dict = {}
+
+
+def tiny_llama_artifact(tiny_model_dirs, tmp_path_factory):
+    """The tiny Llama compiled once per session for the server tests (reference backend, context
+    128, max_batch 4: concurrent requests share the KV rows); each module loads its own LLM."""
+    if "llama" not in _ARTIFACTS:
+        _ARTIFACTS["llama"] = kiln.compile(str(tiny_model_dirs("llama")),
+                                           out=tmp_path_factory.mktemp("served") / "tiny-llama.kiln",
+                                           backend="reference", max_seq_len=128, max_batch=4)
+    return _ARTIFACTS["llama"]
+
+
+@contextlib.contextmanager
+def served(app):
+    """The app served on a free loopback port; yields its base URL (http://127.0.0.1:PORT)."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
