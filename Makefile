@@ -10,7 +10,7 @@ VENV := .venv
 VENV_STAMP := $(VENV)/.installed
 PROMPT := What is the capital of France?
 
-.PHONY: $(VENV) test run chromium clang
+.PHONY: $(VENV) test run speculator chromium clang
 
 # `make .venv` builds the environment; the stamp records that every step finished.
 $(VENV): $(VENV_STAMP)
@@ -49,3 +49,9 @@ test: $(VENV_STAMP) chromium clang
 run: $(VENV_STAMP)
 	$(VENV)/bin/compile-model -o out/smollm2.kiln && \
 		$(VENV)/bin/kiln generate out/smollm2.kiln --chat --max-new-tokens 64 --prompt "$(PROMPT)"
+
+# The default model with trained draft heads (speculative="heads"), made once: an existing
+# artifact is reused, and training resumes from its checkpoint if it was interrupted.
+speculator: $(VENV_STAMP)
+	@test -f out/smollm2.kiln/manifest.json || $(VENV)/bin/compile-model -o out/smollm2.kiln
+	@test -f out/smollm2.kiln/speculator.mlp.safetensors || $(VENV)/bin/kiln train-speculator out/smollm2.kiln

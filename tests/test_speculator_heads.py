@@ -95,6 +95,23 @@ def test_trained_heads_keep_greedy_output_and_beat_untrained_heads(artifact, tmp
     assert sum(r.stats.tokens_per_target_step for r in results) > sum(r.stats.tokens_per_target_step for r in baseline)
 
 
+def test_medusa_heads_beside_mlp_heads_keep_greedy_output(artifact, tmp_path):
+    plain, trained, _, _ = artifact
+    both = tmp_path / "both.kiln"
+    shutil.copytree(trained, both)
+    shutil.copytree(work_dir(trained), work_dir(both))
+    config = TrainConfig(**{**CONFIG.__dict__, "kind": "medusa", "steps": 60, "head": "tied"})
+    summary = train_speculator(kiln.load(both), both, config, prompts=PROMPTS, texts=TEXTS, report=lambda line: None)
+    assert sorted(json.loads((both / "manifest.json").read_text())["speculators"]) == ["medusa", "mlp"]
+    assert summary["config"]["kind"] == "medusa"
+    llm = kiln.load(both)
+    prompt = llm.encode_chat([{"role": "user", "content": PROMPTS[1]}])
+    expected = kiln.load(plain).generate(prompt, max_new_tokens=20).token_ids
+    for kind in ("heads:medusa", "heads:mlp", "heads"):
+        result = llm.generate(prompt, max_new_tokens=20, speculative=kind)
+        assert result.token_ids == expected and result.stats.drafted_tokens > 0
+
+
 def test_sampled_generation_with_heads_runs_and_counts_its_drafts(artifact):
     llm = kiln.load(artifact[1])
     result = llm.generate("Once upon a time", max_new_tokens=16, temperature=0.8, seed=3, speculative="heads")
