@@ -2,7 +2,7 @@
 model's output most, which stay 8-bit while the weights fit a bytes budget.
 
 Sensitivity of a layer = the mean KL divergence of the next-token distributions (stateless
-forward on calibration rows, the interpreter) when that layer's linears alone are rounded to
+forward on the first calibration row, 512 tokens, through the interpreter) when that layer's linears alone are rounded to
 the 4-bit scheme, all else f32. Layers are upgraded to int8 (per output channel) in order of
 sensitivity per extra byte while the quantized linears average at most `budget_bits` bits per
 weight (scales included); the rest are rounded as the 4-bit scheme says. A layer is what its
@@ -87,7 +87,7 @@ def choose_int8_layers(graph: Graph, layers: dict[str, list[str]], sensitivity: 
 
 
 def quantize_mixed(graph: Graph, scheme: QuantScheme, calibration: torch.Tensor, include_embeddings: bool = False,
-                   sequences: int = 2) -> Graph:
+                   sequences: int = 1) -> Graph:
     """Rewrite `graph` in place: `scheme`'s 4-bit grid, int8 for the layers chosen above."""
     base = replace(scheme, method="rtn")
     layers = layer_weights(graph, base, include_embeddings)

@@ -144,15 +144,26 @@ def _check_vocab(log_probs: torch.Tensor, vocab_size: int, source: str) -> None:
 
 def compare(executable, reference: ReferenceLogits) -> QualityResult:
     """Run `executable` over the reference's windows and measure it against the stored reference."""
-    check_windows(reference.tokens, reference.first, executable.options.max_seq_len)
-    parts = []
-    for w, window in enumerate(reference.tokens):
-        log_probs = scored_log_probs(executable, window, reference.first)
-        _check_vocab(log_probs, reference.vocab_size, reference.source)
-        parts.append(window_metrics(log_probs, reference.top_ids[w], reference.top_logprobs[w],
-                                    reference.rest_logprob[w], reference.target_logprob[w], reference.targets[w]))
+    return compare_many(executable, [reference])[0]
+
+
+def compare_many(executable, references: list[ReferenceLogits]) -> list[QualityResult]:
+    """`compare` against several references made on the same windows (e.g. the full distributions
+    and their top-k), running `executable` once."""
+    tokens, first = references[0].tokens, references[0].first
+    if any(not torch.equal(r.tokens, tokens) or r.first != first for r in references):
+        raise QualityError("compare_many needs references made on the same windows. Fix: compare them one by one.")
+    check_windows(tokens, first, executable.options.max_seq_len)
+    parts: list[list[dict]] = [[] for _ in references]
+    for w, window in enumerate(tokens):
+        log_probs = scored_log_probs(executable, window, first)
+        for reference, found in zip(references, parts):
+            _check_vocab(log_probs, reference.vocab_size, reference.source)
+            found.append(window_metrics(log_probs, reference.top_ids[w], reference.top_logprobs[w],
+                                        reference.rest_logprob[w], reference.target_logprob[w], reference.targets[w]))
     executable.reset()
-    return _result(parts, reference.tokens, reference.first, reference.top_k)
+    return [_result(found, tokens, first, r.top_k if r.top_k < r.vocab_size else None)
+            for r, found in zip(references, parts)]
 
 
 def compare_executables(executable, reference, windows: torch.Tensor, first: int | None = None,

@@ -117,19 +117,20 @@ def log_rest(log_probs: torch.Tensor, top_ids: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(outside, dim=-1).float().double()
 
 
-def reference_logits(executable, windows: torch.Tensor, first: int | None = None, top_k: int = DEFAULT_TOP_K,
+def reference_logits(executable, windows: torch.Tensor, first: int | None = None, top_k: int | None = DEFAULT_TOP_K,
                      source: str = "") -> ReferenceLogits:
-    """Run `executable` over `windows` [count, length] and keep what `quality.compare` needs."""
+    """Run `executable` over `windows` [count, length] and keep what `quality.compare` needs;
+    `top_k=None` keeps the whole distributions (exact KLD; 8 bytes per token of the vocabulary)."""
     first = default_first(windows.shape[1]) if first is None else first
     check_windows(windows, first, executable.options.max_seq_len)
-    if top_k < 1:
+    if top_k is not None and top_k < 1:
         raise QualityError(f"top_k must be at least 1, got {top_k}")
     ids, logprobs, rest, target = [], [], [], []
     vocab = None
     for window in windows:
         log_probs = scored_log_probs(executable, window, first)
         vocab = log_probs.shape[-1]
-        top = torch.topk(log_probs, min(top_k, vocab), dim=-1)
+        top = torch.topk(log_probs, vocab if top_k is None else min(top_k, vocab), dim=-1)
         ids.append(top.indices.to(torch.int32))
         logprobs.append(top.values.float())
         rest.append(log_rest(log_probs, top.indices).float())
@@ -137,6 +138,15 @@ def reference_logits(executable, windows: torch.Tensor, first: int | None = None
     executable.reset()
     return ReferenceLogits(windows.to(torch.int64), first, torch.stack(ids), torch.stack(logprobs), torch.stack(rest),
                            torch.stack(target), vocab, source)
+
+
+def truncated(reference: ReferenceLogits, top_k: int) -> ReferenceLogits:
+    """The top `top_k` of a reference kept with a larger (or full) top; the rest summed exactly."""
+    rest = torch.logaddexp(reference.rest_logprob.double(),
+                           torch.logsumexp(reference.top_logprobs[..., top_k:].double(), dim=-1))
+    return ReferenceLogits(reference.tokens, reference.first, reference.top_ids[..., :top_k].contiguous(),
+                           reference.top_logprobs[..., :top_k].contiguous(), rest.float(), reference.target_logprob,
+                           reference.vocab_size, reference.source)
 
 
 def cache_key(reference_manifest: bytes, windows: torch.Tensor, first: int, top_k: int) -> str:

@@ -10,8 +10,8 @@ from tiny_models import TRAINING_TEXT
 
 from kiln.backends import reference
 from kiln.backends.executable import BackendOptions
-from kiln.runtime.quality import QualityResult, compare, compare_executables, quality
-from kiln.runtime.reference_logits import QualityError, ReferenceLogits, reference_logits
+from kiln.runtime.quality import QualityResult, compare, compare_executables, compare_many, quality
+from kiln.runtime.reference_logits import QualityError, ReferenceLogits, reference_logits, truncated
 
 LENGTH = 64
 
@@ -48,6 +48,11 @@ def test_the_measures_on_known_distributions():
     bucketed = 0.5 * math.log(0.5 / 0.2) + 0.25 * math.log(0.25 / 0.4) + 0.25 * math.log(0.25 / 0.4)
     assert top2.mean_kld == pytest.approx(bucketed, rel=1e-6) and bucketed < kld
     assert top2.perplexity_ratio == pytest.approx(ratio, rel=1e-6)  # the next token's p is kept exactly
+    # One run against the whole stored distributions and their top 2 cut afterwards: the same two figures.
+    full = reference_logits(FixedDistribution(p), windows, top_k=None)
+    whole, cut = compare_many(FixedDistribution(q), [full, truncated(full, 2)])
+    assert whole.top_k is None and whole.mean_kld == pytest.approx(kld, rel=1e-6)
+    assert cut.top_k == 2 and cut.mean_kld == pytest.approx(bucketed, rel=1e-6)
 
 
 # -- a tiny seeded llama through the interpreter -------------------------------------------------
