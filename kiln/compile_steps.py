@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Callable
 
 from kiln.backends.registry import backend_version, get_backend
-from kiln.compile_cache import CompileCache, cache_dir, compile_key
+from kiln.compile_cache import CompileCache, cache_dir, compile_key, max_bytes
 from kiln.compile_options import CompileOptions, check_memory
 from kiln.compile_progress import ProgressEvent
 from kiln.phase_times import PhaseTimes
@@ -56,6 +56,8 @@ class CompileSteps:
         directory = cache_dir()
         # IR dumps are written while compiling, so a compile asked for them is never a cache hit
         self.cache = CompileCache(directory) if cache and directory is not None and options.dump_ir is None else None
+        if self.cache is not None:
+            max_bytes()  # a malformed bound fails now, not after the compile
         self.cache_key = None
         self.times = PhaseTimes(directory, group=f"{options.backend}/{options.quantize or 'none'}")
 

@@ -4,6 +4,7 @@ reported to the callback and, outside a terminal, as one line each."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from kiln import compile_cache
 from kiln.cli import kiln_main
 from kiln.compile_cache import CompileCache, cache_dir
 from kiln.compile_progress import PHASES, ProgressBars, ProgressEvent
+from kiln.ir.errors import OptionError
 from kiln.runtime.artifact import manifest_sha256
 
 COMPILED = ["locate", "cache", "load", "breaks", "capture", "passes", "lower", "save", "store"]
@@ -41,13 +43,23 @@ def model_dir(tiny_model_dirs):
 
 def compile_tiny(model_dir, out, **options):
     events = []
-    path = kiln.compile(str(model_dir), out=out, backend="reference", max_seq_len=options.pop("max_seq_len", 64),
-                        progress=events.append, **options)
+    options = {"backend": "reference", "max_seq_len": 64, **options}
+    path = kiln.compile(str(model_dir), out=out, progress=events.append, **options)
     return path, events
 
 
 def phases(events, kind="done"):
     return [e.phase for e in events if e.kind == kind]
+
+
+def entries_with(**options):
+    """The cache entries compiled with these options (their key.json says)."""
+    found = []
+    for entry, _, _ in CompileCache(cache_dir()).entries():
+        recorded = json.loads((entry / "key.json").read_text())["options"]
+        if all(recorded[name] == value for name, value in options.items()):
+            found.append(entry)
+    return found
 
 
 def tokens(path):
@@ -77,6 +89,16 @@ def test_a_second_compile_hits_the_cache_and_generates_the_same_tokens(first, mo
     assert tokens(path) == tokens(first[0])
 
 
+@pytest.mark.slow
+def test_an_inductor_artifact_from_the_cache_loads_its_package_and_generates_the_same_tokens(cache_root, model_dir,
+                                                                                           tmp_path):
+    first_path, _ = compile_tiny(model_dir, tmp_path / "first.kiln", backend="inductor")
+    path, events = compile_tiny(model_dir, tmp_path / "again.kiln", backend="inductor")
+    assert phases(events) == ["locate", "cache", "reuse"]
+    assert (path / "inductor.pt2").stat().st_ino == (first_path / "inductor.pt2").stat().st_ino  # linked, not copied
+    assert tokens(path) == tokens(first_path)
+
+
 def test_other_options_miss_the_cache(first, model_dir, tmp_path):
     path, events = compile_tiny(model_dir, tmp_path / "shorter.kiln", max_seq_len=32)
     assert "capture" in phases(events) and "reuse" not in phases(events)
@@ -92,7 +114,7 @@ def test_cache_false_compiles_afresh_with_estimates_from_the_last_compile(first,
 
 
 def test_a_damaged_entry_is_compiled_again_not_loaded(first, model_dir, tmp_path):
-    [(entry, _, _)] = [e for e in CompileCache(cache_dir()).entries() if (e[0] / "key.json").read_text().count('"max_seq_len": 64')]
+    [entry] = entries_with(backend="reference", max_seq_len=64)
     weights = entry / "artifact" / "weights.safetensors"
     data = bytearray(weights.read_bytes())
     data[-1] ^= 0xFF
@@ -125,6 +147,13 @@ def test_the_least_recently_used_entries_go_beyond_the_size_bound(tmp_path):
     assert [entry.name for entry, _, _ in cache.entries()] == ["middle", "newest"]
     cache.evict(0)
     assert cache.entries() == []
+
+
+def test_a_malformed_size_bound_fails_before_the_compile(cache_root, model_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("KILN_COMPILE_CACHE_MAX_GB", "lots")
+    with pytest.raises(OptionError, match="KILN_COMPILE_CACHE_MAX_GB='lots' is not a number of gigabytes"):
+        compile_tiny(model_dir, tmp_path / "m.kiln")
+    assert not (tmp_path / "m.kiln").exists()
 
 
 def test_compile_model_prints_a_line_per_phase_outside_a_terminal(model_dir, tmp_path):
