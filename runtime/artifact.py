@@ -37,6 +37,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from kiln.ir import Graph, ParseError, VerificationError, parse_graph, print_graph, to_torch, verify
+from kiln.ir.registry import OpError, get_op
 from kiln.runtime.errors import ArtifactError
 from kiln.runtime.tokenizer import TOKENIZER_FILES
 
@@ -334,10 +335,19 @@ def _read_graph(directory: Path, manifest: dict) -> Graph:
     except ParseError as e:
         raise ArtifactError(f"{path} does not parse: {e}. Fix: recompile (or use a Kiln that reads this IR).") from None
     try:
+        _complete_attributes(graph)
         verify(graph)
-    except VerificationError as e:
+    except (VerificationError, OpError) as e:
         raise ArtifactError(f"{path} parses but does not verify: {e}. Fix: recompile.") from None
     return graph
+
+
+def _complete_attributes(graph: Graph) -> None:
+    """Give each node the attributes its op gained after the artifact was compiled, at their
+    defaults (which keep the op's earlier meaning: an older artifact's attention has no ALiBi
+    slopes), so artifacts of an older Kiln keep loading. An unknown attribute stays an error."""
+    for node in graph.nodes:
+        node.attrs = get_op(node.op).complete_attrs(node.attrs)
 
 
 def _read_weights(directory: Path, graph: Graph, name: str = WEIGHTS_FILE) -> dict[str, torch.Tensor]:

@@ -284,3 +284,29 @@ def test_options_no_backend_can_run_with_are_refused_even_in_a_resealed_manifest
     edit_manifest(artifact, options={**m["options"], option: value})
     with pytest.raises(ArtifactError, match=f"manifest.json gives {option}=.*which no backend can run.*Fix: recompile"):
         kiln.load(artifact)
+
+
+def test_an_artifact_compiled_before_an_op_gained_an_attribute_loads_with_its_default(tmp_path, tokenizer_dir):
+    """An older graph.kir lacks attributes its ops have since gained (attention's alibi): read
+    with their defaults, which keep the op's earlier meaning. Here `mean`'s keepdim stands in."""
+    graph = tiny_graph()
+    bias = graph.call("mean", graph.params["embed"], axes=(1,), keepdim=False)  # [vocab]
+    graph.outputs = [graph.call("add", graph.outputs[0], bias, name="biased_logits")]
+    fields = {"backend": "reference", "backend_version": torch.__version__, "source_hash": "0" * 64,
+              "options": {"max_batch": 1, "max_seq_len": 16, "dtype": "f32", "quantize": None}}
+    path = save_artifact(tmp_path / "m.kiln", graph, ReferenceExecutable(graph, OPTIONS), tokenizer_dir, fields)
+    text = (path / "graph.kir").read_text()
+    older = text.replace(", keepdim=false", "")
+    assert older != text
+    replace_file(path, "graph.kir", older.encode())
+    node = next(n for n in read_artifact(path).graph.nodes if n.op == "mean")
+    assert node.attrs["keepdim"] is False
+
+
+def test_an_attribute_the_op_does_not_have_is_an_artifact_error(artifact):
+    lines = (artifact / "graph.kir").read_text().splitlines()
+    index = next(i for i, line in enumerate(lines) if "= linear(" in line)
+    lines[index] += " {bogus=1}"
+    replace_file(artifact, "graph.kir", ("\n".join(lines) + "\n").encode())
+    with pytest.raises(ArtifactError, match="graph.kir.*bogus"):
+        read_artifact(artifact)
