@@ -45,7 +45,9 @@ class TrainConfig:
             raise OptionError(f"--head {self.head!r} is not one of {list(HEAD_CHOICES)}. Fix: --head own.")
         for name in ("stages", "steps", "batch", "reply_tokens"):
             if getattr(self, name) < 1:
-                raise OptionError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}.")
+                flag = f"--{name.replace('_', '-')}"
+                raise OptionError(f"{flag} must be at least 1, got {getattr(self, name)}. Fix: pass a positive "
+                                  f"number ({flag} N).")
         if self.draft_vocab < 0 or not 0 <= self.text_fraction <= 1 or not self.lr > 0:
             raise OptionError("--draft-vocab must be >= 0 (0: all tokens), --text-fraction within [0, 1] and "
                               "--lr positive. Fix: e.g. --draft-vocab 8192 --text-fraction 0.4 --lr 1e-3.")
@@ -141,7 +143,8 @@ def run_command(args) -> int:
                          reply_tokens=args.reply_tokens, seed=args.seed)
     config.check()
     if args.log_every < 1 or (args.threads is not None and args.threads < 1):
-        raise OptionError(f"--log-every and --threads must be at least 1, got {args.log_every} and {args.threads}.")
+        raise OptionError(f"--log-every and --threads must be at least 1, got {args.log_every} and {args.threads}. "
+                          "Fix: pass positive numbers (or leave them out).")
     import torch
 
     import kiln
