@@ -127,17 +127,27 @@ def _shared_characters(decoded: str, text: str) -> int:
 
 
 # -- the OpenAI shapes ---------------------------------------------------------------------------
-def completion_logprobs(llm, result) -> api.CompletionLogprobs:
-    """`choices[0].logprobs` of a completion: tokens, their log-probabilities, top alternatives
-    and text offsets."""
+def completion_logprobs(llm, result, echo=None) -> api.CompletionLogprobs:
+    """`choices[i].logprobs` of a completion: tokens, their log-probabilities, top alternatives
+    and text offsets; with `echo` (an openai_echo.EchoedPrompt) the prompt's tokens first, the
+    first with null log-probability and alternatives, the offsets running on through the text."""
     entries = result.logprobs or []
     names = _names(llm)
     spans = token_spans(names, [entry.token for entry in entries], result.text)
-    return api.CompletionLogprobs(
-        tokens=[token_string(span.bytes) for span in spans],
-        token_logprobs=[entry.logprob for entry in entries],
-        top_logprobs=[{token_string(names.of(token)): logprob for token, logprob in entry.top} for entry in entries],
-        text_offset=[span.text_offset for span in spans])
+    tokens = [token_string(span.bytes) for span in spans]
+    logprobs = [entry.logprob for entry in entries]
+    tops = [{token_string(names.of(token)): logprob for token, logprob in entry.top} for entry in entries]
+    offsets = [span.text_offset for span in spans]
+    if echo is not None:
+        prompt_spans = token_spans(names, echo.token_ids, echo.text)
+        scored = echo.scores.token_logprobs if echo.scores is not None else []
+        alternatives = (echo.scores.top_logprobs if echo.scores is not None else None) or [{} for _ in scored]
+        tokens = [token_string(span.bytes) for span in prompt_spans] + tokens
+        logprobs = [None] + scored + logprobs
+        tops = [None] + [{token_string(names.of(token)): logprob for token, logprob in top.items()}
+                         for top in alternatives] + tops
+        offsets = [span.text_offset for span in prompt_spans] + [len(echo.text) + offset for offset in offsets]
+    return api.CompletionLogprobs(tokens=tokens, token_logprobs=logprobs, top_logprobs=tops, text_offset=offsets)
 
 
 def chat_logprobs(llm, result) -> api.ChatLogprobs:

@@ -155,9 +155,11 @@ class Usage(BaseModel):
 
 
 class CompletionLogprobs(BaseModel):
+    """Per token; with `echo` the prompt's first token has null log-probability and alternatives."""
+
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]] | None
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None] | None
     text_offset: list[int]
 
 

@@ -28,6 +28,7 @@ from kiln.runtime import openai_protocol as api
 from kiln.runtime.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from kiln.runtime.errors import ConstraintError
 from kiln.runtime.host_check import HostCheck, default_allowed_hosts
+from kiln.runtime.openai_echo import echoed_prompt, prompt_text
 from kiln.runtime.openai_errors import APIError, internal, invalid, model_not_found
 from kiln.runtime.openai_logprobs import chat_logprobs, completion_logprobs
 from kiln.runtime.openai_request import check_request, constraint_param, parse_body, sampling_keywords, single_prompt
@@ -155,22 +156,27 @@ async def _completion(llm, name: str, request: Request, metrics: ServerMetrics, 
     timer = metrics.timer()
     req = await parse_body(request, api.CompletionRequest)
     check_request(req, name)
-    if req.echo or req.suffix is not None:
-        param = "echo" if req.echo else "suffix"
-        raise invalid(f"{param} is not supported by this server. Fix: leave it out.", param)
+    if req.suffix is not None:
+        raise invalid("suffix is not supported by this server. Fix: leave it out.", "suffix")
     n, best_of = sample_counts(req.n, req.best_of, req.stream)
     prompt = single_prompt(req.prompt)
     failed = _on_failure(request_id, constraint_param(req))
     sampling = sampling_keywords(llm, req, req.max_tokens, ranking_logprobs(req.logprobs, n, best_of))
     samples = await submit_samples(llm, prompt, "prompt", sampling, best_of, failed)
     if req.stream:
-        return event_stream(_completion_events(samples, req, name, timer), samples, failed)
+        echo = prompt_text(llm, prompt) if req.echo else None
+        return event_stream(_completion_events(samples, req, name, timer, echo), samples, failed)
     drawn = await collect(samples, timer, request, failed)
+    echo = None
+    if req.echo:  # the prompt's log-probabilities, with the engine held alone
+        echo = await asyncio.to_thread(echoed_prompt, llm, prompt, drawn[0].prompt_token_ids, req.logprobs)
     choices = []
     for index, result in enumerate(best_results(drawn, n, req.logprobs)):
-        logprobs = await asyncio.to_thread(completion_logprobs, llm, result) if req.logprobs is not None else None
-        choices.append(api.CompletionChoice(index=index, text=result.text, logprobs=logprobs,
-                                            finish_reason=FINISH_REASONS.get(result.finish_reason)))
+        logprobs = None
+        if req.logprobs is not None:
+            logprobs = await asyncio.to_thread(completion_logprobs, llm, result, echo)
+        choices.append(api.CompletionChoice(index=index, text=(echo.text if echo else "") + result.text,
+                                            logprobs=logprobs, finish_reason=FINISH_REASONS.get(result.finish_reason)))
     return _json(api.CompletionResponse(model=name, choices=choices, usage=_usage(drawn)))
 
 
@@ -227,8 +233,11 @@ def _tool_arguments(arguments: str, param: str) -> dict:
     return parsed
 
 
-async def _completion_events(samples: Samples, req: api.CompletionRequest, name: str, timer: RequestTimer):
+async def _completion_events(samples: Samples, req: api.CompletionRequest, name: str, timer: RequestTimer,
+                             echo: str | None):
     base = dict(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=name)
+    for index in range(len(samples.handles) if echo else 0):  # the echoed prompt comes first
+        yield event(api.CompletionResponse(**base, choices=[api.CompletionChoice(index=index, text=echo)]))
     async for index, piece in samples.pieces():
         if piece is None:  # that sample is done
             result = await samples.handles[index].wait()
