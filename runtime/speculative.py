@@ -29,7 +29,6 @@ import torch
 
 from kiln.runtime.request import GenerationSettings, Request
 from kiln.runtime.results import GenerationResult
-from kiln.runtime.sampler import TokenLogprob
 from kiln.runtime.token_ids import check_request_ids, model_vocab_size
 
 
@@ -128,8 +127,7 @@ class SpeculativeGeneration:
         self.max_seq_len = executable.options.max_seq_len
         self.request = Request(list(prompt), settings, seed, self.max_seq_len,
                                decoder_factory() if decoder_factory else None)
-        self.drafter = drafter
-        self.target_steps = self.drafted = self.accepted = 0
+        self.request.drafter = self.drafter = drafter  # the request judges the drafts and gives feedback
 
     def __iter__(self):
         request = self.request
@@ -161,35 +159,14 @@ class SpeculativeGeneration:
         feed = [context[-1], *draft]
         positions = torch.arange(position, position + len(feed))[None]
         logits = self.executable.run(torch.tensor([feed]), positions)[0]
-        self.target_steps += 1
-        pieces, accepted = [], 0
-        for i, guess in enumerate(draft):
-            choice = self._judge(logits[i], guess)
-            pieces.append(request.push(choice))
-            if choice.token != guess or not request.generating:
-                break
-            accepted += 1
-        else:
-            if request.generating:  # every draft accepted: the target's token after the last one is free
-                pieces.append(request.accept(logits[len(draft)]))
+        piece, accepted = request.verify(logits, draft)
         self._observe(logits[accepted])  # the row that chose the newest token
-        self.drafted += len(draft)
-        self.accepted += accepted
-        self.drafter.feedback(len(draft), accepted)
-        return pieces
+        return [piece]
 
     def _observe(self, logits: torch.Tensor) -> None:
         observe = getattr(self.drafter, "observe", None)
         if observe is not None and self.request.generating:
             observe(logits)
 
-    def _judge(self, logits: torch.Tensor, guess: int) -> TokenLogprob:
-        """The token to emit where the drafter guessed `guess` (Request.judge: the accept/reject rule)."""
-        return self.request.judge(logits, guess)
-
     def results(self) -> list[GenerationResult]:
-        request = self.request
-        return [request.result(
-            model_steps=self.target_steps + 1, target_steps=self.target_steps, drafted_tokens=self.drafted,
-            accepted_tokens=self.accepted,
-            tokens_per_target_step=(len(request.tokens) - 1) / self.target_steps if self.target_steps else 0.0)]
+        return [self.request.result()]
