@@ -7,6 +7,7 @@ process's own (and its children's) CPU time; what is left was someone else's.
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from dataclasses import dataclass
 
@@ -53,3 +54,17 @@ class CpuMeter:
         busy = _machine_busy_seconds() - self._busy
         own = _own_seconds() - self._own
         self.result = Measurement(wall, max(0.0, busy - own))
+
+
+def paired_medians(old, new, repeats: int) -> tuple[float, float, float]:
+    """Median seconds of `old()` and of `new()` (each returns its own seconds), called turn by turn
+    `repeats` times after two warm-up rounds, so that both see the same moments of the machine;
+    and the cores other processes kept busy meanwhile."""
+    times_old, times_new = [], []
+    with CpuMeter() as meter:
+        for r in range(repeats + 2):
+            t_old, t_new = old(), new()
+            if r >= 2:
+                times_old.append(t_old)
+                times_new.append(t_new)
+    return statistics.median(times_old), statistics.median(times_new), meter.result.other_cores

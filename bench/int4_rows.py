@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import re
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cpu_contention import CpuMeter  # noqa: E402
+from cpu_contention import paired_medians  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 KERNEL = "backends/inductor/int4_kernel.cpp"
@@ -81,15 +80,8 @@ def time_row(m: int, weights, repeats: int, group_size: int) -> tuple[float, flo
     gen = torch.Generator().manual_seed(m)
     xs = {k: torch.randn(m, k, generator=gen) for k in (576, 1536)}
     calls = [(xs[k], q, scales, half) for q, scales, half, k in weights]
-    times_old, times_new = [], []
-    with CpuMeter() as meter:
-        for r in range(repeats + 2):  # two warm-up passes
-            t_old = step_seconds(torch.ops.kiln.linear_q4_old, calls, group_size)
-            t_new = step_seconds(torch.ops.kiln.linear_q4, calls, group_size)
-            if r >= 2:
-                times_old.append(t_old)
-                times_new.append(t_new)
-    return statistics.median(times_old), statistics.median(times_new), meter.result.other_cores
+    return paired_medians(lambda: step_seconds(torch.ops.kiln.linear_q4_old, calls, group_size),
+                          lambda: step_seconds(torch.ops.kiln.linear_q4, calls, group_size), repeats)
 
 
 def main() -> None:

@@ -14,7 +14,6 @@ quarter core busy are repeated up to three times, then flagged `*`.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -22,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cpu_contention import CpuMeter  # noqa: E402
+from cpu_contention import paired_medians  # noqa: E402
 
 LAYERS = 30
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (N, K): qkv, o, gate_up, down
@@ -55,15 +54,8 @@ def time_row(m: int, weights, repeats: int) -> tuple[float, float, float]:
     xs = {k: torch.randn(m, k, generator=gen) for k in (576, 1536)}
     old = [(xs[k], *w_old) for w_old, _, k in weights]
     new = [(xs[k], *w_new) for _, w_new, k in weights]
-    times_old, times_new = [], []
-    with CpuMeter() as meter:
-        for r in range(repeats + 2):  # two warm-up passes
-            t_old = step_seconds(torch.ops.kiln.linear_i8, old)
-            t_new = step_seconds(torch.ops.kiln.linear_q8, new)
-            if r >= 2:
-                times_old.append(t_old)
-                times_new.append(t_new)
-    return statistics.median(times_old), statistics.median(times_new), meter.result.other_cores
+    return paired_medians(lambda: step_seconds(torch.ops.kiln.linear_i8, old),
+                          lambda: step_seconds(torch.ops.kiln.linear_q8, new), repeats)
 
 
 def main() -> None:
