@@ -72,3 +72,20 @@ def test_the_budget_buys_int8_for_the_most_sensitive_layer_and_it_pays(tiny):
     f32 = executable(graph)
     int4 = compare_executables(executable(quantize_weights(copy_graph(graph), base)), f32, tokens)
     assert compare_executables(executable(mixed), f32, tokens).mean_kld < int4.mean_kld
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["onnxruntime", "inductor"])
+def test_a_mixed_graph_lowers_and_runs_close_to_the_interpreter(tiny, backend):
+    """int8 and int4 linears side by side in one graph: each backend's kernels (which round
+    activations to int8) stay within the KLD they show on one precision alone."""
+    from kiln.backends.registry import get_backend
+    from kiln.passes.pipeline import kv_cache_insertion
+
+    graph, tokens = tiny
+    mixed = quantize_mixed(copy_graph(graph), replace(get_scheme("int4-mixed"), budget_bits=6.8), tokens[:1])
+    options = BackendOptions(max_seq_len=LENGTH)
+    stateful = kv_cache_insertion(options).run(mixed)
+    assert {n.attrs["bits"] for n in stateful.nodes if n.op == "linear_q"} == {4, 8}
+    lowered = get_backend(backend).lower(copy_graph(stateful), options)
+    assert compare_executables(lowered, reference.lower(copy_graph(stateful), options), tokens).mean_kld < 0.005
