@@ -122,16 +122,8 @@ class BeamSearch:
             chosen = torch.topk(on_scores, k=k)[1]
             next_running = candidates.gather(chosen)
             next_running.scores = on_scores[chosen]
-            # the first k that end join the finished hypotheses if they beat them
-            offered = top_scores / ((generated + 1) ** opts.length_penalty)
-            offered = offered + (torch.all(is_finished) & (opts.early_stopping is True)).to(torch.float32) * NEG
-            offered = offered + torch.tensor(not improvable).to(torch.float32) * NEG
-            just_ended = ends & first_k
-            offered = offered + (~just_ended) * NEG
-            merged = Hypotheses(finished.tokens + candidates.tokens, finished.logprobs + candidates.logprobs,
-                                torch.cat((finished.scores, offered)))
-            best = torch.topk(merged.scores, k=k)[1]
-            finished, is_finished = merged.gather(best), torch.cat((is_finished, just_ended))[best]
+            finished, is_finished = self._finish(finished, is_finished, candidates, ends & first_k, generated + 1,
+                                                 improvable)
             parent_rows = [rows[parents[i]] for i in chosen.tolist()]
             running = next_running
             generated += 1
@@ -140,6 +132,21 @@ class BeamSearch:
                 return finished
             rows = self._fork(parent_rows, len(self.prompt) + generated - 1)
             logits = self._decode(rows, [beam[-1] for beam in running.tokens], len(self.prompt) + generated - 1)
+
+    def _finish(self, finished: Hypotheses, is_finished: torch.Tensor, candidates: Hypotheses,
+                just_ended: torch.Tensor, length: int, improvable: bool) -> tuple[Hypotheses, torch.Tensor]:
+        """The k best of the finished hypotheses and the candidates that just ended among the
+        first k, scored sum / length ** length_penalty; none join once k have finished with
+        early_stopping=True, or once no improvement is possible."""
+        opts = self.options
+        offered = candidates.scores / (length ** opts.length_penalty)
+        offered = offered + (torch.all(is_finished) & (opts.early_stopping is True)).to(torch.float32) * NEG
+        offered = offered + torch.tensor(not improvable).to(torch.float32) * NEG
+        offered = offered + (~just_ended) * NEG
+        merged = Hypotheses(finished.tokens + candidates.tokens, finished.logprobs + candidates.logprobs,
+                            torch.cat((finished.scores, offered)))
+        best = torch.topk(merged.scores, k=opts.num_beams)[1]
+        return merged.gather(best), torch.cat((is_finished, just_ended))[best]
 
     def _improvable(self, running_scores, finished_scores, is_finished, generated: int) -> bool:
         """Hugging Face's early-stop heuristic: can the best running beam still beat the worst
