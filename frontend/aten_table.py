@@ -17,6 +17,7 @@ import torch
 from torch._higher_order_ops.wrap import wrap_with_autocast, wrap_with_set_grad_enabled
 
 from kiln.ir import from_torch
+from kiln.ir.ops.shape_rules import numel
 
 aten = torch.ops.aten
 ATEN_TO_IR: dict = {}
@@ -182,6 +183,12 @@ handles(aten.amax.default)(_reduction("max"))
 handles(aten.any.dim, aten.any.dims, aten.any.default)(_reduction("any"))
 
 
+@handles(aten.topk.default)
+def _topk(cx, x, k, dim=-1, largest=True, sorted=True):
+    """A mixture-of-experts router's choice; values come sorted either way (Kiln's `topk` sorts)."""
+    return cx.call("topk", cx.value(x), k=int(k), axis=dim, largest=bool(largest))
+
+
 @handles(aten.cumsum.default)
 def _cumsum(cx, x, dim, dtype=None):
     return cx.call("cumsum", cx.value(x), axis=dim)
@@ -212,6 +219,19 @@ def _repeat(cx, x, repeats):
     counts = [cx.dim(r) for r in repeats]
     spread = cx.call("reshape", v, shape=tuple(d for size in shape for d in (1, size)))
     tiled = cx.call("expand", spread, shape=tuple(d for r, size in zip(counts, shape) for d in (r, size)))
+    return cx.call("reshape", tiled, shape=_out_shape(cx))
+
+
+@handles(aten.repeat_interleave.self_int)
+def _repeat_interleave(cx, x, repeats, dim=None, output_size=None):
+    """Each entry along `dim` `repeats` times in a row (a MoE token, once per chosen expert)."""
+    v = cx.value(x)
+    if dim is None:
+        v, dim = cx.call("reshape", v, shape=(numel(v.type.shape),)), 0
+    dim = dim % v.type.rank
+    shape = v.type.shape
+    spread = cx.call("reshape", v, shape=shape[:dim + 1] + (1,) + shape[dim + 1:])
+    tiled = cx.call("expand", spread, shape=shape[:dim + 1] + (cx.dim(repeats),) + shape[dim + 1:])
     return cx.call("reshape", tiled, shape=_out_shape(cx))
 
 

@@ -8,6 +8,7 @@ backends have fast kernels for).
 """
 from __future__ import annotations
 
+import contextlib
 import warnings
 from typing import Sequence
 
@@ -89,9 +90,27 @@ def capture_causal_lm(lm: torch.nn.Module, max_batch: int = 8, max_seq_len: int 
     batch = ("batch", 1, max(max_batch, EXAMPLE_BATCH))
     seq = ("seq", 1, max(max_seq_len, EXAMPLE_SEQ))
     dynamic = {(0, 0): batch, (0, 1): seq, (1, 0): batch, (1, 1): seq}
-    graph = capture_module(StatelessForward(lm), (tokens, positions), ["tokens", "positions"], ["logits"], dynamic)
+    with gathered_experts(lm):
+        graph = capture_module(StatelessForward(lm), (tokens, positions), ["tokens", "positions"], ["logits"], dynamic)
     graph.meta["model"] = model_meta(lm)
     return graph
+
+
+@contextlib.contextmanager
+def gathered_experts(lm: torch.nn.Module):
+    """A mixture-of-experts model traced with transformers' "batched_mm" experts: each token
+    gathers its top-k experts' weights (`index` of the stacked weights by the router's `topk`
+    ids) and multiplies by them, which exports as plain ops. The default "grouped_mm" sorts
+    tokens by expert into data-dependent groups that torch.export cannot keep symbolic."""
+    implementation = getattr(lm.config, "_experts_implementation", None)
+    if implementation is None or implementation == "batched_mm" or not hasattr(lm, "set_experts_implementation"):
+        yield
+        return
+    lm.set_experts_implementation("batched_mm")
+    try:
+        yield
+    finally:
+        lm.set_experts_implementation(implementation)
 
 
 def _kv_heads(text, heads: int) -> int:

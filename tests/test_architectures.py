@@ -3,9 +3,10 @@
 BLOOM and MPT (ALiBi), Falcon (multi-query attention, picked out of the fused qkv by index
 lists) and Gemma 2 (attention-logit soft-capping) have no SDPA path in transformers: they load
 with eager attention, which `fuse_attention_pattern` turns into `attention` with its `alibi`
-slopes or `softcap`. Each tiny seeded model must give the interpreter's logits within 1e-4 of
-Hugging Face's, and on each backend greedy tokens identical to Hugging Face's for one prompt
-and for a batch of two prompts of different lengths.
+slopes or `softcap`. Mixtral and OLMoE route each token to its top-2 experts (`topk`), whose
+stacked weights are gathered by the chosen ids. Each tiny seeded model must give the
+interpreter's logits within 1e-4 of Hugging Face's, and on each backend greedy tokens identical
+to Hugging Face's for one prompt and for a batch of two prompts of different lengths.
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ BATCHES = {"one": prompts([9]), "two": prompts([5, 12], seed=1)}
 BACKENDS = ["onnxruntime", pytest.param("tinygrad", marks=pytest.mark.slow),
             pytest.param("inductor", marks=pytest.mark.slow)]
 ALIBI = {"bloom", "mpt"}
+MOE = {"mixtral", "olmoe"}
 
 
 @pytest.fixture(scope="module")
@@ -54,11 +56,14 @@ def compiled(tiny_model_dirs):
 def test_ir_logits_match_hugging_face_eager(compiled, family):
     graph, model, _ = compiled(family)
     attentions = [n for n in graph.nodes if n.op == "attention"]
-    assert len(attentions) == model.config.num_hidden_layers and not any(n.op == "softmax" for n in graph.nodes)
+    assert len(attentions) == model.config.num_hidden_layers
+    routers = sum(n.op == "topk" for n in graph.nodes)  # each MoE layer's softmax feeds its topk
+    assert sum(n.op == "softmax" for n in graph.nodes) == routers
     if family in ALIBI:  # BLOOM's and MPT's slopes for 4 heads: 2^-2, 2^-4, 2^-6, 2^-8
         assert all(n.attrs["alibi"] == pytest.approx([0.25, 0.0625, 0.015625, 0.00390625]) for n in attentions)
     if family == "gemma2":
         assert all(n.attrs["softcap"] == 5.0 for n in attentions)
+    assert routers == (model.config.num_hidden_layers if family in MOE else 0)
     assert print_graph(parse_graph(print_graph(graph))) == print_graph(graph)  # the artifact's text form
     tokens = torch.randint(3, 512, (2, 17), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(17).expand(2, 17)
@@ -87,3 +92,25 @@ def test_tensor_parallel_ranks_keep_the_alibi_slopes_of_their_query_heads(compil
     for rank, heads in ((0, slice(0, 2)), (1, slice(2, 4))):
         shard = shard_tensor_parallel(graph, rank, 2)
         assert [n.attrs["alibi"] for n in shard.nodes if n.op == "attention"] == [s[heads] for s in full]
+
+
+@pytest.mark.parametrize("backend", ["reference", "onnxruntime"])
+def test_a_moe_step_computes_only_the_experts_its_token_routes_to(compiled, monkeypatch, backend):
+    """NaN in the weights of every expert the token does not route to leaves its logits as they
+    were: those experts are neither read nor computed (a dense mixture would spread the NaN)."""
+    graph, model, _ = compiled("mixtral")
+    prompt = prompts([1], seed=5)[0]
+    with torch.no_grad():
+        out = model(input_ids=torch.tensor([prompt]), output_router_logits=True)
+    experts, top_k = model.config.num_local_experts, model.config.num_experts_per_tok
+    poisoned = dict(graph.weights)
+    for layer, router_logits in enumerate(out.router_logits):
+        unused = sorted(set(range(experts)) - set(router_logits[-1].topk(top_k).indices.tolist()))
+        for name in ("gate_up_proj", "down_proj"):
+            key = f"model.layers.{layer}.mlp.experts.{name}"
+            poisoned[key] = poisoned[key].clone()
+            poisoned[key][unused] = float("nan")
+    monkeypatch.setattr(graph, "weights", poisoned)
+    logits = get_backend(backend).lower(graph, OPTIONS).run(torch.tensor([prompt]), torch.tensor([[0]]))
+    assert torch.isfinite(logits).all()
+    torch.testing.assert_close(logits[0, -1], out.logits[0, -1], atol=1e-4, rtol=0)

@@ -146,6 +146,14 @@ OP_CASES = {
     "attention_float_mask": (
         ["q: f32[batch, 4, seq, 8]", "k: f32[batch, 2, seq, 8]", "v: f32[batch, 2, seq, 8]", "m: f32[seq, seq]"],
         lambda g, q, k, v, m: g.call("attention", q, k, v, m, None, causal=True, window=2)),
+    "attention_alibi_positions": (
+        ["q: f32[batch, 4, seq, 8]", "k: f32[3, 2, 6, 8]", "v: f32[3, 2, 6, 8]", "p: i64<6[batch, seq]"],
+        lambda g, q, k, v, p: g.call("attention", q, k, v, None, p, alibi=(0.5, 0.25, 0.125, 0.0625))),
+    "attention_alibi_causal_bool_mask": (
+        ["q: f32[batch, 2, seq, 8]", "k: f32[batch, 1, seq, 8]", "v: f32[batch, 1, seq, 8]", "m: bool[batch, 1, seq, seq]"],
+        lambda g, q, k, v, m: g.call("attention", q, k, v, m, None, causal=True, alibi=(0.5, 0.125))),
+    "topk": (["x: f32[batch, seq, 6]"],  # both outputs used: values + indices
+             lambda g, x: g.call("add", *(lambda v, i: (v, g.call("cast", i, dtype="f32")))(*g.call("topk", x, k=2)))),
     "kv_write": (["c: f32[3, 2, 6, 8]", "n: f32[batch, 2, seq, 8]", "p: i64<6[batch, seq]"],
                  lambda g, c, n, p: g.call("kv_write", c, n, p)),
     # A world of one rank (the identity); several ranks are tested by test_tensor_parallel.py.

@@ -18,8 +18,9 @@ import torch
 
 ARCHITECTURES = ["gpt2", "llama", "qwen2", "mistral", "gemma3"]
 # Families with their own attention or routing, tested in test_architectures.py: ALiBi (BLOOM,
-# MPT), multi-query (Falcon), attention-logit soft-capping (Gemma 2).
-FAMILIES = ["bloom", "mpt", "falcon", "gemma2"]
+# MPT), multi-query (Falcon), attention-logit soft-capping (Gemma 2), mixture of experts
+# (Mixtral: softmax, top-2, renormalized; OLMoE: top-2 of 8 without renormalization).
+FAMILIES = ["bloom", "mpt", "falcon", "gemma2", "mixtral", "olmoe"]
 
 VOCAB_SIZE = 512
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
@@ -152,7 +153,9 @@ def tiny_config(arch: str, **overrides):
         GPT2Config,
         LlamaConfig,
         MistralConfig,
+        MixtralConfig,
         MptConfig,
+        OlmoeConfig,
         Qwen2Config,
     )
 
@@ -209,6 +212,10 @@ def tiny_config(arch: str, **overrides):
             attn_logit_softcapping=5.0,  # small, so that the tanh bends the tiny model's scores
             final_logit_softcapping=30.0,
         )
+    elif arch == "mixtral":
+        config = MixtralConfig(**decoder, num_local_experts=4, num_experts_per_tok=2)
+    elif arch == "olmoe":  # q/k norms, 8 experts, top-2 weights not renormalized
+        config = OlmoeConfig(**dict(decoder, intermediate_size=64), num_experts=8, num_experts_per_tok=2)
     else:
         raise ValueError(f"no tiny model for {arch!r}; choose one of {ARCHITECTURES + FAMILIES}")
     for name, value in overrides.items():

@@ -236,6 +236,7 @@ FX_LOWERINGS: dict[str, Lowering] = {
                                                dim=tuple(attrs["axes"]), keepdim=attrs["keepdim"]),
     "cumsum": _torch_call(torch.cumsum, axis="dim"),
     "topk": _torch_call(torch.topk, axis="dim"),
+    "topk": _torch_call(torch.topk, axis="dim"),
     "softmax": _torch_call(torch.softmax, axis="dim"),
     "reshape": lambda b, node, args, attrs: b.method("reshape", args[0], attrs["shape"]),
     "permute": lambda b, node, args, attrs: b.method("permute", args[0], attrs["perm"]),

@@ -240,6 +240,14 @@ def _rope(b, node):
     return out
 
 
+def _topk(b, node):
+    """ONNX TopK: sorted, ties to the lower index, as the IR's reference."""
+    x = node.inputs[0]
+    outputs = b.node("TopK", [b.value(x), b.const([node.attrs["k"]])], 2, axis=node.attrs["axis"],
+                     largest=int(node.attrs["largest"]), sorted=1)
+    return list(outputs)
+
+
 def _cast(b, node):
     return b.op("Cast", b.value(node.inputs[0]), to=elem_type(node.attrs["dtype"]))
 
@@ -257,7 +265,7 @@ ONNX_LOWERINGS: dict[str, Lowering] = {
     "cos": _unary("Cos"), "erf": _unary("Erf"), "sigmoid": _unary("Sigmoid"), "relu": _unary("Relu"),
     "silu": _silu, "gelu": _gelu, "where": _where, "cast": _cast,
     "sum": _reduction("ReduceSum"), "mean": _reduction("ReduceMean"), "max": _reduction("ReduceMax"),
-    "any": _any, "cumsum": _cumsum,
+    "any": _any, "cumsum": _cumsum, "topk": _topk,
     "softmax": lambda b, node: b.op("Softmax", b.value(node.inputs[0]), axis=node.attrs["axis"]),
     "reshape": _reshape, "permute": _permute, "slice": _slice, "concat": _concat, "expand": _expand,
     "index": _index, "arange": _arange, "full": _full,

@@ -18,6 +18,7 @@ from typing import Callable
 from tinygrad import Tensor, dtypes
 
 from kiln.ir import Node, all_ops
+from kiln.ir.dims import dims_equal
 from kiln.ir.errors import UnsupportedOpError
 from kiln.ir.ops.shape import BIG
 
@@ -149,6 +150,20 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float, offset: float) -> Ten
     return y * (weight + offset) if offset else y * weight
 
 
+def _expand(ctx, node, args, attrs):
+    """Dims the expand keeps are -1: a kept symbolic size (batch*seq) may be another UOp than the
+    input's own, which tinygrad would refuse to broadcast to."""
+    source = node.inputs[0].type.shape
+    lead = len(attrs["shape"]) - len(source)
+    kept = [i >= lead and dims_equal(source[i - lead], d) for i, d in enumerate(node.attrs["shape"])]
+    return args[0].expand(tuple(-1 if keep else d for keep, d in zip(kept, attrs["shape"])))
+
+
+def _topk(ctx, node, args, attrs):
+    values, indices = args[0].topk(attrs["k"], dim=attrs["axis"], largest=attrs["largest"], sorted_=True)
+    return values, indices.cast(dtypes.int64)
+
+
 def _add_rms_norm(ctx, node, args, attrs):
     x, residual, weight = args
     total = x + residual
@@ -206,9 +221,10 @@ TENSOR_LOWERINGS: dict[str, Lowering] = {
     "any": lambda ctx, node, args, attrs: args[0].cast(dtypes.bool).any(axis=_axes(attrs), keepdim=attrs["keepdim"]),
     "cumsum": lambda ctx, node, args, attrs: args[0].cumsum(attrs["axis"]),
     "softmax": lambda ctx, node, args, attrs: args[0].softmax(attrs["axis"]),
+    "topk": _topk,
     "reshape": lambda ctx, node, args, attrs: args[0].reshape(tuple(attrs["shape"])),
     "permute": lambda ctx, node, args, attrs: args[0].permute(tuple(attrs["perm"])),
-    "expand": lambda ctx, node, args, attrs: args[0].expand(tuple(attrs["shape"])),
+    "expand": _expand,
     "slice": _slice,
     "concat": lambda ctx, node, args, attrs: args[0].cat(*args[1:], dim=attrs["axis"]),
     "index": _index,
