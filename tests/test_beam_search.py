@@ -10,7 +10,7 @@ from kiln.runtime.generate import LLM
 from hf_oracle import prompts
 from search_models import searchable
 from test_engine import CallLog
-from tiny_models import ARCHITECTURES, EOS_TOKEN_ID
+from tiny_models import ARCHITECTURES, EOS_TOKEN_ID, FAMILIES
 
 NEW_TOKENS = 8
 OPTION_SETS = [
@@ -32,7 +32,7 @@ def hf_beams(model, prompt, end_ids, count, **options):
     return [out.sequences[i, len(prompt):len(prompt) + lengths[i]].tolist() for i in range(count)]
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("arch", ARCHITECTURES + [pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES])
 def test_beam_search_equals_hugging_face(tiny_model_dirs, arch):
     llm, model = searchable(tiny_model_dirs(arch))
     (prompt,) = prompts([6], seed=5)

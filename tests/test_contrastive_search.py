@@ -11,7 +11,7 @@ from hf_oracle import prompts
 from search_models import searchable
 from test_engine import CallLog, executable
 from test_generate_loop import tiny_stateful_graph  # noqa: F401 - test_engine's executable needs it
-from tiny_models import ARCHITECTURES
+from tiny_models import ARCHITECTURES, FAMILIES
 
 NEW_TOKENS = 8
 
@@ -35,7 +35,7 @@ def reference_contrastive(model, prompt, alpha, k, new_tokens):
     return ids[len(prompt):]
 
 
-@pytest.mark.parametrize("arch", ARCHITECTURES)
+@pytest.mark.parametrize("arch", ARCHITECTURES + [pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES])
 def test_contrastive_search_equals_the_papers_rule(tiny_model_dirs, arch):
     llm, model = searchable(tiny_model_dirs(arch))
     (prompt,) = prompts([7], seed=6)
