@@ -1,8 +1,8 @@
-"""What a constrained request asks for — a JSON schema, a regular expression or a list of choices —
-checked and turned into llguidance grammar text (compiled against a tokenizer in
-constraint_compiler.py).
+"""What a constrained request asks for — a JSON schema, a regular expression, a list of choices or
+a grammar in llguidance's Lark syntax — checked and turned into llguidance grammar text (compiled
+against a tokenizer in constraint_compiler.py).
 
-    spec = constraint_spec(json_schema={"type": "object", ...})   # or regex=..., or choices=[...]
+    spec = constraint_spec(json_schema={"type": "object", ...})   # or regex=, choices=, grammar=
 
 JSON is compact (no whitespace between tokens, "," and ":" separators) unless the schema's
 "x-guidance" options say otherwise: compact output has more forced tokens (keys, punctuation)
@@ -21,7 +21,7 @@ from kiln.runtime.errors import ConstraintError
 # Compact JSON: schema "x-guidance" options still override these defaults.
 JSON_DEFAULTS = {"whitespace_flexible": False}
 
-CONSTRAINT_KEYWORDS = ("json_schema", "regex", "choices")
+CONSTRAINT_KEYWORDS = ("json_schema", "regex", "choices", "grammar")
 
 
 @dataclass(frozen=True)
@@ -36,22 +36,25 @@ class ConstraintSpec:
 
 
 def constraint_spec(json_schema: Any = None, regex: str | None = None, choices: Sequence[str] | None = None,
-                    fast_forward: bool = True) -> ConstraintSpec | None:
+                    fast_forward: bool = True, grammar: str | None = None) -> ConstraintSpec | None:
     """The spec of at most one of `json_schema` (a dict, JSON text, or a pydantic model class),
-    `regex` and `choices`; None when none is given. Bad input raises ConstraintError."""
-    given = [name for name, value in (("json_schema", json_schema), ("regex", regex), ("choices", choices))
-             if value is not None]
+    `regex`, `choices` and `grammar` (Lark text in llguidance's syntax, which can embed JSON
+    schemas with `%json {...}`); None when none is given. Bad input raises ConstraintError."""
+    given = [name for name, value in (("json_schema", json_schema), ("regex", regex), ("choices", choices),
+                                      ("grammar", grammar)) if value is not None]
     if not given:
         return None
     if len(given) > 1:
         raise ConstraintError(f"{' and '.join(given)} were both given. Fix: constrain a request with one of "
-                              "json_schema, regex or choices.")
+                              "json_schema, regex, choices or grammar.")
     if json_schema is not None:
         grammar, description = _json_schema_grammar(json_schema)
     elif regex is not None:
         grammar, description = _regex_grammar(regex)
-    else:
+    elif choices is not None:
         grammar, description = _choices_grammar(choices)
+    else:
+        grammar, description = _lark_grammar(grammar)
     return ConstraintSpec(grammar, description, bool(fast_forward))
 
 
@@ -92,3 +95,12 @@ def _choices_grammar(choices: Sequence[str]) -> tuple[str, str]:
     if not choices:
         raise ConstraintError("choices is empty, so no output can satisfy it. Fix: give at least one choice.")
     return grammar_from("choice", list(choices)), f"choices {list(choices)!r:.80}"
+
+
+def _lark_grammar(text: str) -> tuple[str, str]:
+    from llguidance import LLMatcher
+
+    if not isinstance(text, str):
+        raise ConstraintError(f"grammar must be Lark text (a str), got {type(text).__name__}. "
+                              "Fix: pass e.g. grammar='start: \"yes\" | \"no\"'.")
+    return LLMatcher.grammar_from_lark(text), f"grammar {text[:80]!r}"

@@ -3,8 +3,8 @@
 Requests are strict: an unknown field is an error naming it, rather than a setting silently
 ignored, and values keep their JSON types (pydantic's strict mode: `"0.5"` is no number and
 `"yes"` no boolean, while an integer is taken where a float is expected, as OpenAI does). Fields
-common clients send that change nothing here (`store`, `metadata`, `service_tier`,
-`parallel_tool_calls`) are accepted and ignored. Kiln's extra sampling settings (top_k, min_p, typical_p, eta, repetition_penalty,
+common clients send that change nothing here (`store`, `metadata`, `service_tier`) are accepted
+and ignored. Kiln's extra sampling settings (top_k, min_p, typical_p, eta, repetition_penalty,
 ignore_eos, stop_token_ids) and output constraints (regex, choices) are accepted as extra body
 fields, as vLLM does; `response_format` takes OpenAI's json_object / json_schema.
 """
@@ -14,7 +14,7 @@ import time
 import uuid
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
 
 from kiln.runtime.sampler import REPETITION_PENALTY_RANGE
 
@@ -80,7 +80,7 @@ class SamplingFields(BaseModel):
     store: bool | None = None
     metadata: dict[str, str] | None = None
     service_tier: str | None = None
-    parallel_tool_calls: bool | None = None
+    parallel_tool_calls: bool | None = None  # chat with tools: False allows one call (completions ignore it)
 
 
 class CompletionRequest(SamplingFields):
@@ -137,10 +137,57 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+FUNCTION_NAME = r"^[A-Za-z0-9_-]{1,64}$"  # OpenAI's rule for function names
+
+
+class FunctionDefinition(BaseModel):
+    """A function the model may call: `parameters` is the JSON schema of its arguments (an object)."""
+
+    model_config = ConfigDict(extra="forbid", **STRICT)
+
+    name: str = Field(pattern=FUNCTION_NAME)
+    description: str | None = None
+    parameters: dict | None = None
+    strict: bool | None = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="forbid", **STRICT)
+
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class FunctionName(BaseModel):
+    model_config = ConfigDict(extra="forbid", **STRICT)
+
+    name: str
+
+
+class NamedToolChoice(BaseModel):
+    """tool_choice naming the one function to call: {"type": "function", "function": {"name": ...}}."""
+
+    model_config = ConfigDict(extra="forbid", **STRICT)
+
+    type: Literal["function"]
+    function: FunctionName
+
+
 class ChatCompletionRequest(SamplingFields):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage] = Field(min_length=1)
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def _tool_choice_word(cls, value):
+        """An unknown word is an error naming tool_choice itself (not a member of its union)."""
+        if isinstance(value, str) and value not in ("none", "auto", "required"):
+            raise ValueError(f'{value[:40]!r} is not a tool choice: send "none", "auto", "required" or '
+                             '{"type": "function", "function": {"name": ...}}')
+        return value
     max_tokens: int | None = Field(None, ge=0)
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool = False
@@ -195,8 +242,9 @@ class ChatLogprobs(BaseModel):
 
 class AssistantMessage(BaseModel):
     role: str = "assistant"
-    content: str
+    content: str | None  # null when the answer is tool calls alone
     refusal: str | None = None  # OpenAI's shape: null unless the model refused (never, here)
+    tool_calls: list[ToolCall] | None = None
 
 
 class ChatChoice(BaseModel):
@@ -215,9 +263,35 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class FunctionDelta(BaseModel):
+    """A streamed call's name (in its first chunk) or a piece of its arguments; unset fields are
+    left out, as OpenAI's chunks leave them."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _set_fields_only(self, handler):
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
+class ToolCallDelta(BaseModel):
+    """A piece of tool call `index`: its first chunk has the id, type and name."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionDelta
+
+    @model_serializer(mode="wrap")
+    def _set_fields_only(self, handler):
+        return {key: value for key, value in handler(self).items() if value is not None}
+
+
 class Delta(BaseModel):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChatChunkChoice(BaseModel):

@@ -32,6 +32,8 @@ from kiln.runtime.openai_echo import echoed_prompt, prompt_text
 from kiln.runtime.openai_errors import APIError, internal, invalid, model_not_found
 from kiln.runtime.openai_logprobs import chat_logprobs, completion_logprobs
 from kiln.runtime.openai_request import check_request, constraint_param, parse_body, sampling_keywords, single_prompt
+from kiln.runtime.openai_tools import (ToolDeltas, ToolPlan, chat_prompt, constrain_answer, finish_reason, plan_tools,
+                                       tool_message)
 from kiln.runtime.openai_samples import (Samples, best_results, collect, finished, ranking_logprobs, sample_counts,
                                          submit_samples)
 from kiln.runtime.server_metrics import RequestTimer, ServerMetrics
@@ -185,23 +187,26 @@ async def _chat(llm, name: str, request: Request, metrics: ServerMetrics, reques
     req = await parse_body(request, api.ChatCompletionRequest)
     check_request(req, name)
     n, _ = sample_counts(req.n, None, req.stream)
+    tools = plan_tools(req)
     messages = [_template_message(message, index) for index, message in enumerate(req.messages)]
     try:
-        prompt = await asyncio.to_thread(llm.encode_chat, messages)
+        prompt = await asyncio.to_thread(chat_prompt, llm, messages, tools)
     except KilnError as error:
         raise invalid(str(error), "messages") from None
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     top = (req.top_logprobs or 0) if req.logprobs else None
-    failed = _on_failure(request_id, constraint_param(req))
-    samples = await submit_samples(llm, prompt, "messages", sampling_keywords(llm, req, max_tokens, top), n, failed)
+    sampling = sampling_keywords(llm, req, max_tokens, top)
+    failed = _on_failure(request_id, constrain_answer(tools, sampling) or constraint_param(req))
+    samples = await submit_samples(llm, prompt, "messages", sampling, n, failed)
     if req.stream:
-        return event_stream(_chat_events(samples, req, name, timer), samples, failed)
+        return event_stream(_chat_events(samples, req, name, timer, tools), samples, failed)
     results = await collect(samples, timer, request, failed)
     choices = []
     for index, result in enumerate(results):
         logprobs = await asyncio.to_thread(chat_logprobs, llm, result) if req.logprobs else None
-        choices.append(api.ChatChoice(index=index, message=api.AssistantMessage(content=result.text),
-                                      finish_reason=FINISH_REASONS.get(result.finish_reason), logprobs=logprobs))
+        message = tool_message(tools, result.text)
+        reason = finish_reason(FINISH_REASONS.get(result.finish_reason), bool(message.tool_calls))
+        choices.append(api.ChatChoice(index=index, message=message, finish_reason=reason, logprobs=logprobs))
     return _json(api.ChatCompletionResponse(model=name, choices=choices, usage=_usage(results)))
 
 
@@ -253,22 +258,28 @@ async def _completion_events(samples: Samples, req: api.CompletionRequest, name:
         yield event(api.CompletionResponse(**base, choices=[], usage=_usage(results)))
 
 
-async def _chat_events(samples: Samples, req: api.ChatCompletionRequest, name: str, timer: RequestTimer):
+async def _chat_events(samples: Samples, req: api.ChatCompletionRequest, name: str, timer: RequestTimer,
+                       tools: ToolPlan | None):
     base = dict(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=name)
 
     def chunk(index: int, delta: api.Delta, finish_reason=None):
         return event(api.ChatCompletionChunk(**base, choices=[api.ChatChunkChoice(
             index=index, delta=delta, finish_reason=finish_reason)]))
 
+    deltas = [ToolDeltas(tools) for _ in samples.handles]  # each choice's calls parsed as they stream
     for index in range(len(samples.handles)):
         yield chunk(index, api.Delta(role="assistant", content=""))
     async for index, piece in samples.pieces():
         if piece is None:
+            for delta in deltas[index].finish():
+                yield chunk(index, delta)
             result = await samples.handles[index].wait()
-            yield chunk(index, api.Delta(), FINISH_REASONS.get(result.finish_reason))
-        else:
-            timer.piece()
-            yield chunk(index, api.Delta(content=piece))
+            yield chunk(index, api.Delta(), finish_reason(FINISH_REASONS.get(result.finish_reason),
+                                                          deltas[index].calls > 0))
+            continue
+        timer.piece()
+        for delta in deltas[index].feed(piece):
+            yield chunk(index, delta)
     results = await samples.results()
     finished(timer, results)
     if req.stream_options and req.stream_options.include_usage:
