@@ -339,6 +339,8 @@ def _serve_arguments(commands) -> None:
                             "(default: the --host address, localhost, 127.0.0.1, [::1]; '*': any)")
     serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                        help="uvicorn's log level (info logs every request)")
+    serve.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every endpoint but /health "
+                       "(default: $KILN_API_KEY; unset: no key)")
     _pin_argument(serve)
 
 
@@ -358,6 +360,7 @@ def _serve(args) -> int:
     if args.model_name is not None and not args.model_name.strip():
         raise OptionError("--model-name is empty. Fix: give the id clients send, or leave it out for the "
                           "artifact's directory name.")
+    api_key = _api_key(args)
     try:
         import fastapi  # noqa: F401
         import prometheus_client  # noqa: F401
@@ -382,8 +385,24 @@ def _serve(args) -> int:
     name = args.model_name or Path(args.artifact).resolve().name.removesuffix(".kiln")
     print(f"[kiln serve] {name} on http://{args.host}:{args.port}/v1 (max_batch={llm.max_batch}, "
           f"max_seq_len={llm.max_seq_len})", file=sys.stderr, flush=True)
-    serve(llm, args.host, args.port, name, args.max_body_bytes, args.log_level, args.allowed_hosts)
+    serve(llm, args.host, args.port, name, args.max_body_bytes, args.log_level, args.allowed_hosts, api_key)
     return 0
+
+
+def _api_key(args) -> str | None:
+    """--api-key, else $KILN_API_KEY; None when neither is set (the server asks for no key)."""
+    import os
+
+    from kiln.runtime.api_key import API_KEY_ENV, check_api_key
+
+    key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
+    if key is None:
+        return None
+    try:
+        return check_api_key(key)
+    except KilnError as error:
+        source = "--api-key" if args.api_key is not None else f"${API_KEY_ENV}"
+        raise OptionError(f"{source}: {error}") from None
 
 
 def _quality_arguments(commands) -> None:

@@ -25,6 +25,7 @@ from starlette.responses import JSONResponse, Response
 
 from kiln.ir.errors import KilnError
 from kiln.runtime import openai_protocol as api
+from kiln.runtime.api_key import ApiKeyCheck
 from kiln.runtime.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
 from kiln.runtime.errors import ConstraintError
 from kiln.runtime.host_check import HostCheck, default_allowed_hosts
@@ -45,11 +46,12 @@ FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": 
 
 
 def create_app(llm, model_name: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               allowed_hosts: list[str] | None = None) -> FastAPI:
+               allowed_hosts: list[str] | None = None, api_key: str | None = None) -> FastAPI:
     """The ASGI app serving `llm` (a loaded `kiln.LLM`) under `model_name` (default: the artifact's
     source directory name). `allowed_hosts`: the `Host` header values (port aside) answered; any
     other is a 400, which keeps a web page on another name (DNS rebinding) from reaching a
-    loopback server. None answers any host; "*" in the list does too."""
+    loopback server. None answers any host; "*" in the list does too. `api_key`: every path but
+    /health then needs `Authorization: Bearer <api_key>` (runtime/api_key.py)."""
     name = model_name or _default_name(llm)
     created = int(time.time())
     metrics = ServerMetrics(getattr(llm, "engine", None))
@@ -57,6 +59,8 @@ def create_app(llm, model_name: str | None = None, max_body_bytes: int = DEFAULT
     app.openapi = _openapi(app)
     app.state.llm, app.state.model_name, app.state.metrics = llm, name, metrics
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
+    if api_key is not None:  # before the body is read
+        app.add_middleware(ApiKeyCheck, key=api_key)
     if allowed_hosts is not None:
         app.add_middleware(HostCheck, allowed=allowed_hosts)  # added last: runs first, before the body is read
     # No CORS middleware: answers carry no Access-Control-Allow-Origin, so a browser keeps other
@@ -340,16 +344,17 @@ def _default_name(llm) -> str:
 # -- running it ----------------------------------------------------------------------------------
 def serve(llm, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
           max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_level: str = "info",
-          allowed_hosts: list[str] | None = None) -> None:
+          allowed_hosts: list[str] | None = None, api_key: str | None = None) -> None:
     """Serve `llm` until interrupted (loopback only unless `host` says otherwise; Host headers
-    other than `allowed_hosts`, by default `default_allowed_hosts(host)`, are refused): uvicorn in a
+    other than `allowed_hosts`, by default `default_allowed_hosts(host)`, are refused; with
+    `api_key`, requests without it are refused, /health aside): uvicorn in a
     thread of its own, the engine's model calls in the calling (main) thread, where torch's
     OpenMP pool runs at full speed (Engine.run_in_this_thread says why)."""
     import uvicorn
 
     if allowed_hosts is None:
         allowed_hosts = default_allowed_hosts(host)
-    app = create_app(llm, model_name, max_body_bytes, allowed_hosts)
+    app = create_app(llm, model_name, max_body_bytes, allowed_hosts, api_key)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
     stop = threading.Event()
 
