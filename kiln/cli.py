@@ -341,6 +341,9 @@ def _serve_arguments(commands) -> None:
                        help="uvicorn's log level (info logs every request)")
     serve.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every endpoint but /health "
                        "(default: $KILN_API_KEY; unset: no key)")
+    serve.add_argument("--speculative", choices=["prompt_lookup"],
+                       help="draft every request's tokens by prompt lookup inside the engine (n-grams of its own "
+                            "context, verified in the decode step: greedy output unchanged)")
     _pin_argument(serve)
 
 
@@ -385,7 +388,8 @@ def _serve(args) -> int:
     name = args.model_name or Path(args.artifact).resolve().name.removesuffix(".kiln")
     print(f"[kiln serve] {name} on http://{args.host}:{args.port}/v1 (max_batch={llm.max_batch}, "
           f"max_seq_len={llm.max_seq_len})", file=sys.stderr, flush=True)
-    serve(llm, args.host, args.port, name, args.max_body_bytes, args.log_level, args.allowed_hosts, api_key)
+    serve(llm, args.host, args.port, name, args.max_body_bytes, args.log_level, args.allowed_hosts, api_key,
+          args.speculative)
     return 0
 
 

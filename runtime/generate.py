@@ -148,8 +148,10 @@ class LLM:
                stop_token_ids: Sequence[int] = (), **sampling) -> RequestHandle:
         """Queue one prompt on the engine and return at once: iterate the handle (or `async for`)
         for its text, `handle.result()` (or `await handle.wait()`) for its GenerationResult,
-        `handle.cancel()` to stop it. Same keywords as `generate`, except `speculative`. Bad
-        arguments raise here; a full queue raises QueueFullError."""
+        `handle.cancel()` to stop it. Same keywords as `generate`; `speculative` takes
+        "prompt_lookup" only (drafted inside the engine). Bad arguments raise here; a full queue
+        raises QueueFullError."""
+        speculative = sampling.pop("speculative", None)
         resolve_bad_words(self.tokenizer, sampling)
         constraint = pop_constraint(self.tokenizer, sampling)
         params = sampling_params(temperature, top_k, top_p, sampling)
@@ -157,6 +159,14 @@ class LLM:
                                                          stop_token_ids, constraint)
         if not single:
             raise GenerationError("submit takes one prompt. Fix: call it once per prompt (or use generate for a list).")
+        if speculative is not None:
+            if speculative != "prompt_lookup":
+                raise GenerationError(f"submit drafts by prompt lookup only, got speculative={speculative!r:.60}. "
+                                      "Fix: pass 'prompt_lookup', or use generate for the other drafters.")
+            if constraint is not None:
+                raise GenerationError("speculative decoding does not take json_schema, regex, choices or grammar. Fix: "
+                                      "drop one of them (forced tokens already skip decode steps without a drafter).")
+            settings = dataclasses.replace(settings, drafter_factory=PromptLookupDrafter)
         return self.engine.submit(token_lists[0], settings, seeds[0])
 
     def chat(self, messages: list[dict], **kwargs) -> GenerationResult:

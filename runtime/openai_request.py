@@ -11,6 +11,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
 
 from kiln.runtime import openai_protocol as api
+from kiln.runtime.constraint_spec import CONSTRAINT_KEYWORDS
 from kiln.runtime.openai_errors import APIError, from_validation_error, invalid, model_not_found
 
 MAX_JSON_DEPTH = 64  # far beyond any real body (a JSON schema's nesting included); bounds the recursions after it
@@ -152,3 +153,11 @@ def _token_key(key: str) -> int | None:
     if not (key.isascii() and key.lstrip("-").isdigit()) or len(key) > 20:
         return None
     return int(key)
+
+
+def with_drafter(sampling: dict, speculative: str | None) -> dict:
+    """llm.submit's keywords with the server's drafter (`kiln serve --speculative`); a constrained
+    request decodes without one (the grammar's forced tokens already skip decode steps)."""
+    if speculative is None or any(name in sampling for name in CONSTRAINT_KEYWORDS):
+        return sampling
+    return {**sampling, "speculative": speculative}

@@ -32,7 +32,8 @@ from kiln.runtime.host_check import HostCheck, default_allowed_hosts
 from kiln.runtime.openai_echo import echoed_prompt, prompt_text
 from kiln.runtime.openai_errors import APIError, internal, invalid, model_not_found
 from kiln.runtime.openai_logprobs import chat_logprobs, completion_logprobs
-from kiln.runtime.openai_request import check_request, constraint_param, parse_body, sampling_keywords, single_prompt
+from kiln.runtime.openai_request import (check_request, constraint_param, parse_body, sampling_keywords, single_prompt,
+                                         with_drafter)
 from kiln.runtime.openai_tools import (ToolDeltas, ToolPlan, chat_prompt, constrain_answer, finish_reason, plan_tools,
                                        tool_message)
 from kiln.runtime.openai_samples import (Samples, best_results, collect, finished, ranking_logprobs, sample_counts,
@@ -46,12 +47,14 @@ FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": 
 
 
 def create_app(llm, model_name: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               allowed_hosts: list[str] | None = None, api_key: str | None = None) -> FastAPI:
+               allowed_hosts: list[str] | None = None, api_key: str | None = None,
+               speculative: str | None = None) -> FastAPI:
     """The ASGI app serving `llm` (a loaded `kiln.LLM`) under `model_name` (default: the artifact's
     source directory name). `allowed_hosts`: the `Host` header values (port aside) answered; any
     other is a 400, which keeps a web page on another name (DNS rebinding) from reaching a
     loopback server. None answers any host; "*" in the list does too. `api_key`: every path but
-    /health then needs `Authorization: Bearer <api_key>` (runtime/api_key.py)."""
+    /health then needs `Authorization: Bearer <api_key>` (runtime/api_key.py). `speculative`
+    ("prompt_lookup"): every unconstrained request drafts by prompt lookup inside the engine."""
     name = model_name or _default_name(llm)
     created = int(time.time())
     metrics = ServerMetrics(getattr(llm, "engine", None))
@@ -94,13 +97,14 @@ def create_app(llm, model_name: str | None = None, max_body_bytes: int = DEFAULT
 
     @app.post("/v1/completions", openapi_extra=_operation(api.CompletionRequest, api.CompletionResponse))
     async def completions(request: Request):
-        return await _counted(metrics, "completions", lambda request_id: _completion(llm, name, request, metrics,
-                                                                                     request_id))
+        return await _counted(metrics, "completions", lambda request_id: _completion(
+            llm, name, request, metrics, request_id, speculative))
 
     @app.post("/v1/chat/completions",
               openapi_extra=_operation(api.ChatCompletionRequest, api.ChatCompletionResponse, api.ChatCompletionChunk))
     async def chat_completions(request: Request):
-        return await _counted(metrics, "chat", lambda request_id: _chat(llm, name, request, metrics, request_id))
+        return await _counted(metrics, "chat", lambda request_id: _chat(llm, name, request, metrics, request_id,
+                                                                        speculative))
 
     return app
 
@@ -158,7 +162,8 @@ def _openapi(app: FastAPI):
 
 
 # -- the two generation endpoints ----------------------------------------------------------------
-async def _completion(llm, name: str, request: Request, metrics: ServerMetrics, request_id: str) -> Response:
+async def _completion(llm, name: str, request: Request, metrics: ServerMetrics, request_id: str,
+                      speculative: str | None) -> Response:
     timer = metrics.timer()
     req = await parse_body(request, api.CompletionRequest)
     check_request(req, name)
@@ -168,7 +173,7 @@ async def _completion(llm, name: str, request: Request, metrics: ServerMetrics, 
     prompt = single_prompt(req.prompt)
     failed = _on_failure(request_id, constraint_param(req))
     sampling = sampling_keywords(llm, req, req.max_tokens, ranking_logprobs(req.logprobs, n, best_of))
-    samples = await submit_samples(llm, prompt, "prompt", sampling, best_of, failed)
+    samples = await submit_samples(llm, prompt, "prompt", with_drafter(sampling, speculative), best_of, failed)
     if req.stream:
         echo = prompt_text(llm, prompt) if req.echo else None
         return event_stream(_completion_events(samples, req, name, timer, echo), samples, failed)
@@ -186,7 +191,8 @@ async def _completion(llm, name: str, request: Request, metrics: ServerMetrics, 
     return _json(api.CompletionResponse(model=name, choices=choices, usage=_usage(drawn)))
 
 
-async def _chat(llm, name: str, request: Request, metrics: ServerMetrics, request_id: str) -> Response:
+async def _chat(llm, name: str, request: Request, metrics: ServerMetrics, request_id: str,
+                speculative: str | None) -> Response:
     timer = metrics.timer()
     req = await parse_body(request, api.ChatCompletionRequest)
     check_request(req, name)
@@ -201,7 +207,7 @@ async def _chat(llm, name: str, request: Request, metrics: ServerMetrics, reques
     top = (req.top_logprobs or 0) if req.logprobs else None
     sampling = sampling_keywords(llm, req, max_tokens, top)
     failed = _on_failure(request_id, constrain_answer(tools, sampling) or constraint_param(req))
-    samples = await submit_samples(llm, prompt, "messages", sampling, n, failed)
+    samples = await submit_samples(llm, prompt, "messages", with_drafter(sampling, speculative), n, failed)
     if req.stream:
         return event_stream(_chat_events(samples, req, name, timer, tools), samples, failed)
     results = await collect(samples, timer, request, failed)
@@ -344,17 +350,18 @@ def _default_name(llm) -> str:
 # -- running it ----------------------------------------------------------------------------------
 def serve(llm, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
           max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_level: str = "info",
-          allowed_hosts: list[str] | None = None, api_key: str | None = None) -> None:
+          allowed_hosts: list[str] | None = None, api_key: str | None = None,
+          speculative: str | None = None) -> None:
     """Serve `llm` until interrupted (loopback only unless `host` says otherwise; Host headers
     other than `allowed_hosts`, by default `default_allowed_hosts(host)`, are refused; with
-    `api_key`, requests without it are refused, /health aside): uvicorn in a
+    `api_key`, requests without it are refused, /health aside; `speculative` as create_app): uvicorn in a
     thread of its own, the engine's model calls in the calling (main) thread, where torch's
     OpenMP pool runs at full speed (Engine.run_in_this_thread says why)."""
     import uvicorn
 
     if allowed_hosts is None:
         allowed_hosts = default_allowed_hosts(host)
-    app = create_app(llm, model_name, max_body_bytes, allowed_hosts, api_key)
+    app = create_app(llm, model_name, max_body_bytes, allowed_hosts, api_key, speculative)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
     stop = threading.Event()
 
