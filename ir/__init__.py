@@ -6,13 +6,13 @@ from .graph import Graph, GraphEditError, Node, Value
 from .interpreter import InterpreterError, run_graph
 from .parser import ParseError, parse_graph
 from .printer import print_graph
-from .registry import REQUIRED, OpDef, OpError, all_ops, get_op, register
+from .registry import REQUIRED, TRAITS, OpDef, OpError, all_ops, get_op, ops_with, register
 from .tensor_type import TensorType
 from .verifier import VerificationError, verify
 
 __all__ = [
     "Dim", "SymbolBound", "evaluate", "format_dim", "parse_dim", "symbol", "from_torch", "to_torch",
     "Graph", "GraphEditError", "Node", "Value", "InterpreterError", "run_graph", "ParseError", "parse_graph",
-    "print_graph", "REQUIRED", "OpDef", "OpError", "all_ops", "get_op", "register", "TensorType",
+    "print_graph", "REQUIRED", "TRAITS", "OpDef", "OpError", "all_ops", "get_op", "ops_with", "register", "TensorType",
     "VerificationError", "verify",
 ]

@@ -45,7 +45,8 @@ class Value:
 
 @dataclass(eq=False)
 class Node:
-    """One op application. `inputs` may hold None for an omitted optional input."""
+    """One op application. `inputs` may hold None for an omitted optional input; change them
+    through `Graph.set_input` / `Graph.replace_all_uses`, which keep the values' `users` current."""
 
     op: str
     inputs: list[Value | None]

@@ -1,6 +1,9 @@
-"""The op registry: each op is registered once with its schema, type rule and reference kernel."""
+"""The op registry: each op is registered once with its schema, type rule, reference kernel and
+traits, the properties passes and backends ask about (`ops_with("elementwise")`) instead of
+keeping their own lists of op names."""
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -8,6 +11,13 @@ from .errors import KilnError
 from .tensor_type import TensorType
 
 REQUIRED = object()  # marks an attribute with no default
+
+TRAITS = {
+    "elementwise": "each output element depends only on the inputs' elements at the same index, "
+                   "after broadcasting (so the op keeps any split, layout or row selection of its inputs)",
+    "commutative": "a binary op whose two operands can be swapped without changing the result",
+    "constant": "takes no inputs: the output is made from the attributes alone",
+}
 
 
 class OpError(KilnError, ValueError):
@@ -29,6 +39,12 @@ class OpDef:
     reference: Callable[..., Any]
     attrs: dict[str, Any] = field(default_factory=dict)
     doc: str = ""
+    traits: frozenset[str] = frozenset()
+
+    def __post_init__(self):
+        object.__setattr__(self, "traits", frozenset(self.traits))
+        for trait in self.traits:
+            _check_trait(trait)
 
     @property
     def variadic(self) -> bool:
@@ -66,10 +82,16 @@ class OpDef:
 _REGISTRY: dict[str, OpDef] = {}
 
 
+def _check_trait(trait: str) -> None:
+    if trait not in TRAITS:
+        raise OpError(f"unknown op trait {trait!r}. Fix: use one of {sorted(TRAITS)} (ir/registry.py TRAITS)")
+
+
 def register(op: OpDef) -> OpDef:
     if op.name in _REGISTRY:
         raise ValueError(f"op {op.name!r} is registered twice")
     _REGISTRY[op.name] = op
+    ops_with.cache_clear()
     return op
 
 
@@ -86,3 +108,12 @@ def all_ops() -> dict[str, OpDef]:
     from . import ops  # noqa: F401
 
     return dict(_REGISTRY)
+
+
+@functools.cache
+def ops_with(trait: str) -> frozenset[str]:
+    """The names of the registered ops that have `trait` (one of TRAITS)."""
+    from . import ops  # noqa: F401
+
+    _check_trait(trait)
+    return frozenset(name for name, op in _REGISTRY.items() if trait in op.traits)

@@ -13,7 +13,7 @@ The inner node of a collapsed chain is left for dead-code elimination.
 """
 from __future__ import annotations
 
-from kiln.ir import Graph, Node, Value
+from kiln.ir import Graph, Node, Value, ops_with
 
 
 def _is_full_of(value: Value | None, constant: float) -> bool:
@@ -55,7 +55,7 @@ def _identity_operand(node: Node) -> Value | None:
     b = node.inputs[1]
     if _is_full_of(b, neutral) and a.type == out.type:
         return a
-    if node.op in ("mul", "add") and _is_full_of(a, neutral) and b.type == out.type:
+    if node.op in ops_with("commutative") and _is_full_of(a, neutral) and b.type == out.type:
         return b
     return None
 

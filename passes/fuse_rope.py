@@ -22,15 +22,12 @@ from __future__ import annotations
 import sympy
 import torch
 
-from kiln.ir import Graph, Node, Value, get_op, to_torch
+from kiln.ir import Graph, Node, Value, get_op, ops_with, to_torch
 from kiln.ir.dims import dims_equal, evaluate
 
 from .dce import eliminate_dead_code
 from .match import has_shape, is_last_axis, made_by, sole_reader, split_operands
 
-ELEMENTWISE = {"add", "sub", "mul", "div", "pow", "neg", "exp", "cos", "sin", "reciprocal", "sqrt", "rsqrt",
-               "cast", "maximum", "minimum", "where", "gt", "lt", "ge", "le", "eq", "ne"}
-CONSTANTS = {"full", "arange"}
 
 def _halves_of(rotated: Value) -> tuple[Value, int] | None:
     """(x, h) if `rotated` is rotate_half(x) = cat(-x[..., h:], x[..., :h]) with x's last dim 2h."""
@@ -81,9 +78,9 @@ def _is_symbolic(attr) -> bool:
 
 
 def _allowed(node: Node) -> bool:
-    if node.op in ELEMENTWISE:
+    if node.op in ops_with("elementwise"):
         return True
-    if node.op in CONSTANTS:  # arange(seq) would be the token's index, not its position
+    if node.op in ops_with("constant"):  # arange(seq) would be the token's index, not its position
         return not any(_is_symbolic(a) for a in node.attrs.values())
     if node.op == "reshape":
         return _is_unit_reshape(node)

@@ -11,10 +11,8 @@ from __future__ import annotations
 import math
 from typing import Callable
 
-from kiln.ir import Graph, Node, Value
+from kiln.ir import Graph, Node, Value, ops_with
 from kiln.ir.dims import dims_equal
-
-COMMUTATIVE = ("add", "mul")
 
 
 def made_by(value: Value | None, *ops: str) -> Node | None:
@@ -36,11 +34,11 @@ def is_constant(value: Value | None, expected: float, rel: float = 1e-6) -> bool
 
 
 def split_operands(node: Node, wanted: Callable[[Value], bool]) -> tuple[Value, Value] | None:
-    """(the operand for which `wanted` holds, the other one); both orders tried for add/mul."""
+    """(the operand for which `wanted` holds, the other one); both orders tried for a commutative op."""
     a, b = node.inputs[0], node.inputs[1]
     if wanted(a):
         return a, b
-    if node.op in COMMUTATIVE and wanted(b):
+    if node.op in ops_with("commutative") and wanted(b):
         return b, a
     return None
 

@@ -28,17 +28,12 @@ from dataclasses import dataclass
 import sympy
 import torch
 
-from kiln.ir import Graph, Node, TensorType, Value
+from kiln.ir import Graph, Node, TensorType, Value, ops_with
 from kiln.ir.dims import dims_equal
 from kiln.ir.errors import KilnError
 from kiln.ir.ops.shape_rules import numel
 
 VOCAB_ROWS = "tensor_parallel.vocab_rows"
-ELEMENTWISE = {
-    "add", "sub", "mul", "div", "pow", "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge",
-    "logical_and", "logical_or", "neg", "exp", "log", "sqrt", "rsqrt", "reciprocal", "abs", "tanh", "sin",
-    "cos", "erf", "sigmoid", "relu", "silu", "gelu", "logical_not", "where", "cast",
-}
 # Ops whose first input may be split (each has a `_<op>` rule below); their other inputs may not.
 SPLIT_FIRST_INPUT = {"rope", "rms_norm", "layer_norm", "slice", "reshape", "permute"}
 
@@ -301,7 +296,7 @@ class _Sharder:
             if not (q and k and v and q.axis == k.axis == v.axis == -3) or any(layouts[3:]):
                 raise ShardingError(f"{where}: q, k and v must all be split by heads, mask and positions not")
             return self._emit("attention", inputs, self._local_slopes(where, node.attrs, q), q)
-        if node.op in ELEMENTWISE:
+        if node.op in ops_with("elementwise"):
             return self._emit(node.op, inputs, dict(node.attrs), self._elementwise_layout(where, inputs, layouts))
         if node.op in SPLIT_FIRST_INPUT:
             if any(layouts[1:]):
@@ -414,9 +409,9 @@ def _source_linears(value: Value, through_attention: bool = False) -> set | None
             found.add(node)
         elif node.op == "attention" and through_attention:
             continue  # o_proj reads attention's heads: a row-parallel linear with no linear sources
-        elif node.op in ("full", "arange"):
+        elif node.op in ops_with("constant"):
             continue
-        elif node.op in ELEMENTWISE or node.op in ("slice", "reshape", "permute"):
+        elif node.op in ops_with("elementwise") or node.op in ("slice", "reshape", "permute"):
             stack.extend(i for i in node.inputs if i is not None)
         elif node.op in ("rope", "rms_norm") and node.inputs[0].type.rank == 4:
             stack.append(node.inputs[0])
@@ -428,7 +423,7 @@ def _source_linears(value: Value, through_attention: bool = False) -> set | None
 def _lm_head(graph: Graph) -> Node | None:
     """The linear the logits come from (through elementwise ops such as a final softcap)."""
     value = graph.outputs[0]
-    while value.producer is not None and value.producer.op in ELEMENTWISE:
+    while value.producer is not None and value.producer.op in ops_with("elementwise"):
         value = next((i for i in value.producer.inputs
                       if i is not None and i.producer is not None and i.producer.op != "full"), None)
         if value is None:

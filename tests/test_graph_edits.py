@@ -1,7 +1,8 @@
-"""The Graph's edits keep `users` current and refuse what would break the graph."""
+"""The Graph's edits keep `users` current and refuse what would break the graph; op traits."""
 import pytest
 
-from kiln.ir import Graph, GraphEditError, TensorType, print_graph, verify
+from kiln.ir import Graph, GraphEditError, OpError, TensorType, ops_with, print_graph, verify
+from kiln.ir.registry import OpDef
 
 X = TensorType("f32", (2, 3))
 
@@ -116,3 +117,16 @@ def test_raw_list_edits_of_nodes_keep_users_current():
     graph.nodes = list(graph.nodes)[::-1]
     assert_users_current(graph)
 
+
+def test_traits_name_the_ops_that_have_them():
+    assert {"add", "exp", "where", "cast", "gelu"} <= ops_with("elementwise")
+    assert not {"matmul", "softmax", "reshape", "linear"} & ops_with("elementwise")
+    assert {"add", "mul", "maximum"} <= ops_with("commutative") and "sub" not in ops_with("commutative")
+    assert ops_with("constant") == {"full", "arange"}
+
+
+def test_an_unknown_trait_is_refused_with_the_known_ones():
+    with pytest.raises(OpError, match="unknown op trait 'elementwize'.*'elementwise'"):
+        ops_with("elementwize")
+    with pytest.raises(OpError, match="unknown op trait"):
+        OpDef("twice", ("x",), lambda x: x, lambda x: 2 * x, traits={"linear-ish"})

@@ -22,7 +22,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 
 from kiln.backends.errors import LoweringError
-from kiln.ir import Graph, Node, all_ops, to_torch
+from kiln.ir import Graph, Node, all_ops, ops_with, to_torch
 from kiln.ir.errors import UnsupportedOpError
 
 from . import composite_ops
@@ -144,6 +144,11 @@ def _torch_call(fn: Callable, **rename: str) -> Lowering:
     return lower
 
 
+def _same_named_function(op: str) -> Callable:
+    """torch's function named like the op (torch.nn.functional's for silu, gelu)."""
+    return getattr(torch, op, None) or getattr(F, op)
+
+
 def _reduction(fn: Callable) -> Lowering:
     def lower(b, node, args, attrs):
         return b.call(fn, args[0], dim=list(attrs["axes"]), keepdim=attrs["keepdim"])
@@ -222,20 +227,15 @@ def _rope(b, node, args, attrs):
 
 
 FX_LOWERINGS: dict[str, Lowering] = {
-    **{name: _torch_call(getattr(torch, name)) for name in (
-        "add", "sub", "mul", "div", "pow", "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge",
-        "logical_and", "logical_or", "neg", "exp", "log", "sqrt", "rsqrt", "reciprocal", "abs", "tanh",
-        "sin", "cos", "erf", "sigmoid", "relu", "logical_not", "where", "matmul")},
-    "silu": _torch_call(F.silu),
-    "gelu": _torch_call(F.gelu),
+    **{name: _torch_call(_same_named_function(name)) for name in ops_with("elementwise") if name != "cast"},
     "cast": lambda b, node, args, attrs: b.method("to", args[0], to_torch(attrs["dtype"])),
+    "matmul": _torch_call(torch.matmul),
     "sum": _reduction(torch.sum),
     "mean": _reduction(torch.mean),
     "max": _reduction(torch.amax),
     "any": lambda b, node, args, attrs: b.call(torch.any, b.method("bool", args[0]),
                                                dim=tuple(attrs["axes"]), keepdim=attrs["keepdim"]),
     "cumsum": _torch_call(torch.cumsum, axis="dim"),
-    "topk": _torch_call(torch.topk, axis="dim"),
     "topk": _torch_call(torch.topk, axis="dim"),
     "softmax": _torch_call(torch.softmax, axis="dim"),
     "reshape": lambda b, node, args, attrs: b.method("reshape", args[0], attrs["shape"]),

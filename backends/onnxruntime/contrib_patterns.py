@@ -12,9 +12,10 @@ usual; what nothing reads is pruned when the model is built.
   the kernel writes the new keys/values in place. `seqlens_k` and `total_sequence_length`
   are inputs the executable computes from the positions, which must then be contiguous per row
   (it checks).
-- add followed by rms_norm (or the decomposed x * rsqrt(mean(x^2) + eps) * w the capture
-  produces before fusion passes run) -> SkipSimplifiedLayerNormalization / RMSNormalization;
-  add followed by layer_norm -> SkipLayerNormalization. Their sum output is the residual.
+- add followed by rms_norm -> SkipSimplifiedLayerNormalization; add followed by layer_norm ->
+  SkipLayerNormalization. Their sum output is the residual. Norms are matched as the fusion
+  passes leave them (`rms_norm`, `add_rms_norm`, `layer_norm`): a graph compiled without the
+  fuse phase keeps its norms in plain ops.
 """
 from __future__ import annotations
 
@@ -230,56 +231,17 @@ def _plan_norm(node: Node, absorbed: set[int], plan: Plan) -> None:
     if skip_add:
         absorbed.add(id(add))
         plan.skip(add)
-    if kind == "rms" and node.op == "rms_norm" and not skip_add:
-        return  # the plain lowering is RMSNormalization already
-    if kind == "layer" and not skip_add:
-        return
+    if not skip_add:
+        return  # alone, a norm's plain lowering is RMSNormalization / LayerNormalization already
     plan.emitters[id(node)] = lambda b: _emit_norm(b, kind, x, weight, bias, eps, offset, add if skip_add else None)
 
 
 def _match_norm(node: Node):
-    """(kind, x, weight, bias, eps, offset) for rms_norm, layer_norm, or a decomposed RMS norm."""
+    """(kind, x, weight, bias, eps, offset) for rms_norm and layer_norm."""
     if node.op == "rms_norm":
         return "rms", node.inputs[0], node.inputs[1], None, node.attrs["eps"], node.attrs["offset"]
     if node.op == "layer_norm":
         return "layer", node.inputs[0], node.inputs[1], node.inputs[2], node.attrs["eps"], 0.0
-    if node.op == "mul":
-        for normed, weight in (node.inputs, node.inputs[::-1]):
-            found = _decomposed_rms(normed)
-            if found is not None and weight.type.rank == 1 and dims_equal(weight.type.shape[0], normed.type.shape[-1]):
-                x, eps = found
-                return "rms", x, weight, None, eps, 0.0
-    return None
-
-
-def _decomposed_rms(value: Value):
-    """(x, eps) when value = x * rsqrt(mean(x ** 2, -1, keepdim) + eps) with constant 2 and eps."""
-    mul = value.producer
-    if mul is None or mul.op != "mul" or value.type.dtype != "f32":
-        return None
-    for x, r in (mul.inputs, mul.inputs[::-1]):
-        rsqrt = r.producer
-        if rsqrt is None or rsqrt.op != "rsqrt" or rsqrt.inputs[0].producer is None:
-            continue
-        add = rsqrt.inputs[0].producer
-        if add.op != "add":
-            continue
-        for m, eps_value in (add.inputs, add.inputs[::-1]):
-            mean, eps = m.producer, _constant(eps_value)
-            if mean is None or mean.op != "mean" or eps is None or not mean.attrs["keepdim"]:
-                continue
-            if [a % x.type.rank for a in mean.attrs["axes"]] != [x.type.rank - 1]:
-                continue
-            pow_ = mean.inputs[0].producer
-            if pow_ is not None and pow_.op == "pow" and pow_.inputs[0] is x and _constant(pow_.inputs[1]) == 2.0:
-                return x, eps
-    return None
-
-
-def _constant(value: Value) -> float | None:
-    node = value.producer
-    if node is not None and node.op == "full" and value.type.rank == 0:
-        return float(node.attrs["value"])
     return None
 
 

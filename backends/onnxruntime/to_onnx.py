@@ -23,7 +23,7 @@ import onnx
 from onnx import helper
 
 from kiln.backends.executable import cache_inputs
-from kiln.ir import Graph, Node
+from kiln.ir import Graph, Node, ops_with
 
 from .contrib_patterns import SEQLENS_K, TOTAL_LENGTH, Plan, plan_contrib_ops
 from .errors import OnnxLoweringError, UnsupportedOpError
@@ -38,7 +38,6 @@ INFO_KEY = "kiln.program"
 # last for a prompt whose next token is all that is wanted (the lm_head of a 49k vocabulary is a
 # fifth of a 512-token prefill's work).
 LOGIT_POSITIONS = "logit_positions"
-ELEMENTWISE_ON_LOGITS = {"mul", "div", "tanh", "cast", "add", "sub"}
 
 
 @dataclass
@@ -104,7 +103,7 @@ def logits_head(graph: Graph) -> Node | None:
     softcap), when its input [batch, seq, hidden] feeds nothing else: the lowering gathers that
     input at LOGIT_POSITIONS, so the projection runs for those positions only."""
     value = graph.outputs[0]
-    while value.producer is not None and value.producer.op in ELEMENTWISE_ON_LOGITS:
+    while value.producer is not None and value.producer.op in ops_with("elementwise"):
         node = value.producer
         if any(i is not None and i is not node.inputs[0] and i.type.rank > 0 and
                any(d != 1 for d in i.type.shape) for i in node.inputs[1:]):

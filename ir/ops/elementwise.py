@@ -8,36 +8,40 @@ from ..tensor_type import TensorType
 from .shape_rules import broadcast_shapes, result_dtype
 
 
-def _binary(name, fn, boolean=False, doc=""):
+ELEMENTWISE = frozenset({"elementwise"})
+COMMUTATIVE = frozenset({"elementwise", "commutative"})
+
+
+def _binary(name, fn, boolean=False, doc="", traits=ELEMENTWISE):
     def infer(a, b):
         shape = broadcast_shapes(a.shape, b.shape)
         return TensorType("bool" if boolean else result_dtype((a.dtype, a.rank), (b.dtype, b.rank)), shape)
 
-    register(OpDef(name, ("a", "b"), infer, fn, doc=doc))
+    register(OpDef(name, ("a", "b"), infer, fn, doc=doc, traits=traits))
 
 
 def _unary(name, fn, float_only=False, boolean=False, **attrs):
     def infer(x, **_):
         return x.with_dtype("bool") if boolean else x
 
-    register(OpDef(name, ("x",), infer, fn, attrs=attrs))
+    register(OpDef(name, ("x",), infer, fn, attrs=attrs, traits=ELEMENTWISE))
 
 
-_binary("add", torch.add)
+_binary("add", torch.add, traits=COMMUTATIVE)
 _binary("sub", torch.sub)
-_binary("mul", torch.mul)
+_binary("mul", torch.mul, traits=COMMUTATIVE)
 _binary("div", torch.div, doc="true division")
 _binary("pow", torch.pow)
-_binary("maximum", torch.maximum)
-_binary("minimum", torch.minimum)
-_binary("eq", torch.eq, boolean=True)
-_binary("ne", torch.ne, boolean=True)
+_binary("maximum", torch.maximum, traits=COMMUTATIVE)
+_binary("minimum", torch.minimum, traits=COMMUTATIVE)
+_binary("eq", torch.eq, boolean=True, traits=COMMUTATIVE)
+_binary("ne", torch.ne, boolean=True, traits=COMMUTATIVE)
 _binary("lt", torch.lt, boolean=True)
 _binary("le", torch.le, boolean=True)
 _binary("gt", torch.gt, boolean=True)
 _binary("ge", torch.ge, boolean=True)
-_binary("logical_and", torch.logical_and, boolean=True)
-_binary("logical_or", torch.logical_or, boolean=True)
+_binary("logical_and", torch.logical_and, boolean=True, traits=COMMUTATIVE)
+_binary("logical_or", torch.logical_or, boolean=True, traits=COMMUTATIVE)
 
 _unary("neg", torch.neg)
 _unary("exp", torch.exp)
@@ -61,10 +65,11 @@ def _where_infer(cond, a, b):
     return TensorType(result_dtype((a.dtype, a.rank), (b.dtype, b.rank)), broadcast_shapes(cond.shape, a.shape, b.shape))
 
 
-register(OpDef("where", ("cond", "a", "b"), _where_infer, torch.where))
+register(OpDef("where", ("cond", "a", "b"), _where_infer, torch.where, traits=ELEMENTWISE))
 register(OpDef(
     "cast", ("x",),
     lambda x, dtype: x.with_dtype(dtype),
     lambda x, dtype: x.to(to_torch(dtype)),
     attrs={"dtype": REQUIRED},
+    traits=ELEMENTWISE,
 ))

@@ -88,10 +88,12 @@ register(OpDef(
     "arange", (), _arange_infer,
     lambda start, end, step, dtype: torch.arange(start, end, step, dtype=to_torch(dtype)),
     attrs={"start": 0, "end": REQUIRED, "step": 1, "dtype": "i64"},
+    traits={"constant"},
 ))
 register(OpDef(
     "full", (),
     lambda shape, value, dtype: TensorType(dtype, shape),
     lambda shape, value, dtype: torch.full(tuple(shape), value, dtype=to_torch(dtype)),
     attrs={"shape": (), "value": REQUIRED, "dtype": "f32"},
+    traits={"constant"},
 ))
