@@ -14,10 +14,9 @@ import dataclasses
 
 from kiln.ir.errors import KilnError
 from kiln.runtime.errors import ConstraintError
+from kiln.runtime.generate import SEED_LIMIT
 from kiln.runtime.openai_errors import APIError, from_kiln_error, invalid
 from kiln.runtime.samples import MAX_SAMPLES, cumulative_logprob
-
-SEED_LIMIT = 2**63
 
 
 def sample_counts(n: int, best_of: int | None, stream: bool) -> tuple[int, int]:

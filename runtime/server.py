@@ -1,13 +1,15 @@
 """An OpenAI-compatible HTTP server over the continuous-batching engine.
 
-    kiln serve model.kiln [--host 127.0.0.1] [--port 8000]
+    kiln serve model.kiln [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--speculative prompt_lookup]
     app = create_app(kiln.load("model.kiln"))          # any ASGI server can run it
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (the model's chat template), GET
-/v1/models, GET /health, GET /metrics (Prometheus), GET /openapi.json. Streaming uses server-sent events. Each
-request is submitted to `llm.submit` (`n` / `best_of` samples: that many, runtime/openai_samples.py)
-and shares the KV slots with every other request in flight; a full waiting queue answers 429,
-and a client that goes away cancels its request.
+/v1/models, GET /health, GET /metrics (Prometheus), GET /openapi.json. Streaming uses server-sent
+events. Each request is submitted to `llm.submit` (`n` / `best_of` samples: that many,
+runtime/openai_samples.py) and shares the KV slots with every other request in flight; a full
+waiting queue answers 429, and a client that goes away cancels its request. Completions' `echo`
+scores the prompt (runtime/openai_echo.py); chat's `tools` are constrained, rendered and parsed
+in runtime/openai_tools.py.
 """
 from __future__ import annotations
 
@@ -68,7 +70,7 @@ def create_app(llm, model_name: str | None = None, max_body_bytes: int = DEFAULT
         app.add_middleware(HostCheck, allowed=allowed_hosts)  # added last: runs first, before the body is read
     # No CORS middleware: answers carry no Access-Control-Allow-Origin, so a browser keeps other
     # origins' pages from reading them, and POSTs they could send without a preflight (a "simple"
-    # Content-Type) are refused 415 in _parse.
+    # Content-Type) are refused 415 in parse_body.
     app.add_exception_handler(APIError, lambda request, error: error.response())
     app.add_exception_handler(HTTPException, lambda request, error: APIError(  # a 405 keeps its Allow header
         error.status_code, str(error.detail), "invalid_request_error", headers=error.headers).response())
@@ -116,9 +118,9 @@ def _unexpected(request: Request, error: Exception) -> Response:
 
 
 # -- the OpenAPI document -------------------------------------------------------------------------
-# The generation endpoints take the raw Request (so _parse can answer every bad body in OpenAI's
+# The generation endpoints take the raw Request (so parse_body can answer every bad body in OpenAI's
 # error shape), which leaves FastAPI nothing to describe; the request and response models are
-# declared here instead, for GET /openapi.json only: parsing and validation stay in _parse.
+# declared here instead, for GET /openapi.json only: parsing and validation stay in parse_body.
 OPENAPI_MODELS = ((api.CompletionRequest, "validation"), (api.ChatCompletionRequest, "validation"),
                   (api.CompletionResponse, "serialization"), (api.ChatCompletionResponse, "serialization"),
                   (api.ChatCompletionChunk, "serialization"), (api.ModelList, "serialization"),
