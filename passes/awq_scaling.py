@@ -16,7 +16,7 @@ the search never does worse on those rows. W *= s; 1 / s is folded into the weig
 else applied by a `mul` inserted before the group. Linears that round_to_nearest skips (the
 lm_head, tied tables) are left alone here too.
 
-Measured on SmolLM2-135M (int4-g64, Moby-Dick, README "Quantization"): activation-only scales
+Measured on SmolLM2-135M (int4-g64, Moby-Dick, docs/quantization.md): activation-only scales
 (mean|x| ** alpha) cut round-to-nearest's perplexity increase by a tenth, duo scales by about
 half; AWQ's per-group clipping search, tried as well, lowered each linear's output error but
 raised perplexity, so it is not done.

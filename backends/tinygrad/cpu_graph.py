@@ -1,7 +1,7 @@
 """A tinygrad graph runner for the CPU device: jitted kernels replayed in a tight loop, the
 thread-split ones on all cores.
 
-Two things cost tinygrad 0.14's CPU device most of its decode speed (profiles in the README):
+Two things cost tinygrad 0.14's CPU device most of its decode speed (profiles in docs/backend-tinygrad.md):
 - per kernel launch, `run_linear` resolves the call's buffers and variables through UOp
   rewrites and builds ctypes arguments: ~0.1-0.4 ms of Python per kernel, 200+ kernels a step;
 - the hand-coded optimizer splits large kernels across cores (a THREAD axis read through the

@@ -7,7 +7,7 @@ on PATH (or a clang named by $CC) the device fails deep inside tinygrad with
 
 Renderers of the CPU device: CLANG (C source, clang -O2 -march=native), LLVM (LLVM IR through
 libLLVM, no subprocess per kernel), X86 (tinygrad's own assembler) and LVP (Mesa, not installed).
-Kiln picks CLANG: the fastest here (see the README's tinygrad section for the measurements);
+Kiln picks CLANG: the fastest here (see docs/backend-tinygrad.md for the measurements);
 `KILN_TINYGRAD_RENDERER=llvm` or tinygrad's own `DEV=CPU:LLVM` pick another.
 """
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Weights are constants, so the backend stores them in the form its kernels read fastest, and
 writes each product so that tinygrad 0.14's hand-coded optimizer (codegen/opt/heuristic.py)
 picks good loops for a decode step's matrix-vector product. Measured per kernel on GPT-2 small
-(the README has the table), three rules:
+(docs/backend-tinygrad.md has the table), three rules:
 - **[out, in] storage**: with the reduction axis contiguous every output is a dot product over
   float4 loads; GPT-2's Conv1D weights come as [in, out] (a `matmul` in the IR), which makes
   the optimizer walk rows with a stride of `out` floats (0.9 GB/s against 4.6). They are stored
