@@ -133,7 +133,9 @@ def _calibration_digest(options):
     if source is None:
         return "bundled"
     if isinstance(source, (str, Path)):
-        return _sha256_file(Path(source).expanduser())
+        from kiln.runtime.artifact import file_sha256
+
+        return file_sha256(Path(source).expanduser())
     try:
         import torch
 
@@ -159,14 +161,6 @@ def _cpu_flags_digest() -> str:
     return hashlib.sha256(flags.encode()).hexdigest()[:16]
 
 
-def _sha256_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as stream:
-        for block in iter(lambda: stream.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 class _HashMemo:
     """File sha256s remembered by (path, size, mtime, inode), so an unchanged 500 MB checkpoint is
     not read again on every compile (as the GGUF conversion cache does)."""
@@ -183,7 +177,9 @@ class _HashMemo:
         known = self.entries.get(name)
         if isinstance(known, list) and len(known) == 2 and known[0] == stamp:
             return known[1]
-        value = _sha256_file(path)
+        from kiln.runtime.artifact import file_sha256  # torch only when a file must be hashed
+
+        value = file_sha256(path)
         self.entries[name] = [stamp, value]
         self.changed = True
         return value
