@@ -68,3 +68,21 @@ def paired_medians(old, new, repeats: int) -> tuple[float, float, float]:
                 times_old.append(t_old)
                 times_new.append(t_new)
     return statistics.median(times_old), statistics.median(times_new), meter.result.other_cores
+
+
+def print_paired_rows(row_counts, time_row, old_name: str = "old", new_name: str = "new") -> None:
+    """The markdown table of an old and a new op over M rows: `time_row(m)` gives (old seconds,
+    new seconds, others' cores); a row others kept more than a quarter core busy during is
+    measured again up to three times, then flagged `*`."""
+    print(f"| M | {old_name} ms | x M=1 | {new_name} ms | x M=1 | new/old | others' cores |")
+    print("|---|---|---|---|---|---|---|")
+    base = None
+    for m in row_counts:
+        for _attempt in range(3):
+            old, new, others = time_row(m)
+            if others <= 0.25:
+                break
+        base = base or (old, new)
+        flag = "*" if others > 0.25 else ""
+        print(f"| {m} | {old * 1e3:.2f} | {old / base[0]:.2f} | {new * 1e3:.2f} | {new / base[1]:.2f} | "
+              f"{new / old:.2f} | {others:.2f}{flag} |", flush=True)

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cpu_contention import paired_medians  # noqa: E402
+from cpu_contention import paired_medians, print_paired_rows  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 KERNEL = "backends/inductor/int4_kernel.cpp"
@@ -104,18 +104,8 @@ def main() -> None:
     weights = make_weights(args.group_size)
     print(f"SmolLM2-135M int4-g{args.group_size} linears ({len(weights)} calls, f16 scales), {args.threads} "
           f"threads, {isa}, old = {args.old}, median of {args.repeats}")
-    print("| M | old ms | x M=1 | new ms | x M=1 | new/old | others' cores |")
-    print("|---|---|---|---|---|---|---|")
-    base = None
-    for m in (int(v) for v in args.m.split(",")):
-        for _attempt in range(3):
-            old, new, others = time_row(m, weights, args.repeats, args.group_size)
-            if others <= 0.25:
-                break
-        base = base or (old, new)
-        flag = "*" if others > 0.25 else ""
-        print(f"| {m} | {old * 1e3:.2f} | {old / base[0]:.2f} | {new * 1e3:.2f} | {new / base[1]:.2f} | "
-              f"{new / old:.2f} | {others:.2f}{flag} |", flush=True)
+    print_paired_rows((int(v) for v in args.m.split(",")),
+                      lambda m: time_row(m, weights, args.repeats, args.group_size))
 
 
 if __name__ == "__main__":

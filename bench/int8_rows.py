@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cpu_contention import paired_medians  # noqa: E402
+from cpu_contention import paired_medians, print_paired_rows  # noqa: E402
 
 LAYERS = 30
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (N, K): qkv, o, gate_up, down
@@ -74,18 +74,8 @@ def main() -> None:
     weights = make_weights()
     print(f"SmolLM2-135M int8 linears ({len(weights)} calls), {args.threads} threads, new op on {isa}, "
           f"median of {args.repeats}")
-    print("| M | linear_i8 ms | x M=1 | linear_q8 ms | x M=1 | new/old | others' cores |")
-    print("|---|---|---|---|---|---|---|")
-    base = None
-    for m in (int(v) for v in args.m.split(",")):
-        for attempt in range(3):
-            old, new, others = time_row(m, weights, args.repeats)
-            if others <= 0.25:
-                break
-        base = base or (old, new)
-        flag = "*" if others > 0.25 else ""
-        print(f"| {m} | {old * 1e3:.2f} | {old / base[0]:.2f} | {new * 1e3:.2f} | {new / base[1]:.2f} | "
-              f"{new / old:.2f} | {others:.2f}{flag} |", flush=True)
+    print_paired_rows((int(v) for v in args.m.split(",")), lambda m: time_row(m, weights, args.repeats),
+                      "linear_i8", "linear_q8")
 
 
 if __name__ == "__main__":
