@@ -37,3 +37,15 @@ def served(app):
     finally:
         server.should_exit = True
         thread.join(timeout=10)
+
+
+def record_submits(llm, monkeypatch) -> list:
+    """The handles of every request `llm.submit` makes from now on (what the server submits)."""
+    handles, submit = [], llm.submit
+
+    def recording(*args, **kwargs):
+        handles.append(submit(*args, **kwargs))
+        return handles[-1]
+
+    monkeypatch.setattr(llm, "submit", recording)
+    return handles

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import openai
 import pytest
-from served import served, tiny_llama_artifact
+from served import record_submits, served, tiny_llama_artifact
 
 import kiln
 from kiln.runtime.samples import cumulative_logprob
@@ -35,14 +35,7 @@ def alone(llm, prompt, seed, **kwargs):
 @pytest.fixture
 def submitted(llm, monkeypatch):
     """The handles of every request the server submits from now on."""
-    handles, submit = [], llm.submit
-
-    def recording(*args, **kwargs):
-        handles.append(submit(*args, **kwargs))
-        return handles[-1]
-
-    monkeypatch.setattr(llm, "submit", recording)
-    return handles
+    return record_submits(llm, monkeypatch)
 
 
 def test_n_completions_are_the_request_with_successive_seeds_sharing_one_prefill(client, llm, submitted):

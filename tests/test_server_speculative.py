@@ -15,7 +15,7 @@ import urllib.request
 
 import openai
 import pytest
-from served import served, tiny_llama_artifact
+from served import record_submits, served, tiny_llama_artifact
 
 import kiln
 from kiln.runtime.errors import GenerationError
@@ -45,14 +45,7 @@ def client(llm):
 @pytest.fixture
 def submitted(llm, monkeypatch):
     """The handles of every request the server submits from now on."""
-    handles, submit = [], llm.submit
-
-    def recording(*args, **kwargs):
-        handles.append(submit(*args, **kwargs))
-        return handles[-1]
-
-    monkeypatch.setattr(llm, "submit", recording)
-    return handles
+    return record_submits(llm, monkeypatch)
 
 
 def test_greedy_answers_are_identical_and_drafted(client, llm, submitted):
