@@ -33,7 +33,7 @@ from kiln.runtime.errors import QueueFullError
 from kiln.runtime.kv_slots import KvSlots, common_prefix_length
 from kiln.runtime.request import GenerationSettings, Request, RequestStatus
 from kiln.runtime.request_handle import RequestHandle
-from kiln.runtime.token_ids import check_request_ids, model_vocab_size
+from kiln.runtime.token_ids import check_request_ids, known_prefix, model_vocab_size
 
 log = logging.getLogger(__name__)
 
@@ -277,8 +277,7 @@ class Engine:
     def _draft(self, request: Request) -> list[int]:
         """The request's drafts (none without a drafter), cut before any id the model lacks."""
         draft = request.draft(self.max_seq_len)
-        valid = next((i for i, token in enumerate(draft) if not 0 <= token < self.vocab_size), len(draft))
-        return draft[:valid]
+        return draft[:known_prefix(draft, self.vocab_size)]
 
     def _verify(self, requests: list[Request], drafts: list[list[int]]) -> None:
         """Speculative decoding in the engine: one call over KV rows [0, the highest decoding one]

@@ -29,7 +29,7 @@ import torch
 
 from kiln.runtime.request import GenerationSettings, Request
 from kiln.runtime.results import GenerationResult
-from kiln.runtime.token_ids import check_request_ids, model_vocab_size
+from kiln.runtime.token_ids import check_request_ids, known_prefix, model_vocab_size
 
 
 class Drafter(Protocol):
@@ -81,7 +81,7 @@ class ModelDrafter:
         keep = _common_prefix(self.cached, context, limit=len(context) - 1)  # rejected drafts drop out
         self.cached = list(context[:keep])
         feed = list(context[keep:])
-        if _valid_prefix(feed, self.vocab_size) < len(feed):
+        if known_prefix(feed, self.vocab_size) < len(feed):
             return []  # a token beyond the draft model's vocabulary (a larger target's): it cannot read on
         draft, confidence = [], 1.0
         while len(draft) < min(self.max_draft, max_tokens) and len(self.cached) + len(feed) <= self.max_seq_len:
@@ -98,12 +98,6 @@ class ModelDrafter:
 
     def feedback(self, drafted: int, accepted: int) -> None:
         pass  # the cache check in propose() handles what was rejected
-
-
-def _valid_prefix(tokens: Sequence[int], vocab_size: int | None) -> int:
-    """How many leading tokens are ids of a model with `vocab_size` ids."""
-    upper = vocab_size or 2**63
-    return next((i for i, token in enumerate(tokens) if not 0 <= token < upper), len(tokens))
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int], limit: int) -> int:
@@ -155,7 +149,7 @@ class SpeculativeGeneration:
         room = min(self.max_seq_len - 1 - position, request.max_new - len(request.tokens) - 1)
         draft = self.drafter.propose(context, room) if room > 0 else []
         # a drafter's guesses as the target can take them: within the room left, ids it knows
-        draft = list(draft[:_valid_prefix(draft[:room], self.vocab_size)])
+        draft = list(draft[:known_prefix(draft[:room], self.vocab_size)])
         feed = [context[-1], *draft]
         positions = torch.arange(position, position + len(feed))[None]
         logits = self.executable.run(torch.tensor([feed]), positions)[0]

@@ -64,3 +64,9 @@ def check_request_ids(prompt: Sequence[int], settings, vocab_size: int | None) -
     check_token_set(settings.stop_token_ids, vocab_size, "stop_token_ids")
     check_token_set((token for token, _ in settings.sampling.logit_bias), vocab_size, "logit_bias")
     check_token_set((token for sequence in settings.sampling.bad_words for token in sequence), vocab_size, "bad_words")
+
+
+def known_prefix(tokens: Sequence[int], vocab_size: int | None) -> int:
+    """How many leading tokens are ids of a model with `vocab_size` ids (a draft is cut there)."""
+    upper = vocab_size or 2**63
+    return next((i for i, token in enumerate(tokens) if not 0 <= token < upper), len(tokens))
