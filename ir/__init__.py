@@ -1,5 +1,6 @@
 """Kiln's IR: typed SSA graphs over a small closed op set, with a verifier, a text form that
 round-trips exactly, and a reference interpreter that runs any graph on the CPU."""
+
 from .dims import Dim, SymbolBound, evaluate, format_dim, parse_dim, symbol
 from .dtypes import from_torch, to_torch
 from .graph import Graph, GraphEditError, Node, Value
@@ -11,8 +12,32 @@ from .tensor_type import TensorType
 from .verifier import VerificationError, verify
 
 __all__ = [
-    "Dim", "SymbolBound", "evaluate", "format_dim", "parse_dim", "symbol", "from_torch", "to_torch",
-    "Graph", "GraphEditError", "Node", "Value", "InterpreterError", "run_graph", "ParseError", "parse_graph",
-    "print_graph", "REQUIRED", "TRAITS", "OpDef", "OpError", "all_ops", "get_op", "ops_with", "register", "TensorType",
-    "VerificationError", "verify",
+    "Dim",
+    "SymbolBound",
+    "evaluate",
+    "format_dim",
+    "parse_dim",
+    "symbol",
+    "from_torch",
+    "to_torch",
+    "Graph",
+    "GraphEditError",
+    "Node",
+    "Value",
+    "InterpreterError",
+    "run_graph",
+    "ParseError",
+    "parse_graph",
+    "print_graph",
+    "REQUIRED",
+    "TRAITS",
+    "OpDef",
+    "OpError",
+    "all_ops",
+    "get_op",
+    "ops_with",
+    "register",
+    "TensorType",
+    "VerificationError",
+    "verify",
 ]

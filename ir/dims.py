@@ -1,4 +1,5 @@
 """Symbolic dimensions: a dim is an int or a sympy expression over named, bounded symbols."""
+
 from __future__ import annotations
 
 import re

@@ -1,4 +1,5 @@
 """IR element types: short names that print well and map one-to-one onto torch dtypes."""
+
 import torch
 
 TORCH_DTYPES: dict[str, torch.dtype] = {

@@ -6,6 +6,7 @@ is a `KilnError`, one class per kind of failure, and its message names the probl
 Classes that also derive from a builtin (ValueError, RuntimeError, NotImplementedError) keep
 code that catches the builtin working. README.md ("Errors") lists the whole tree.
 """
+
 from __future__ import annotations
 
 
@@ -46,7 +47,12 @@ class UnsupportedOpError(KilnError, NotImplementedError):
         """The error for an ATen op that capture has no IR mapping for."""
         shapes = ", ".join(str(shape) for shape in arg_shapes) or "none"
         where = source_line if source_line else "an unknown source line"
-        return cls(f"Kiln does not support the ATen op `{op}` (argument shapes {shapes}) at {where}. "
-                   "Fix: rewrite that line with supported operations (matmul, elementwise math, "
-                   "softmax, norms, shape ops), or register a lowering for the op in Kiln's "
-                   "ATen-to-IR table.", op, arg_shapes, source_line)
+        return cls(
+            f"Kiln does not support the ATen op `{op}` (argument shapes {shapes}) at {where}. "
+            "Fix: rewrite that line with supported operations (matmul, elementwise math, "
+            "softmax, norms, shape ops), or register a lowering for the op in Kiln's "
+            "ATen-to-IR table.",
+            op,
+            arg_shapes,
+            source_line,
+        )

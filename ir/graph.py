@@ -8,6 +8,7 @@ The Graph owns its edits, as torch.fx's does: passes create nodes with `create`,
 remove them with `erase` (which refuses a node something still reads). Each value knows the
 node making it (`producer`) and the nodes reading it (`users`), both kept current by those edits.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -188,8 +189,10 @@ class Graph:
                 reader = next((u for u in v.users if id(u) not in gone), None)
                 if reader is not None or self.is_output(v):
                     what = f"read by `{reader}`" if reader is not None else "a graph output"
-                    raise GraphEditError(f"cannot erase `{node}`: %{v.name} is still {what}. "
-                                         "Fix: replace its uses first (graph.replace_all_uses)")
+                    raise GraphEditError(
+                        f"cannot erase `{node}`: %{v.name} is still {what}. "
+                        "Fix: replace its uses first (graph.replace_all_uses)"
+                    )
         self._nodes.remove_all(list(nodes))
         for node in nodes:
             self.forget_names(node)
@@ -224,8 +227,9 @@ class Graph:
         if name == value.name:
             return
         if name in self._names:
-            raise GraphEditError(f"cannot rename %{value.name} to %{name}: the name is taken. "
-                                 "Fix: pick a free one (graph.fresh_name)")
+            raise GraphEditError(
+                f"cannot rename %{value.name} to %{name}: the name is taken. Fix: pick a free one (graph.fresh_name)"
+            )
         self._claim(name)
         self._names.discard(value.name)
         value.name = name

@@ -3,6 +3,7 @@
 It is the oracle every pass and backend is tested against, so it favours clarity over speed
 and checks every intermediate against its declared type.
 """
+
 from __future__ import annotations
 
 from typing import Mapping, Sequence
@@ -54,11 +55,15 @@ def _check(value: Value, tensor: torch.Tensor, bindings, where: str) -> None:
     if tuple(tensor.shape) != shape or tensor.dtype != to_torch(value.type.dtype):
         raise InterpreterError(
             f"{where}: %{value.name} should be {value.type} = {value.type.dtype}{list(shape)}, "
-            f"got {tensor.dtype} {list(tensor.shape)}")
+            f"got {tensor.dtype} {list(tensor.shape)}"
+        )
 
 
-def run_graph(graph: Graph, feeds: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
-              weights: Mapping[str, torch.Tensor] | None = None) -> list[torch.Tensor]:
+def run_graph(
+    graph: Graph,
+    feeds: Mapping[str, torch.Tensor] | Sequence[torch.Tensor],
+    weights: Mapping[str, torch.Tensor] | None = None,
+) -> list[torch.Tensor]:
     """Run `graph` on `feeds` (by input name, or in input order); returns the outputs in order."""
     if not isinstance(feeds, Mapping):
         feeds = {v.name: t for v, t in zip(graph.inputs, feeds)}

@@ -6,6 +6,7 @@ the graph reading `value`, as `value.producer` is always the node making it, and
 recompute uses. Passes edit through the Graph's methods (`insert_before`, `erase`, ...); the
 list operations are what those methods are built on.
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterable

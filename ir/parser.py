@@ -1,4 +1,5 @@
 """Parse the IR text form (see printer.py) back into a Graph."""
+
 from __future__ import annotations
 
 import json
@@ -43,7 +44,11 @@ def _atom(tok: str):
         return int(tok)
     if _FLOAT.match(tok):
         return float(tok)
-    return {"true": True, "false": False, "none": None}.get(tok, None) if tok in ("true", "false", "none") else parse_dim(tok)
+    return (
+        {"true": True, "false": False, "none": None}.get(tok, None)
+        if tok in ("true", "false", "none")
+        else parse_dim(tok)
+    )
 
 
 def _parse_value(toks: list[str], i: int):
@@ -112,8 +117,9 @@ def parse_graph(text: str) -> Graph:
                 args = [a.strip() for a in m.group(3).split(",") if a.strip()]
                 inputs = [None if a == "_" else lookup(a[1:], lineno) for a in args]
                 attrs = parse_attrs(m.group(4)) if m.group(4) else {}
-                node = graph.make_node(m.group(2), inputs, attrs, [TensorType.parse(t) for _, t in outs],
-                                       names=[n for n, _ in outs])
+                node = graph.make_node(
+                    m.group(2), inputs, attrs, [TensorType.parse(t) for _, t in outs], names=[n for n, _ in outs]
+                )
                 graph.append(node)
                 env.update({v.name: v for v in node.outputs})
         except ParseError as e:

@@ -10,6 +10,7 @@
 
 `parser.parse_graph` reads it back to a graph that prints identically.
 """
+
 from __future__ import annotations
 
 import json

@@ -1,6 +1,7 @@
 """The op registry: each op is registered once with its schema, type rule, reference kernel and
 traits, the properties passes and backends ask about (`ops_with("elementwise")`) instead of
 keeping their own lists of op names."""
+
 from __future__ import annotations
 
 import functools
@@ -14,7 +15,7 @@ REQUIRED = object()  # marks an attribute with no default
 
 TRAITS = {
     "elementwise": "each output element depends only on the inputs' elements at the same index, "
-                   "after broadcasting (so the op keeps any split, layout or row selection of its inputs)",
+    "after broadcasting (so the op keeps any split, layout or row selection of its inputs)",
     "commutative": "a binary op whose two operands can be swapped without changing the result",
     "constant": "takes no inputs: the output is made from the attributes alone",
 }

@@ -1,4 +1,5 @@
 """TensorType: an element dtype and a shape of ints and symbolic dims."""
+
 from __future__ import annotations
 
 import re

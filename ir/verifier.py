@@ -1,4 +1,5 @@
 """The verifier: SSA form, op schemas, types re-inferred, and every symbol declared."""
+
 from __future__ import annotations
 
 from .dims import dims_equal

@@ -1,4 +1,5 @@
 """Kiln's passes: the pass manager, the default pipeline, and one pass per file."""
+
 from .canonicalize import canonicalize
 from .constant_fold import fold_constants
 from .cse import eliminate_common_subexpressions
@@ -7,7 +8,15 @@ from .manager import Pass, PassError, PassManager, PassRecord
 from .pipeline import default_pipeline, kv_cache_insertion, run_pipeline
 
 __all__ = [
-    "Pass", "PassError", "PassManager", "PassRecord", "default_pipeline", "kv_cache_insertion",
-    "run_pipeline", "canonicalize", "fold_constants", "eliminate_common_subexpressions",
+    "Pass",
+    "PassError",
+    "PassManager",
+    "PassRecord",
+    "default_pipeline",
+    "kv_cache_insertion",
+    "run_pipeline",
+    "canonicalize",
+    "fold_constants",
+    "eliminate_common_subexpressions",
     "eliminate_dead_code",
 ]

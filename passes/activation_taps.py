@@ -6,6 +6,7 @@ outputs and calling `run_graph` would keep every intermediate of every layer ali
 lm_head for nothing, so this walks the nodes itself: it stops after the last tapped value and
 drops each intermediate after its last use.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -49,13 +50,14 @@ def _concrete(attr, bindings):
     return evaluate(attr, bindings) if isinstance(attr, sympy.Expr) else attr
 
 
-def collect_activation_stats(graph: Graph, tokens: torch.Tensor, taps: list[Value],
-                             rows_per_sequence: int = 64, seed: int = 0) -> dict[str, ActivationStats]:
+def collect_activation_stats(
+    graph: Graph, tokens: torch.Tensor, taps: list[Value], rows_per_sequence: int = 64, seed: int = 0
+) -> dict[str, ActivationStats]:
     """Run the stateless forward on each row of `tokens` [sequences, length] (positions 0..length-1)
     and gather `ActivationStats` for each value in `taps`, by value name."""
     tap_ids = {id(v): v for v in taps}
     producing = [i for i, node in enumerate(graph.nodes) if any(id(v) in tap_ids for v in node.outputs)]
-    nodes = graph.nodes[:max(producing) + 1] if producing else []
+    nodes = graph.nodes[: max(producing) + 1] if producing else []
     last_use = {id(v): i for i, node in enumerate(nodes) for v in node.inputs if v is not None}
     stats = {v.name: ActivationStats(torch.zeros(v.type.shape[-1])) for v in taps}
     generator = torch.Generator().manual_seed(seed)

@@ -6,6 +6,7 @@ bias is run by the reference kernels at a concrete batch and length, and accepte
 row it grows linearly with the key index at one slope per head. Softmax ignores a constant per
 row, so the slopes are all the `attention` op needs (its `alibi` attribute).
 """
+
 from __future__ import annotations
 
 import sympy
@@ -46,8 +47,11 @@ def sample_bindings(graph: Graph) -> dict[str, int]:
 
 def run_subgraph(graph: Graph, nodes: list[Node], value: Value, bindings: dict[str, int]) -> torch.Tensor:
     """`value` computed by the reference kernels under `bindings`."""
-    concrete = lambda a: tuple(concrete(x) for x in a) if isinstance(a, tuple) else (
-        evaluate(a, bindings) if isinstance(a, sympy.Expr) else a)
+    concrete = lambda a: (
+        tuple(concrete(x) for x in a)
+        if isinstance(a, tuple)
+        else (evaluate(a, bindings) if isinstance(a, sympy.Expr) else a)
+    )
     env = {id(v): graph.weights[name] for name, v in graph.params.items() if name in graph.weights}
     with torch.no_grad():
         for node in nodes:

@@ -21,6 +21,7 @@ Measured on SmolLM2-135M (int4-g64, Moby-Dick, docs/quantization.md): activation
 half; AWQ's per-group clipping search, tried as well, lowered each linear's output error but
 raised perplexity, so it is not done.
 """
+
 from __future__ import annotations
 
 import torch
@@ -45,11 +46,12 @@ def weight_magnitude(weight: torch.Tensor, group_size: int) -> torch.Tensor:
     """Per input channel, the mean of |w| relative to its group's largest |w| (AutoAWQ's w_mean)."""
     wg = grouped(weight.abs(), group_size)
     relative = wg / (wg.amax(-1, keepdim=True) + 1e-6)
-    return relative.reshape(weight.shape[0], -1)[:, :weight.shape[1]].mean(0)
+    return relative.reshape(weight.shape[0], -1)[:, : weight.shape[1]].mean(0)
 
 
-def search_scale(x: torch.Tensor, mean_abs: torch.Tensor, weight: torch.Tensor,
-                 scheme: QuantScheme) -> tuple[torch.Tensor | None, float | None]:
+def search_scale(
+    x: torch.Tensor, mean_abs: torch.Tensor, weight: torch.Tensor, scheme: QuantScheme
+) -> tuple[torch.Tensor | None, float | None]:
     """The per-input-channel scale minimizing the quantized output error on rows `x`, and its
     alpha; (None, None) when no scale beats plain round-to-nearest."""
     group_size = scheme.group_size_for(weight.shape[1])
@@ -70,9 +72,14 @@ def search_scale(x: torch.Tensor, mean_abs: torch.Tensor, weight: torch.Tensor,
 def fold_inverse_scale(graph: Graph, group: LinearGroup, s: torch.Tensor) -> None:
     """Make the group read x / s: fold 1 / s into the norm that makes x, or insert a `mul`."""
     norm = group.input.producer
-    if (norm is not None and norm.op in NORM_OPS and group.input is norm.outputs[0]
-            and all(any(r is n for n in group.linears) for r in group.input.users)
-            and not graph.is_output(group.input) and _fold_into_norm(graph, norm, s)):
+    if (
+        norm is not None
+        and norm.op in NORM_OPS
+        and group.input is norm.outputs[0]
+        and all(any(r is n for n in group.linears) for r in group.input.users)
+        and not graph.is_output(group.input)
+        and _fold_into_norm(graph, norm, s)
+    ):
         return
     inverse = graph.add_param(graph.fresh_name(f"{group.input.name}.awq_inverse_scale"), 1.0 / s)
     mul = graph.create("mul", [group.input, inverse])
@@ -87,8 +94,7 @@ def _fold_into_norm(graph: Graph, norm: Node, s: torch.Tensor) -> bool:
     weight = params[0]
     if weight is None or weight.name not in graph.params or len(weight.users) != 1:
         return False
-    if len(params) > 1 and params[1] is not None and (params[1].name not in graph.params
-                                                      or len(params[1].users) != 1):
+    if len(params) > 1 and params[1] is not None and (params[1].name not in graph.params or len(params[1].users) != 1):
         return False
     offset = norm.attrs.get("offset", 0.0)
     graph.weights[weight.name] = (graph.weights[weight.name] + offset) / s - offset
@@ -113,6 +119,10 @@ def awq_scale(graph: Graph, scheme: QuantScheme, calibration: torch.Tensor, rows
         fold_inverse_scale(graph, group, s)
         for node, w in zip(group.linears, weights):
             graph.weights[node.inputs[1].name] = w * s
-    graph.meta["awq"] = {"groups": len(groups), "scaled": len(alphas), "calibration_tokens": int(calibration.numel()),
-                         "mean_alpha": round(sum(alphas) / max(len(alphas), 1), 3)}
+    graph.meta["awq"] = {
+        "groups": len(groups),
+        "scaled": len(alphas),
+        "calibration_tokens": int(calibration.numel()),
+        "mean_alpha": round(sum(alphas) / max(len(alphas), 1), 3),
+    }
     return graph

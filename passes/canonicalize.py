@@ -11,6 +11,7 @@ Rewrites:
   result type equals that operand's type (no broadcast or promotion hidden in the op).
 The inner node of a collapsed chain is left for dead-code elimination.
 """
+
 from __future__ import annotations
 
 from kiln.ir import Graph, Node, Value, ops_with

@@ -7,6 +7,7 @@ CSE) and backends handle without computing anything. A non-uniform result (an `a
 causal mask) has no IR form short of a general constant op, so it stays as computed, but still
 feeds the folding of the nodes after it (`eq(arange(4), arange(4))` folds to `full(true)`).
 """
+
 from __future__ import annotations
 
 import sympy

@@ -4,6 +4,7 @@ input values, equal attributes) is replaced by the earlier one's outputs.
 Capture repeats work per layer (the same position `arange`, the same mask, the same constant
 `full`); merging it shrinks the graph and lets fusion passes see one shared value.
 """
+
 from __future__ import annotations
 
 from kiln.ir import Graph, Node

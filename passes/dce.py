@@ -4,6 +4,7 @@ Every other pass leaves dead nodes behind (a folded chain, a replaced no-op) rat
 tracking uses itself; this pass sweeps them up, and drops the weights nothing reads any more
 so artifacts do not carry them. Graph inputs are kept: they are the signature.
 """
+
 from __future__ import annotations
 
 from kiln.ir import Graph, Value

@@ -7,6 +7,7 @@ also merged other dims (attention heads: [b, s, h, d] -> [b*s, h*d]) one reshape
 [b, s, h*d] stays. Runs after fold_transposes and fuse_bias_activation, which turn GPT-2's
 addmm into one biased `linear`.
 """
+
 from __future__ import annotations
 
 from kiln.ir import Graph, Node

@@ -9,6 +9,7 @@ that reads and writes half precision). The Gemma form is the same computation; t
 multiplies by the weight before rounding to half instead of after (at most one rounding of
 difference). Runs after fuse_rms_norm; matches nothing in an f32 graph.
 """
+
 from __future__ import annotations
 
 from kiln.ir import Graph, Node, Value

@@ -9,6 +9,7 @@ weights), so weights in its layout reach them. The transposed parameter is named
 `<name>.transposed`. Bias adds and the flatten/unflatten reshapes around GPT-2's linears are
 left to fuse_bias_activation and fold_linear_reshapes.
 """
+
 from __future__ import annotations
 
 from kiln.ir import Graph, Value

@@ -6,6 +6,7 @@ residual add reads it). Runs after fuse_rms_norm. Matches only when a and b have
 type (no broadcasting), which is the residual stream's shape; IEEE addition commutes, so
 which operand was the residual does not matter.
 """
+
 from __future__ import annotations
 
 from kiln.ir import Graph, Node

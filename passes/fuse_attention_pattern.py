@@ -20,6 +20,7 @@ are. An added term built from constants and sizes alone that grows linearly with
 is ALiBi (`alibi_bias.py`): its slopes become the `alibi` attribute. The scores and
 probabilities must have no other reader (output_attentions), or nothing is fused.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
@@ -206,22 +207,32 @@ def _fuse_one(graph: Graph, softmax: Node) -> bool:
     batch, heads, rows, keys = scores.type.shape
     (q, k_t), v = chain.matmul.inputs, second.inputs[1]
     head_dim, value_dim = q.type.shape[-1], v.type.shape[-1]
-    shapes = {q: (batch, heads, rows, head_dim), k_t: (batch, heads, head_dim, keys),
-              v: (batch, heads, keys, value_dim), chain.matmul.output: scores.type.shape,
-              second.inputs[0]: scores.type.shape}
+    shapes = {
+        q: (batch, heads, rows, head_dim),
+        k_t: (batch, heads, head_dim, keys),
+        v: (batch, heads, keys, value_dim),
+        chain.matmul.output: scores.type.shape,
+        second.inputs[0]: scores.type.shape,
+    }
     if not all(_fits(value, shape) for value, shape in shapes.items()):
         return False
     out_shape = (batch, heads, rows, value_dim)
     out_user = sole_reader(second.output, graph)
-    last = out_user if out_user is not None and out_user.op == "reshape" and has_shape(
-        out_user.output, out_shape) else second
+    last = (
+        out_user
+        if out_user is not None and out_user.op == "reshape" and has_shape(out_user.output, out_shape)
+        else second
+    )
     new_nodes: list[Node] = []
     q, k_t, v = (_as_4d(graph, value, shapes[value], new_nodes) for value in (q, k_t, v))
     k = graph.create("permute", [k_t], {"perm": (0, 1, 3, 2)})
     new_nodes.append(k)
     mask = chain.mask if chain.hidden is None else _visible_of_hidden(graph, chain.hidden, new_nodes)
-    attention = graph.create("attention", [q, k.output, v, mask, None], {
-        "scale": chain.scale, "softcap": chain.softcap, "causal": False, "alibi": chain.alibi})
+    attention = graph.create(
+        "attention",
+        [q, k.output, v, mask, None],
+        {"scale": chain.scale, "softcap": chain.softcap, "causal": False, "alibi": chain.alibi},
+    )
     new_nodes.append(attention)
     result = attention.output
     if last is second and not has_shape(second.output, out_shape):

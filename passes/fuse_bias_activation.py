@@ -10,6 +10,7 @@ into its matrix product (Inductor does; ONNX Runtime has BiasGelu/FastGelu), and
 with an activation attribute would be one more thing for every backend to lower. What this
 pass gives them is the one-op form of each piece to recognize.
 """
+
 from __future__ import annotations
 
 import math
@@ -74,8 +75,9 @@ def _erf_gelu_argument(value: Value, v: Value) -> bool:
 
 def _gelu(mul: Node, graph: Graph) -> Node | None:
     """gelu(v) for mul(0.5 * v, 1 + tanh(...) | 1 + erf(...)), else None."""
-    half = split_operands(mul, lambda h: made_by(h, "mul") is not None and any(
-        is_constant(c, 0.5) for c in made_by(h, "mul").inputs))
+    half = split_operands(
+        mul, lambda h: made_by(h, "mul") is not None and any(is_constant(c, 0.5) for c in made_by(h, "mul").inputs)
+    )
     if half is None:
         return None
     half_node, one_plus = made_by(half[0], "mul"), made_by(half[1], "add")

@@ -8,13 +8,13 @@ torch.export keeps `nn.LayerNorm` whole (GPT-2's norms arrive as `layer_norm` al
 catches models that write the formula by hand. `layer_norm`'s kernel computes the variance its
 own way, so the result moves within float rounding, not bit for bit.
 """
+
 from __future__ import annotations
 
 from kiln.ir import Graph, Node, Value
 
 from .dce import eliminate_dead_code
-from .match import (constant, is_vector_over_last_dim, made_by, reduces_last_axis, same_type, sole_reader,
-                    split_operands)
+from .match import constant, is_vector_over_last_dim, made_by, reduces_last_axis, same_type, sole_reader, split_operands
 
 
 def _centered(value: Value) -> Value | None:

@@ -9,6 +9,7 @@ shared with another op (tied embeddings) would otherwise be stored twice. The gr
 must be all present or all absent. The merged parameter is named after its parts, e.g.
 `model.layers.0.self_attn.q_proj-k_proj-v_proj.weight`.
 """
+
 from __future__ import annotations
 
 import os
@@ -26,17 +27,20 @@ def _own_param(value: Value | None, graph: Graph) -> bool:
 
 def _mergeable(node: Node, graph: Graph) -> bool:
     weight, bias = node.inputs[1], node.inputs[2]
-    return (_own_param(weight, graph) and weight.name in graph.weights
-            and (bias is None or (_own_param(bias, graph) and bias.name in graph.weights)))
+    return (
+        _own_param(weight, graph)
+        and weight.name in graph.weights
+        and (bias is None or (_own_param(bias, graph) and bias.name in graph.weights))
+    )
 
 
 def merged_name(names: list[str]) -> str:
     """`a.q_proj.weight`, `a.k_proj.weight` -> `a.q_proj-k_proj.weight`."""
     prefix = os.path.commonprefix(names)
-    prefix = prefix[:prefix.rfind(".") + 1]
+    prefix = prefix[: prefix.rfind(".") + 1]
     suffix = os.path.commonprefix([n[::-1] for n in names])[::-1]
-    suffix = suffix[suffix.find("."):] if "." in suffix else ""
-    middles = [n[len(prefix):len(n) - len(suffix)] for n in names]
+    suffix = suffix[suffix.find(".") :] if "." in suffix else ""
+    middles = [n[len(prefix) : len(n) - len(suffix)] for n in names]
     return prefix + "-".join(middles) + suffix
 
 

@@ -8,13 +8,22 @@ Captured (Llama, Qwen2, Mistral, Gemma, their q/k norms):
 Both operand orders of each add and mul match. The op's reference kernel computes the same
 expression in the same order, so the rewrite is exact.
 """
+
 from __future__ import annotations
 
 from kiln.ir import Graph, Node, Value
 
 from .dce import eliminate_dead_code
-from .match import (constant, is_constant, is_vector_over_last_dim, made_by, reduces_last_axis, same_type,
-                    sole_reader, split_operands)
+from .match import (
+    constant,
+    is_constant,
+    is_vector_over_last_dim,
+    made_by,
+    reduces_last_axis,
+    same_type,
+    sole_reader,
+    split_operands,
+)
 
 
 def _squared(value: Value) -> Value | None:

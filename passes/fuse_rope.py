@@ -17,6 +17,7 @@ which `position_function` checks: elementwise math, casts, unit-dim reshapes and
 concats/slices over the positions input and constants. Tables with equal contents are shared
 (one pair per distinct rope in the model).
 """
+
 from __future__ import annotations
 
 import sympy
@@ -86,7 +87,8 @@ def _allowed(node: Node) -> bool:
         return _is_unit_reshape(node)
     if node.op in ("concat", "slice"):
         return is_last_axis(node.attrs["axis"], node.output.type.rank) and all(
-            isinstance(v.type.shape[-1], int) for v in node.inputs)
+            isinstance(v.type.shape[-1], int) for v in node.inputs
+        )
     return False
 
 
@@ -130,15 +132,20 @@ class RopeTables:
         """`value` computed by the reference kernels with positions = [[0, 1, ..., max_positions-1]]."""
         batch, seq = positions.type.shape
         bindings = {d.name: size for d, size in ((batch, 1), (seq, max_positions)) if isinstance(d, sympy.Symbol)}
-        concrete = lambda a: tuple(concrete(x) for x in a) if isinstance(a, tuple) else (
-            evaluate(a, bindings) if isinstance(a, sympy.Expr) else a)
+        concrete = lambda a: (
+            tuple(concrete(x) for x in a)
+            if isinstance(a, tuple)
+            else (evaluate(a, bindings) if isinstance(a, sympy.Expr) else a)
+        )
         env = self.env
         env.setdefault(id(positions), torch.arange(max_positions, dtype=to_torch(positions.type.dtype))[None])
         with torch.no_grad():
             for node in nodes:
                 if id(node.output) not in env:
                     args = [None if v is None else env[id(v)] for v in node.inputs]
-                    env[id(node.output)] = get_op(node.op).reference(*args, **{k: concrete(a) for k, a in node.attrs.items()})
+                    env[id(node.output)] = get_op(node.op).reference(
+                        *args, **{k: concrete(a) for k, a in node.attrs.items()}
+                    )
         return env[id(value)]
 
     def table(self, value: Value, x: Value) -> tuple[Value, torch.Tensor] | None:

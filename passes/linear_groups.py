@@ -1,5 +1,6 @@
 """Linears that read one input, for the data-aware quantizers (awq_scaling.py, gptq.py): they
 share the input's activation statistics, and AWQ searches one input scale per group."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,8 +31,12 @@ def find_groups(graph: Graph, scheme: QuantScheme, include_embeddings: bool = Fa
     groups: dict[int, LinearGroup] = {}
     for node in graph.nodes:
         weight = node.inputs[1] if node.op == "linear" else None
-        if (weight is None or weight.name in skipped or not eligible_weight(graph, weight, scheme)
-                or len(weight.users) != 1):
+        if (
+            weight is None
+            or weight.name in skipped
+            or not eligible_weight(graph, weight, scheme)
+            or len(weight.users) != 1
+        ):
             continue
         groups.setdefault(id(node.inputs[0]), LinearGroup(node.inputs[0], [])).linears.append(node)
     return list(groups.values())

@@ -7,6 +7,7 @@ input (`00-captured.kir`) and after each phase (`01-canonicalize.kir`, ...). In 
 `check_with_interpreter(feeds)` also runs the reference interpreter before and after each pass
 and fails if the outputs moved.
 """
+
 from __future__ import annotations
 
 import time
@@ -55,15 +56,20 @@ class PassRecord:
     nodes_after: int
 
     def __str__(self) -> str:
-        return (f"{self.phase}/{self.name}: {self.nodes_before} -> {self.nodes_after} nodes "
-                f"in {self.seconds * 1e3:.1f} ms")
+        return (
+            f"{self.phase}/{self.name}: {self.nodes_before} -> {self.nodes_after} nodes in {self.seconds * 1e3:.1f} ms"
+        )
 
 
 class PassManager:
     """Runs `phases` (a list of `(phase_name, [Pass, ...])`) in order; see the module docstring."""
 
-    def __init__(self, phases: list[tuple[str, list[Pass]]], dump_dir: str | Path | None = None,
-                 progress: Callable[[PassRecord], None] | None = None):
+    def __init__(
+        self,
+        phases: list[tuple[str, list[Pass]]],
+        dump_dir: str | Path | None = None,
+        progress: Callable[[PassRecord], None] | None = None,
+    ):
         self.phases = phases
         self.dump_dir = Path(dump_dir) if dump_dir is not None else None
         self.progress = progress
@@ -138,8 +144,9 @@ class PassManager:
             raise PassError(f"{where}: {len(expected)} outputs became {len(actual)}")
         for i, (want, got) in enumerate(zip(expected, actual)):
             if want.shape != got.shape or want.dtype != got.dtype:
-                raise PassError(f"{where}: output {i} was {want.dtype}{list(want.shape)}, "
-                                f"is {got.dtype}{list(got.shape)}")
+                raise PassError(
+                    f"{where}: output {i} was {want.dtype}{list(want.shape)}, is {got.dtype}{list(got.shape)}"
+                )
             if not torch.allclose(got.double(), want.double(), rtol=0.0, atol=self._atol, equal_nan=True):
                 diff = (got.double() - want.double()).abs().nan_to_num(float("inf")).max().item()
                 raise PassError(f"{where}: output {i} differs by up to {diff:g} (atol {self._atol:g})")

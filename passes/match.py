@@ -6,6 +6,7 @@ which op made this value, is it a constant and which, which operand of a commuta
 the one we look for, is an axis the last one, is a value read by exactly one node (its `users`,
 which the graph keeps current).
 """
+
 from __future__ import annotations
 
 import math

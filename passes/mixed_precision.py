@@ -8,6 +8,7 @@ sensitivity per extra byte while the quantized linears average at most `budget_b
 weight (scales included); the rest are rounded as the 4-bit scheme says. A layer is what its
 weight names say (`...layers.N...`); a linear outside any is a layer of its own.
 """
+
 from __future__ import annotations
 
 import re
@@ -35,7 +36,11 @@ def layer_weights(graph: Graph, scheme: QuantScheme, include_embeddings: bool) -
     skipped = set() if include_embeddings else output_projections(graph) | embedding_tables(graph)
     layers: dict[str, list[str]] = {}
     for node in graph.nodes:
-        if node.op == "linear" and node.inputs[1].name not in skipped and eligible_weight(graph, node.inputs[1], scheme):
+        if (
+            node.op == "linear"
+            and node.inputs[1].name not in skipped
+            and eligible_weight(graph, node.inputs[1], scheme)
+        ):
             names = layers.setdefault(layer_of(node.inputs[1].name), [])
             if node.inputs[1].name not in names:
                 names.append(node.inputs[1].name)
@@ -44,12 +49,17 @@ def layer_weights(graph: Graph, scheme: QuantScheme, include_embeddings: bool) -
 
 def _log_probs(graph: Graph, tokens: torch.Tensor, weights: dict) -> list[torch.Tensor]:
     with torch.no_grad():
-        return [torch.log_softmax(run_graph(graph, [row[None], torch.arange(len(row))[None]], weights)[0][0].double(),
-                                  dim=-1) for row in tokens]
+        return [
+            torch.log_softmax(
+                run_graph(graph, [row[None], torch.arange(len(row))[None]], weights)[0][0].double(), dim=-1
+            )
+            for row in tokens
+        ]
 
 
-def layer_sensitivity(graph: Graph, scheme: QuantScheme, layers: dict[str, list[str]],
-                      tokens: torch.Tensor) -> dict[str, float]:
+def layer_sensitivity(
+    graph: Graph, scheme: QuantScheme, layers: dict[str, list[str]], tokens: torch.Tensor
+) -> dict[str, float]:
     """Mean KLD from the f32 model of rounding each layer alone to `scheme`, on token rows `tokens`."""
     reference = _log_probs(graph, tokens, graph.weights)
     sensitivity = {}
@@ -57,21 +67,27 @@ def layer_sensitivity(graph: Graph, scheme: QuantScheme, layers: dict[str, list[
         weights = dict(graph.weights)
         for name in names:
             w = weights[name]
-            weights[name] = quantize_weight(w, scheme.bits, scheme.group_size_for(w.shape[1]), scheme.symmetric).dequantize()
+            weights[name] = quantize_weight(
+                w, scheme.bits, scheme.group_size_for(w.shape[1]), scheme.symmetric
+            ).dequantize()
         klds = [(p.exp() * (p - q)).sum(-1).mean() for p, q in zip(reference, _log_probs(graph, tokens, weights))]
         sensitivity[layer] = float(torch.stack(klds).mean())
     return sensitivity
 
 
 def stored_bytes(weight: torch.Tensor, scheme: QuantScheme) -> int:
-    return quantize_weight(weight[:1], scheme.bits, scheme.group_size_for(weight.shape[1]), scheme.symmetric).nbytes \
+    return (
+        quantize_weight(weight[:1], scheme.bits, scheme.group_size_for(weight.shape[1]), scheme.symmetric).nbytes
         * weight.shape[0]
+    )
 
 
-def choose_int8_layers(graph: Graph, layers: dict[str, list[str]], sensitivity: dict[str, float],
-                       scheme: QuantScheme, budget_bits: float) -> list[str]:
+def choose_int8_layers(
+    graph: Graph, layers: dict[str, list[str]], sensitivity: dict[str, float], scheme: QuantScheme, budget_bits: float
+) -> list[str]:
     """The layers to keep at int8: most sensitive per extra byte first, while the quantized
     linears' bytes stay within `budget_bits` per weight."""
+
     def cost(layer: str, s: QuantScheme) -> int:
         return sum(stored_bytes(graph.weights[n], s) for n in layers[layer])
 
@@ -86,17 +102,24 @@ def choose_int8_layers(graph: Graph, layers: dict[str, list[str]], sensitivity: 
     return chosen
 
 
-def quantize_mixed(graph: Graph, scheme: QuantScheme, calibration: torch.Tensor, include_embeddings: bool = False,
-                   sequences: int = 1) -> Graph:
+def quantize_mixed(
+    graph: Graph, scheme: QuantScheme, calibration: torch.Tensor, include_embeddings: bool = False, sequences: int = 1
+) -> Graph:
     """Rewrite `graph` in place: `scheme`'s 4-bit grid, int8 for the layers chosen above."""
     base = replace(scheme, method="rtn")
     layers = layer_weights(graph, base, include_embeddings)
     sensitivity = layer_sensitivity(graph, base, layers, calibration[:sequences])
     int8_layers = choose_int8_layers(graph, layers, sensitivity, base, scheme.budget_bits)
-    overrides = {name: INT8 for layer in int8_layers for name in layers[layer] if eligible_weight(
-        graph, graph.params[name], INT8)}
+    overrides = {
+        name: INT8
+        for layer in int8_layers
+        for name in layers[layer]
+        if eligible_weight(graph, graph.params[name], INT8)
+    }
     quantize_weights(graph, scheme, include_embeddings, overrides)
     graph.meta["quantization"].update(
-        int8_layers=sorted(int8_layers, key=lambda layer: -sensitivity[layer]), budget_bits=scheme.budget_bits,
-        sensitivity={layer: round(value, 6) for layer, value in sensitivity.items()})
+        int8_layers=sorted(int8_layers, key=lambda layer: -sensitivity[layer]),
+        budget_bits=scheme.budget_bits,
+        sensitivity={layer: round(value, 6) for layer, value in sensitivity.items()},
+    )
     return graph

@@ -4,6 +4,7 @@ Read it top to bottom to know what the compiler does to a captured graph, from c
 graph a backend lowers (tensor-parallel sharding included). With `dump_dir`, the IR is written
 after each phase (`00-captured.kir`, `01-canonicalize.kir`, ...).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -76,9 +77,14 @@ def fusion_passes() -> list[Pass]:
     ]
 
 
-def default_pipeline(options, dump_dir: str | Path | None = None,
-                     progress: Callable[[PassRecord], None] | None = None, fuse: bool = True,
-                     calibration=None, rank_weights: list | None = None) -> PassManager:
+def default_pipeline(
+    options,
+    dump_dir: str | Path | None = None,
+    progress: Callable[[PassRecord], None] | None = None,
+    fuse: bool = True,
+    calibration=None,
+    rank_weights: list | None = None,
+) -> PassManager:
     """The pipeline for `options` (any object with `max_batch` and `max_seq_len`, such as
     `kiln.backends.executable.BackendOptions` or `kiln.compile_options.CompileOptions`; its
     `quantize` names a weight scheme, its `tensor_parallel`, if above 1, the ranks to shard over).
@@ -87,11 +93,14 @@ def default_pipeline(options, dump_dir: str | Path | None = None,
     phase fills with the weights of ranks 1..N-1."""
     phases = [
         # Phase 1: one normal form for the pattern matchers: no no-ops, constants folded.
-        ("canonicalize", [
-            Pass("canonicalize", canonicalize),
-            Pass("constant_fold", fold_constants),
-            Pass("dce", eliminate_dead_code),
-        ]),
+        (
+            "canonicalize",
+            [
+                Pass("canonicalize", canonicalize),
+                Pass("constant_fold", fold_constants),
+                Pass("dce", eliminate_dead_code),
+            ],
+        ),
         # Phase 2: attention, linears, rope, norms, residual-add + norm, merged projections.
         ("fuse", fusion_passes() if fuse else []),
         # Phase 3: weight quantization when options.quantize names a scheme (passes/quant_schemes.py).
@@ -99,26 +108,38 @@ def default_pipeline(options, dump_dir: str | Path | None = None,
         # Phase 4: (tokens, positions) -> logits becomes (tokens, positions, caches) -> (logits, caches).
         ("kv_cache", [kv_cache_insertion(options)]),
         # Phase 5: sweep up what the rewrites left behind and merge what they duplicated.
-        ("cleanup", [
-            Pass("dce", eliminate_dead_code),
-            Pass("cse", eliminate_common_subexpressions),
-            Pass("dce", eliminate_dead_code),
-        ]),
+        (
+            "cleanup",
+            [
+                Pass("dce", eliminate_dead_code),
+                Pass("cse", eliminate_common_subexpressions),
+                Pass("dce", eliminate_dead_code),
+            ],
+        ),
     ]
     ranks = getattr(options, "tensor_parallel", 1)
     if ranks > 1:
         # Phase 6: every rank's share of the graph, Megatron style (one graph, per-rank weights).
         if rank_weights is None:
-            raise ShardingError("sharding over ranks needs a list for the weights of ranks 1..N-1. "
-                                "Fix: pass rank_weights=[] to the pipeline.")
+            raise ShardingError(
+                "sharding over ranks needs a list for the weights of ranks 1..N-1. "
+                "Fix: pass rank_weights=[] to the pipeline."
+            )
         phases.append(("shard", [tensor_parallel_sharding(ranks, rank_weights)]))
     return PassManager(phases, dump_dir=dump_dir, progress=progress)
 
 
-def run_pipeline(graph: Graph, options, dump_dir: str | Path | None = None,
-                 progress: Callable[[PassRecord], None] | None = None, fuse: bool = True,
-                 calibration=None, rank_weights: list | None = None) -> Graph:
+def run_pipeline(
+    graph: Graph,
+    options,
+    dump_dir: str | Path | None = None,
+    progress: Callable[[PassRecord], None] | None = None,
+    fuse: bool = True,
+    calibration=None,
+    rank_weights: list | None = None,
+) -> Graph:
     """Compile a captured graph with the default pipeline; returns the stateful, optimized graph
     (rank 0's when sharding: `rank_weights` gets the others')."""
-    return default_pipeline(options, dump_dir=dump_dir, progress=progress, fuse=fuse,
-                            calibration=calibration, rank_weights=rank_weights).run(graph)
+    return default_pipeline(
+        options, dump_dir=dump_dir, progress=progress, fuse=fuse, calibration=calibration, rank_weights=rank_weights
+    ).run(graph)

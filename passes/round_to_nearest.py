@@ -11,6 +11,7 @@ Grids, per group of `group_size` input columns:
 `clip` (per group, in (0, 1]) shrinks the range before rounding: clipping a few outliers can
 lower the error of everything else (the AWQ pass searches for it).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -53,12 +54,15 @@ def _nonzero(scale: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def quantize_weight(w: torch.Tensor, bits: int, group_size: int, symmetric: bool,
-                    clip: torch.Tensor | None = None) -> QuantizedWeight:
+def quantize_weight(
+    w: torch.Tensor, bits: int, group_size: int, symmetric: bool, clip: torch.Tensor | None = None
+) -> QuantizedWeight:
     """Round-to-nearest `w` [N, K] on the grid above. `clip`: None or [N, groups] ratios."""
     if bits not in (4, 8) or (bits == 8 and not symmetric):
-        raise UnknownSchemeError(f"supported grids: 8-bit symmetric, 4-bit symmetric or asymmetric; got {bits}-bit "
-                         f"{'symmetric' if symmetric else 'asymmetric'}. Fix: use a scheme of kiln.passes.quant_schemes.")
+        raise UnknownSchemeError(
+            f"supported grids: 8-bit symmetric, 4-bit symmetric or asymmetric; got {bits}-bit "
+            f"{'symmetric' if symmetric else 'asymmetric'}. Fix: use a scheme of kiln.passes.quant_schemes."
+        )
     n, k = w.shape
     wg = grouped(w.detach().float(), group_size)
     ratio = 1.0 if clip is None else clip[..., None]

@@ -21,6 +21,7 @@ verified. Anything it cannot place raises `ShardingError` naming the op.
 The graph is the same on every rank; what differs per rank lives in its weights (the shards and
 `tensor_parallel.vocab_rows`), so one graph.kir serves all ranks of an artifact.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -73,8 +74,10 @@ def shard_tensor_parallel(graph: Graph, rank: int, world_size: int) -> Graph:
         raise ShardingError(f"rank {rank} is not in a world of {world_size} ranks")
     quantized = sorted({n.op for n in graph.nodes if n.op.endswith("_q")})
     if quantized:
-        raise ShardingError(f"tensor parallelism does not shard quantized ops {quantized} yet. "
-                            "Fix: compile without --quantize, or with --tensor-parallel 1")
+        raise ShardingError(
+            f"tensor parallelism does not shard quantized ops {quantized} yet. "
+            "Fix: compile without --quantize, or with --tensor-parallel 1"
+        )
     return _Sharder(graph, rank, world_size).run()
 
 
@@ -187,9 +190,12 @@ class _Sharder:
         else:
             return self._emit("linear", [x_new, self._value(weight), self._value(bias)], {})
         spec = ("rows", segments)
-        out = self._emit("linear", [x_new, self._param(weight.name, spec),
-                                    self._param(bias.name, spec) if bias is not None else None], {},
-                         Layout(-1, segments))
+        out = self._emit(
+            "linear",
+            [x_new, self._param(weight.name, spec), self._param(bias.name, spec) if bias is not None else None],
+            {},
+            Layout(-1, segments),
+        )
         if node is self.lm_head:
             return self._emit("all_gather", [out], {"axis": -1, "world_size": self.world})
         return out
@@ -197,8 +203,10 @@ class _Sharder:
     def _vocab_segment(self, weight: Value) -> Segment:
         vocab = weight.type.shape[0]
         if vocab % self.world:
-            raise ShardingError(f"the vocabulary ({vocab} rows of %{weight.name}) does not split over "
-                                f"{self.world} ranks. Fix: pick a --tensor-parallel that divides {vocab}")
+            raise ShardingError(
+                f"the vocabulary ({vocab} rows of %{weight.name}) does not split over "
+                f"{self.world} ranks. Fix: pick a --tensor-parallel that divides {vocab}"
+            )
         return Segment(vocab, self.world)
 
     def _column_segments(self, node: Node) -> tuple[Segment, ...]:
@@ -206,8 +214,10 @@ class _Sharder:
         gate/up), else one; a segment that a reshape splits into heads is cut by heads."""
         width = node.output.type.shape[-1]
         readers = node.output.users
-        if readers and all(r.op == "slice" and r.attrs["axis"] in (-1, node.output.type.rank - 1)
-                           and r.attrs["step"] == 1 for r in readers):
+        if readers and all(
+            r.op == "slice" and r.attrs["axis"] in (-1, node.output.type.rank - 1) and r.attrs["step"] == 1
+            for r in readers
+        ):
             heads: dict[tuple[int, int], int | None] = {}
             for r in readers:
                 bounds = (r.attrs["start"], min(r.attrs["end"], width))
@@ -234,8 +244,10 @@ class _Sharder:
         if heads and self.world % heads == 0:  # fewer KV heads than ranks: replicate them
             return Segment(width, heads)
         what = f"{heads} heads" if heads else f"{width} features"
-        raise ShardingError(f"linear %{node.output.name} has {what}, which do not split over {self.world} ranks. "
-                            "Fix: pick a --tensor-parallel that divides (or is a multiple of) the head counts")
+        raise ShardingError(
+            f"linear %{node.output.name} has {what}, which do not split over {self.world} ranks. "
+            "Fix: pick a --tensor-parallel that divides (or is a multiple of) the head counts"
+        )
 
     def _embedding(self, node: Node) -> Value:
         weight, ids = node.inputs
@@ -308,8 +320,10 @@ class _Sharder:
             if layouts[2] or layouts[0] != layouts[1] or layouts[0].axis == -1:
                 raise ShardingError(f"{where}: x and residual must be split alike, not along the normalized axis")
             return self._emit(node.op, inputs, dict(node.attrs), layouts[0])
-        raise ShardingError(f"{where} reads a tensor-parallel split value and has no sharding rule. "
-                            "Fix: compile this model with --tensor-parallel 1")
+        raise ShardingError(
+            f"{where} reads a tensor-parallel split value and has no sharding rule. "
+            "Fix: compile this model with --tensor-parallel 1"
+        )
 
     def _elementwise_layout(self, where: str, inputs: list, layouts: list) -> Layout:
         split = {l for l in layouts if l is not None}
@@ -317,8 +331,15 @@ class _Sharder:
             raise ShardingError(f"{where}: its operands are split differently")
         layout = split.pop()
         for value, l in zip(inputs, layouts):
-            if l is None and value is not None and value.type.rank >= -layout.axis and value.type.shape[layout.axis] != 1:
-                raise ShardingError(f"{where}: a whole operand %{value.name} meets a split one along axis {layout.axis}")
+            if (
+                l is None
+                and value is not None
+                and value.type.rank >= -layout.axis
+                and value.type.shape[layout.axis] != 1
+            ):
+                raise ShardingError(
+                    f"{where}: a whole operand %{value.name} meets a split one along axis {layout.axis}"
+                )
         return layout
 
     def _rope(self, node, inputs, layout, rank, where):
@@ -371,8 +392,9 @@ class _Sharder:
             raise ShardingError(f"{where}: merges the split axis with axes before it")
         shape = list(dst)
         shape[new_axis] = size // seg.parts
-        return self._emit("reshape", inputs, {"shape": tuple(shape)},
-                          Layout(new_axis - len(dst), (Segment(size, seg.parts),)))
+        return self._emit(
+            "reshape", inputs, {"shape": tuple(shape)}, Layout(new_axis - len(dst), (Segment(size, seg.parts),))
+        )
 
 
 # -- which linears are column-parallel ------------------------------------------------------
@@ -424,8 +446,10 @@ def _lm_head(graph: Graph) -> Node | None:
     """The linear the logits come from (through elementwise ops such as a final softcap)."""
     value = graph.outputs[0]
     while value.producer is not None and value.producer.op in ops_with("elementwise"):
-        value = next((i for i in value.producer.inputs
-                      if i is not None and i.producer is not None and i.producer.op != "full"), None)
+        value = next(
+            (i for i in value.producer.inputs if i is not None and i.producer is not None and i.producer.op != "full"),
+            None,
+        )
         if value is None:
             return None
     return value.producer if value.producer is not None and value.producer.op == "linear" else None

@@ -9,6 +9,7 @@ must be `world_size`. A world of one needs no communication: the collective is t
 no process group is needed. The reference kernels call `torch.distributed` directly, so the
 interpreter evaluates a sharded graph in each process of a torchrun job.
 """
+
 import torch
 
 from ..dims import normalize
@@ -29,12 +30,14 @@ def check_world(world_size: int) -> None:
         raise CollectiveError(
             f"this graph is sharded over {world_size} ranks and needs a torch.distributed process group; "
             f"none is initialized. Fix: run it under `torchrun --nproc-per-node {world_size} ...` "
-            "(kiln.load initializes the group from torchrun's environment)")
+            "(kiln.load initializes the group from torchrun's environment)"
+        )
     if dist.get_world_size() != world_size:
         raise CollectiveError(
             f"this graph is sharded over {world_size} ranks but the process group has {dist.get_world_size()}. "
             f"Fix: run it with `torchrun --nproc-per-node {world_size}`, or recompile with "
-            f"--tensor-parallel {dist.get_world_size()}")
+            f"--tensor-parallel {dist.get_world_size()}"
+        )
 
 
 def _check_world_attr(world_size) -> None:
@@ -80,16 +83,26 @@ def all_gather_reference(x: torch.Tensor, axis: int, world_size: int) -> torch.T
     return torch.cat(parts, dim=axis)
 
 
-register(OpDef(
-    "all_reduce", ("x",), _all_reduce_infer, all_reduce_reference,
-    attrs={"world_size": REQUIRED},
-    doc="sum of x over the world_size ranks of the default process group",
-))
-register(OpDef(
-    "all_gather", ("x",), _all_gather_infer, all_gather_reference,
-    attrs={"axis": REQUIRED, "world_size": REQUIRED},
-    doc="x of every rank concatenated along axis in rank order",
-))
+register(
+    OpDef(
+        "all_reduce",
+        ("x",),
+        _all_reduce_infer,
+        all_reduce_reference,
+        attrs={"world_size": REQUIRED},
+        doc="sum of x over the world_size ranks of the default process group",
+    )
+)
+register(
+    OpDef(
+        "all_gather",
+        ("x",),
+        _all_gather_infer,
+        all_gather_reference,
+        attrs={"axis": REQUIRED, "world_size": REQUIRED},
+        doc="x of every rank concatenated along axis in rank order",
+    )
+)
 
 
 def tensor_parallel_size(graph) -> int:

@@ -1,4 +1,5 @@
 """Elementwise ops: broadcasting binary math and comparisons, unary math, where, cast."""
+
 import torch
 import torch.nn.functional as F
 
@@ -62,14 +63,19 @@ _unary("gelu", lambda x, approximate: F.gelu(x, approximate=approximate), approx
 
 
 def _where_infer(cond, a, b):
-    return TensorType(result_dtype((a.dtype, a.rank), (b.dtype, b.rank)), broadcast_shapes(cond.shape, a.shape, b.shape))
+    return TensorType(
+        result_dtype((a.dtype, a.rank), (b.dtype, b.rank)), broadcast_shapes(cond.shape, a.shape, b.shape)
+    )
 
 
 register(OpDef("where", ("cond", "a", "b"), _where_infer, torch.where, traits=ELEMENTWISE))
-register(OpDef(
-    "cast", ("x",),
-    lambda x, dtype: x.with_dtype(dtype),
-    lambda x, dtype: x.to(to_torch(dtype)),
-    attrs={"dtype": REQUIRED},
-    traits=ELEMENTWISE,
-))
+register(
+    OpDef(
+        "cast",
+        ("x",),
+        lambda x, dtype: x.with_dtype(dtype),
+        lambda x, dtype: x.to(to_torch(dtype)),
+        attrs={"dtype": REQUIRED},
+        traits=ELEMENTWISE,
+    )
+)

@@ -17,6 +17,7 @@ Other fusions need no new op (see the passes): merged q/k/v or gate/up projectio
 spelled out in elementwise math becomes `silu` / `gelu`; a matmul by a transposed weight becomes
 `linear`; the eager matmul/softmax/matmul attention becomes `attention`.
 """
+
 import torch
 
 from ..dims import dims_equal
@@ -25,8 +26,11 @@ from .nn import _rms_norm_ref
 
 
 def _add_rms_norm_infer(x, residual, weight, eps, offset):
-    if x.dtype != residual.dtype or x.rank != residual.rank or not all(
-            dims_equal(a, b) for a, b in zip(x.shape, residual.shape)):
+    if (
+        x.dtype != residual.dtype
+        or x.rank != residual.rank
+        or not all(dims_equal(a, b) for a, b in zip(x.shape, residual.shape))
+    ):
         raise OpError(f"add_rms_norm: x {x} and residual {residual} must have one type")
     if weight is not None and (weight.rank != 1 or not dims_equal(weight.shape[0], x.shape[-1])):
         raise OpError(f"add_rms_norm: weight {weight} does not match the last dim of {x}")
@@ -46,7 +50,9 @@ def _rope_infer(x, positions, cos_table, sin_table):
     if not (dims_equal(positions.shape[0], x.shape[0]) and dims_equal(positions.shape[1], x.shape[2])):
         raise OpError(f"rope: positions {positions} do not match x {x} ([batch, heads, seq, head_dim])")
     if cos_table != sin_table or cos_table.rank != 2:
-        raise OpError(f"rope: cos/sin tables must both be [max_positions, rotary_dim / 2], got {cos_table}, {sin_table}")
+        raise OpError(
+            f"rope: cos/sin tables must both be [max_positions, rotary_dim / 2], got {cos_table}, {sin_table}"
+        )
     half, head_dim = cos_table.shape[1], x.shape[3]
     if isinstance(half, int) and isinstance(head_dim, int) and 2 * half > head_dim:
         raise OpError(f"rope: rotary dim {2 * half} exceeds head dim {head_dim}")
@@ -57,18 +63,26 @@ def rope_reference(x, positions, cos_table, sin_table):
     """The contract's formula, in plain torch (x * cos + rotate_half(x) * sin, rewritten)."""
     half = cos_table.shape[-1]
     c, s = cos_table[positions][:, None], sin_table[positions][:, None]  # [batch, 1, seq, half]
-    x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+    x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
     return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s, rest), dim=-1).to(x.dtype)
 
 
-register(OpDef(
-    "add_rms_norm", ("x", "residual", "weight?"),
-    _add_rms_norm_infer, _add_rms_norm_ref,
-    attrs={"eps": REQUIRED, "offset": 0.0},
-    doc="(rms_norm(x + residual, weight) {eps, offset}, x + residual)",
-))
-register(OpDef(
-    "rope", ("x", "positions", "cos_table", "sin_table"),
-    _rope_infer, rope_reference,
-    doc="rotate-half rotary embedding of x[..., :2 * cos_table.shape[1]] at positions; the rest passes",
-))
+register(
+    OpDef(
+        "add_rms_norm",
+        ("x", "residual", "weight?"),
+        _add_rms_norm_infer,
+        _add_rms_norm_ref,
+        attrs={"eps": REQUIRED, "offset": 0.0},
+        doc="(rms_norm(x + residual, weight) {eps, offset}, x + residual)",
+    )
+)
+register(
+    OpDef(
+        "rope",
+        ("x", "positions", "cos_table", "sin_table"),
+        _rope_infer,
+        rope_reference,
+        doc="rotate-half rotary embedding of x[..., :2 * cos_table.shape[1]] at positions; the rest passes",
+    )
+)

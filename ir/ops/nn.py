@@ -1,4 +1,5 @@
 """Neural-network ops: linear, matmul, embedding, normalizations."""
+
 import torch
 import torch.nn.functional as F
 
@@ -38,23 +39,36 @@ def _rms_norm_ref(x, weight, eps, offset):
     return y.to(x.dtype)
 
 
-register(OpDef("linear", ("x", "weight", "bias?"), _linear_infer, F.linear,
-               doc="x @ weight.T + bias, weight [out, in]. The fusion passes make every projection one: "
-                   "matmul by a transposed weight, a following bias add, and q/k/v or gate/up projections "
-                   "merged into one linear whose output is sliced on its last axis"))
+register(
+    OpDef(
+        "linear",
+        ("x", "weight", "bias?"),
+        _linear_infer,
+        F.linear,
+        doc="x @ weight.T + bias, weight [out, in]. The fusion passes make every projection one: "
+        "matmul by a transposed weight, a following bias add, and q/k/v or gate/up projections "
+        "merged into one linear whose output is sliced on its last axis",
+    )
+)
 register(OpDef("matmul", ("a", "b"), _matmul_infer, torch.matmul))
 register(OpDef("embedding", ("weight", "ids"), _embedding_infer, lambda w, ids: F.embedding(ids, w)))
-register(OpDef(
-    "layer_norm", ("x", "weight?", "bias?"),
-    lambda x, w, b, eps: x,
-    lambda x, w, b, eps: F.layer_norm(x, x.shape[-1:], w, b, eps),
-    attrs={"eps": REQUIRED},
-))
-register(OpDef(
-    "rms_norm", ("x", "weight?"),
-    lambda x, w, eps, offset: x,
-    _rms_norm_ref,
-    attrs={"eps": REQUIRED, "offset": 0.0},
-    doc="x / rms(x) * (weight + offset); offset 1.0 is Gemma's form. Computed in f32 for f16/bf16 x "
+register(
+    OpDef(
+        "layer_norm",
+        ("x", "weight?", "bias?"),
+        lambda x, w, b, eps: x,
+        lambda x, w, b, eps: F.layer_norm(x, x.shape[-1:], w, b, eps),
+        attrs={"eps": REQUIRED},
+    )
+)
+register(
+    OpDef(
+        "rms_norm",
+        ("x", "weight?"),
+        lambda x, w, eps, offset: x,
+        _rms_norm_ref,
+        attrs={"eps": REQUIRED, "offset": 0.0},
+        doc="x / rms(x) * (weight + offset); offset 1.0 is Gemma's form. Computed in f32 for f16/bf16 x "
         "(the weight may be either)",
-))
+    )
+)

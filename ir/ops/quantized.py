@@ -16,6 +16,7 @@ last one may be shorter when group_size does not divide K; per-channel is group_
 
 This file is a contract shared by the quantize pass and every backend: change it with all of them.
 """
+
 from __future__ import annotations
 
 import torch
@@ -54,8 +55,9 @@ def expand_groups(per_group: torch.Tensor, group_size: int, in_features: int) ->
     return per_group.repeat_interleave(group_size, dim=1)[:, :in_features]
 
 
-def dequantize(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int,
-               group_size: int) -> torch.Tensor:
+def dequantize(
+    qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int, group_size: int
+) -> torch.Tensor:
     """The f32 [N, K] weight that (qweight, scales, zeros) stand for (the formula above)."""
     q = unpack_int4(qweight) if bits == 4 else qweight
     k = q.shape[1]
@@ -70,15 +72,18 @@ def _check_quantized_weight(op: str, qweight, scales, zeros, bits, group_size):
     if not isinstance(group_size, int) or group_size < 2 or group_size % 2:
         raise OpError(f"{op}: group_size must be an even int >= 2, got {group_size!r}")
     if qweight.rank != 2 or qweight.dtype != QWEIGHT_DTYPES[bits]:
-        raise OpError(f"{op}: a {bits}-bit qweight is {QWEIGHT_DTYPES[bits]}[N, {'K / 2' if bits == 4 else 'K'}], "
-                      f"got {qweight}")
+        raise OpError(
+            f"{op}: a {bits}-bit qweight is {QWEIGHT_DTYPES[bits]}[N, {'K / 2' if bits == 4 else 'K'}], got {qweight}"
+        )
     n, cols = qweight.shape
     if not isinstance(cols, int):
         raise OpError(f"{op}: qweight {qweight} needs a static in-features dim")
     k = in_features(cols, bits)
     groups = group_count(k, group_size)
     if scales.dtype != "f32" or scales.rank != 2 or not dims_equal(scales.shape[0], n) or scales.shape[1] != groups:
-        raise OpError(f"{op}: scales must be f32[{format_dim(n)}, {groups}] (K={k}, group_size={group_size}), got {scales}")
+        raise OpError(
+            f"{op}: scales must be f32[{format_dim(n)}, {groups}] (K={k}, group_size={group_size}), got {scales}"
+        )
     if zeros is not None:
         if bits == 8:
             raise OpError(f"{op}: 8-bit weights are symmetric; omit zeros")
@@ -115,15 +120,23 @@ def embedding_q_reference(qweight, scales, ids, zeros, bits, group_size):
     return rows.reshape(*ids.shape, rows.shape[-1])
 
 
-register(OpDef(
-    "linear_q", ("x", "qweight", "scales", "zeros?", "bias?"),
-    _linear_q_infer, linear_q_reference,
-    attrs={"bits": REQUIRED, "group_size": REQUIRED},
-    doc="F.linear(x, (q - z) * scales per group of K, bias); see ir/ops/quantized.py",
-))
-register(OpDef(
-    "embedding_q", ("qweight", "scales", "ids", "zeros?"),
-    _embedding_q_infer, embedding_q_reference,
-    attrs={"bits": REQUIRED, "group_size": REQUIRED},
-    doc="rows `ids` of the dequantized [vocab, K] table; see ir/ops/quantized.py",
-))
+register(
+    OpDef(
+        "linear_q",
+        ("x", "qweight", "scales", "zeros?", "bias?"),
+        _linear_q_infer,
+        linear_q_reference,
+        attrs={"bits": REQUIRED, "group_size": REQUIRED},
+        doc="F.linear(x, (q - z) * scales per group of K, bias); see ir/ops/quantized.py",
+    )
+)
+register(
+    OpDef(
+        "embedding_q",
+        ("qweight", "scales", "ids", "zeros?"),
+        _embedding_q_infer,
+        embedding_q_reference,
+        attrs={"bits": REQUIRED, "group_size": REQUIRED},
+        doc="rows `ids` of the dequantized [vocab, K] table; see ir/ops/quantized.py",
+    )
+)

@@ -1,4 +1,5 @@
 """Reductions along axes, cumulative sums and softmax."""
+
 import torch
 
 from ..registry import REQUIRED, OpDef, register
@@ -23,15 +24,21 @@ _reduction("mean", lambda x, axes, keepdim: torch.mean(x, dim=list(axes), keepdi
 _reduction("max", lambda x, axes, keepdim: torch.amax(x, dim=list(axes), keepdim=keepdim))
 _reduction("any", lambda x, axes, keepdim: torch.any(x.bool(), dim=list(axes), keepdim=keepdim), dtype="bool")
 
-register(OpDef(
-    "cumsum", ("x",),
-    lambda x, axis: x.with_dtype("i64") if x.dtype in ("bool", "i8", "u8", "i16", "i32") else x,
-    lambda x, axis: torch.cumsum(x, dim=axis),
-    attrs={"axis": REQUIRED},
-))
-register(OpDef(
-    "softmax", ("x",),
-    lambda x, axis: x,
-    lambda x, axis: torch.softmax(x, dim=axis),
-    attrs={"axis": -1},
-))
+register(
+    OpDef(
+        "cumsum",
+        ("x",),
+        lambda x, axis: x.with_dtype("i64") if x.dtype in ("bool", "i8", "u8", "i16", "i32") else x,
+        lambda x, axis: torch.cumsum(x, dim=axis),
+        attrs={"axis": REQUIRED},
+    )
+)
+register(
+    OpDef(
+        "softmax",
+        ("x",),
+        lambda x, axis: x,
+        lambda x, axis: torch.softmax(x, dim=axis),
+        attrs={"axis": -1},
+    )
+)

@@ -1,4 +1,5 @@
 """Routing ops of mixture-of-experts models: `topk` picks each token's experts."""
+
 import torch
 
 from ..registry import REQUIRED, OpDef, OpError, register
@@ -10,7 +11,7 @@ def _topk_infer(x, k, axis, largest):
     size = x.shape[axis]
     if isinstance(size, int) and not 0 < k <= size:
         raise OpError(f"topk: k={k} is not in 1..{size} (the size of axis {axis})")
-    shape = x.shape[:axis] + (k,) + x.shape[axis + 1:]
+    shape = x.shape[:axis] + (k,) + x.shape[axis + 1 :]
     return x.with_shape(shape), x.with_shape(shape).with_dtype("i64")
 
 
@@ -19,8 +20,13 @@ def _topk_reference(x, k, axis, largest):
     return values, indices
 
 
-register(OpDef(
-    "topk", ("x",), _topk_infer, _topk_reference,
-    attrs={"k": REQUIRED, "axis": -1, "largest": True},
-    doc="(values, i64 indices) of the k largest (or smallest) entries along axis, sorted, ties to the lower index",
-))
+register(
+    OpDef(
+        "topk",
+        ("x",),
+        _topk_infer,
+        _topk_reference,
+        attrs={"k": REQUIRED, "axis": -1, "largest": True},
+        doc="(values, i64 indices) of the k largest (or smallest) entries along axis, sorted, ties to the lower index",
+    )
+)

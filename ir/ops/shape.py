@@ -1,4 +1,5 @@
 """Shape and data-movement ops: reshape, permute, slice, concat, expand, index, arange, full."""
+
 import torch
 
 from ..dims import Dim, normalize
@@ -34,7 +35,7 @@ def _slice_infer(x, axis, start, end, step):
     length = normalize(end - start) if step == 1 else -(-(end - start) // step)
     if isinstance(length, int) and length < 0:
         length = 0
-    return x.with_shape(x.shape[:axis] + (length,) + x.shape[axis + 1:])
+    return x.with_shape(x.shape[:axis] + (length,) + x.shape[axis + 1 :])
 
 
 def _slice_ref(x, axis, start, end, step):
@@ -46,7 +47,7 @@ def _slice_ref(x, axis, start, end, step):
 def _concat_infer(*xs, axis):
     axis = norm_axis(axis, xs[0].rank)
     total = normalize(sum(x.shape[axis] for x in xs))
-    return xs[0].with_shape(xs[0].shape[:axis] + (total,) + xs[0].shape[axis + 1:])
+    return xs[0].with_shape(xs[0].shape[:axis] + (total,) + xs[0].shape[axis + 1 :])
 
 
 def _expand_infer(x, shape):
@@ -62,38 +63,60 @@ def _index_infer(x, *indices):
     if len(indices) > x.rank:
         raise OpError("index: more index tensors than dims")
     lead = broadcast_shapes(*(i.shape for i in indices))
-    return x.with_shape(lead + x.shape[len(indices):])
+    return x.with_shape(lead + x.shape[len(indices) :])
 
 
 def _arange_infer(start, end, step, dtype):
     return TensorType(dtype, (normalize(-(-(end - start) // step)) if step != 1 else normalize(end - start),))
 
 
-register(OpDef(
-    "reshape", ("x",),
-    lambda x, shape: x.with_shape(reshape_target(x.shape, shape)),
-    lambda x, shape: x.reshape(shape),
-    attrs={"shape": REQUIRED},
-))
+register(
+    OpDef(
+        "reshape",
+        ("x",),
+        lambda x, shape: x.with_shape(reshape_target(x.shape, shape)),
+        lambda x, shape: x.reshape(shape),
+        attrs={"shape": REQUIRED},
+    )
+)
 register(OpDef("permute", ("x",), _permute_infer, lambda x, perm: x.permute(perm), attrs={"perm": REQUIRED}))
-register(OpDef(
-    "slice", ("x",), _slice_infer, _slice_ref,
-    attrs={"axis": REQUIRED, "start": 0, "end": BIG, "step": 1},
-))
+register(
+    OpDef(
+        "slice",
+        ("x",),
+        _slice_infer,
+        _slice_ref,
+        attrs={"axis": REQUIRED, "start": 0, "end": BIG, "step": 1},
+    )
+)
 register(OpDef("concat", ("xs*",), _concat_infer, lambda *xs, axis: torch.cat(xs, dim=axis), attrs={"axis": REQUIRED}))
 register(OpDef("expand", ("x",), _expand_infer, lambda x, shape: x.expand(shape), attrs={"shape": REQUIRED}))
-register(OpDef("index", ("x", "indices*"), _index_infer, lambda x, *ix: x[tuple(ix)],
-               doc="advanced indexing of the leading dims by broadcast integer tensors"))
-register(OpDef(
-    "arange", (), _arange_infer,
-    lambda start, end, step, dtype: torch.arange(start, end, step, dtype=to_torch(dtype)),
-    attrs={"start": 0, "end": REQUIRED, "step": 1, "dtype": "i64"},
-    traits={"constant"},
-))
-register(OpDef(
-    "full", (),
-    lambda shape, value, dtype: TensorType(dtype, shape),
-    lambda shape, value, dtype: torch.full(tuple(shape), value, dtype=to_torch(dtype)),
-    attrs={"shape": (), "value": REQUIRED, "dtype": "f32"},
-    traits={"constant"},
-))
+register(
+    OpDef(
+        "index",
+        ("x", "indices*"),
+        _index_infer,
+        lambda x, *ix: x[tuple(ix)],
+        doc="advanced indexing of the leading dims by broadcast integer tensors",
+    )
+)
+register(
+    OpDef(
+        "arange",
+        (),
+        _arange_infer,
+        lambda start, end, step, dtype: torch.arange(start, end, step, dtype=to_torch(dtype)),
+        attrs={"start": 0, "end": REQUIRED, "step": 1, "dtype": "i64"},
+        traits={"constant"},
+    )
+)
+register(
+    OpDef(
+        "full",
+        (),
+        lambda shape, value, dtype: TensorType(dtype, shape),
+        lambda shape, value, dtype: torch.full(tuple(shape), value, dtype=to_torch(dtype)),
+        attrs={"shape": (), "value": REQUIRED, "dtype": "f32"},
+        traits={"constant"},
+    )
+)

@@ -1,4 +1,5 @@
 """Shape arithmetic shared by the type rules: broadcasting, dim normalization, reshape."""
+
 from __future__ import annotations
 
 import sympy
@@ -45,7 +46,9 @@ def reshape_target(in_shape, target) -> tuple[Dim, ...]:
         inferred = normalize(sympy.simplify(sympy.sympify(numel(in_shape)) / sympy.sympify(known)))
         target = tuple(inferred if d == -1 else d for d in target)
     if not dims_equal(numel(in_shape), numel(target)):
-        raise OpError(f"cannot reshape [{', '.join(map(format_dim, in_shape))}] to [{', '.join(map(format_dim, target))}]")
+        raise OpError(
+            f"cannot reshape [{', '.join(map(format_dim, in_shape))}] to [{', '.join(map(format_dim, target))}]"
+        )
     return target
 
 
