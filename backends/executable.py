@@ -15,6 +15,7 @@ positions.
 Each backend is a module satisfying `Backend` (NAME, backend_version, lower, load) whose
 executables subclass `Executable`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -103,9 +104,11 @@ def capabilities(executable) -> Capabilities:
     """What `executable` offers beyond `run`: an Executable declares every capability (with the
     base's defaults); a stand-in that only has `run` (a test's wrapper) gets the defaults for
     what it does not set."""
-    return Capabilities(selects_logits=bool(getattr(executable, "selects_logits", Executable.selects_logits)),
-                        copies_rows=bool(getattr(executable, "copies_rows", Executable.copies_rows)),
-                        logits_buffer=getattr(executable, "logits_buffer", None) or (lambda batch, seq: None))
+    return Capabilities(
+        selects_logits=bool(getattr(executable, "selects_logits", Executable.selects_logits)),
+        copies_rows=bool(getattr(executable, "copies_rows", Executable.copies_rows)),
+        logits_buffer=getattr(executable, "logits_buffer", None) or (lambda batch, seq: None),
+    )
 
 
 class Backend(Protocol):
@@ -124,5 +127,6 @@ class Backend(Protocol):
 
 
 def cache_inputs(graph) -> list:
-    """The graph inputs that are KV buffers (all inputs after tokens and positions)."""
-    return graph.inputs[2:]
+    """The graph inputs that are KV buffers (`cache.k.0`, ...: after tokens and positions, before
+    the token-tree inputs of a graph that has them)."""
+    return [v for v in graph.inputs[2:] if v.name.startswith("cache.")]

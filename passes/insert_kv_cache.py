@@ -8,6 +8,12 @@ becomes `kv_write` of its grouped k/v into the buffers at `positions`, then `att
 whole buffer under the position mask (sliding windows from the model's metadata). The model's
 own mask-building ops and GQA head repetition become dead and are removed by DCE. One graph
 serves prefill and decode at every position: positions are data, not shapes.
+
+With `token_trees`, two inputs follow the caches: `slots` [batch, seq] (the cache slots the call's
+tokens are written to and attend from, where `positions` stay the tokens' positions in their
+sequence, which RoPE reads) and `tree` bool [batch, seq, seq] (which of the call's own tokens each
+one sees: its ancestors and itself). A token tree is then verified in one step: siblings share a
+position but not a slot. A plain call passes slots = positions and a lower-triangular tree.
 """
 from __future__ import annotations
 
@@ -37,7 +43,7 @@ def grouped_source(value: Value) -> Value:
     return grouped
 
 
-def insert_kv_cache(graph: Graph, max_batch: int, max_seq_len: int) -> Graph:
+def insert_kv_cache(graph: Graph, max_batch: int, max_seq_len: int, token_trees: bool = False) -> Graph:
     """Rewrite `graph` in place to the stateful form; returns it."""
     if [v.name for v in graph.inputs] != ["tokens", "positions"]:
         raise KVCacheInsertionError("expected a stateless graph with inputs (tokens, positions)")
@@ -48,16 +54,26 @@ def insert_kv_cache(graph: Graph, max_batch: int, max_seq_len: int) -> Graph:
     windows = graph.meta.get("model", {}).get("layer_windows") or [0] * len(attentions)
     if len(windows) != len(attentions):
         raise KVCacheInsertionError(f"{len(attentions)} attention ops but {len(windows)} layers in the metadata")
+    slots, tree = (_tree_inputs(graph, positions) if token_trees else (positions, None))
     new_caches: list[Value] = []
     for layer, node in enumerate(attentions):
-        new_caches += _make_stateful(graph, node, layer, positions, max_batch, max_seq_len, windows[layer])
+        new_caches += _make_stateful(graph, node, layer, (slots, tree), max_batch, max_seq_len, windows[layer])
+    if token_trees:  # after the caches: the inputs before them keep their places
+        graph.inputs = [v for v in graph.inputs if v is not slots and v is not tree] + [slots, tree]
     graph.outputs = graph.outputs[:1] + new_caches
     graph.meta["kv_cache"] = {"max_batch": max_batch, "max_seq_len": max_seq_len, "layers": len(attentions)}
     return graph
 
 
-def _make_stateful(graph: Graph, node: Node, layer: int, positions: Value, max_batch: int,
+def _tree_inputs(graph: Graph, positions: Value) -> tuple[Value, Value]:
+    batch, seq = positions.type.shape
+    slots = graph.add_input("slots", TensorType("i64", (batch, seq)))
+    return slots, graph.add_input("tree", TensorType("bool", (batch, seq, seq)))
+
+
+def _make_stateful(graph: Graph, node: Node, layer: int, placement: tuple[Value, Value | None], max_batch: int,
                    max_seq_len: int, window: int) -> list[Value]:
+    slots, tree = placement
     q, k, v = node.inputs[:3]
     k, v = grouped_source(k), grouped_source(v)
     caches = []
@@ -65,9 +81,9 @@ def _make_stateful(graph: Graph, node: Node, layer: int, positions: Value, max_b
         _, kv_heads, _, head_dim = new.type.shape
         cache_type = TensorType(new.type.dtype, (max_batch, kv_heads, max_seq_len, head_dim))
         caches.append(graph.add_input(f"cache.{kind}.{layer}", cache_type))
-    written = [graph.create("kv_write", [cache, new, positions]) for cache, new in zip(caches, (k, v))]
+    written = [graph.create("kv_write", [cache, new, slots]) for cache, new in zip(caches, (k, v))]
     attrs = dict(node.attrs, causal=False, window=window)
-    attention = graph.create("attention", [q, written[0].output, written[1].output, None, positions], attrs)
+    attention = graph.create("attention", [q, written[0].output, written[1].output, None, slots, tree], attrs)
     graph.insert_before(node, *written, attention)
     graph.replace_all_uses(node.output, attention.output)
     graph.erase(node)

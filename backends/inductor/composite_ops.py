@@ -5,10 +5,13 @@ compiled, so Inductor sees plain aten ops. Each follows its op's reference kerne
 `kiln.ir.ops` exactly, but is written so that sizes stay symbolic (no Python ints taken from
 tensor shapes, no `tril` with a size-dependent diagonal) and so that caches are written in place.
 """
+
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from kiln.ir.ops.attention import tree_visibility
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float) -> torch.Tensor:
@@ -19,8 +22,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: f
     return y * (weight + offset) if offset else y * weight
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float,
-                 offset: float) -> tuple[torch.Tensor, torch.Tensor]:
+def add_rms_norm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(rms_norm(x + residual), x + residual): Inductor fuses the add into the norm's kernel."""
     total = x + residual
     return rms_norm(total, weight, eps, offset), total
@@ -40,11 +44,11 @@ def rope_rows(positions: torch.Tensor, cos_table: torch.Tensor, sin_table: torch
 def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x[..., :2 * half] rotated by the rows `rope_rows` gathered; the rest of x passes through."""
     half = cos.size(-1)
-    x1, x2 = x[..., :half], x[..., half:2 * half]
+    x1, x2 = x[..., :half], x[..., half : 2 * half]
     rotated = (x1 * cos - x2 * sin, x2 * cos + x1 * sin)
     if 2 * half == x.size(-1):
         return torch.cat(rotated, dim=-1)
-    return torch.cat((*rotated, x[..., 2 * half:]), dim=-1)
+    return torch.cat((*rotated, x[..., 2 * half :]), dim=-1)
 
 
 def kv_write_inplace(cache: torch.Tensor, new: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -75,8 +79,9 @@ def kv_write_functional(cache: torch.Tensor, new: torch.Tensor, positions: torch
     return kv_write_inplace(cache.clone(), new, positions)
 
 
-def visible_keys(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None,
-                 causal: bool, window: int) -> torch.Tensor | None:
+def visible_keys(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None, causal: bool, window: int
+) -> torch.Tensor | None:
     """Bool [batch|1, 1, seq, keys]: which key slots each query sees (None: all of them)."""
     seq, keys = q.size(2), k.size(2)
     key_slot = torch.arange(keys, device=q.device)
@@ -92,8 +97,9 @@ def visible_keys(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | Non
     return visible
 
 
-def alibi_bias(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None,
-               alibi: tuple[float, ...]) -> torch.Tensor:
+def alibi_bias(
+    q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None, alibi: tuple[float, ...]
+) -> torch.Tensor:
     """Float [batch|1, heads, seq, keys]: slope[h] * (key slot - query position), ALiBi's bias."""
     seq, keys = q.size(2), k.size(2)
     if positions is not None:
@@ -104,9 +110,19 @@ def alibi_bias(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None,
     return torch.tensor(alibi, dtype=q.dtype, device=q.device)[None, :, None, None] * distance
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None,
-              positions: torch.Tensor | None, scale: float | None, causal: bool, window: int,
-              softcap: float, alibi: tuple[float, ...] = ()) -> torch.Tensor:
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    positions: torch.Tensor | None,
+    tree: torch.Tensor | None,
+    scale: float | None,
+    causal: bool,
+    window: int,
+    softcap: float,
+    alibi: tuple[float, ...] = (),
+) -> torch.Tensor:
     """The IR's `attention`: GQA kept grouped, keys masked by positions (or causally), optional
     softcap and ALiBi bias.
 
@@ -118,6 +134,8 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Ten
     batch = q.size(0)
     k, v = k[:batch], v[:batch]
     visible = visible_keys(q, k, positions, causal, window)
+    if tree is not None:  # positions are given with it (the IR checks)
+        visible = visible & tree_visibility(positions, tree, k.size(2))
     if mask is not None and mask.dtype == torch.bool:
         visible = mask if visible is None else visible & mask
         mask = None

@@ -9,6 +9,7 @@ when the CPU or compiler cannot build the kernel (warned once), or when
 `KILN_ATTENTION_KERNEL=torch` asks for the decomposed one (benchmarks comparing the two), the
 composite `scaled_dot_product_attention` lowering stays.
 """
+
 from __future__ import annotations
 
 import functools
@@ -24,8 +25,10 @@ ENV_SWITCH = "KILN_ATTENTION_KERNEL"  # "kiln" (default) or "torch"
 
 @functools.cache
 def kernel_available() -> bool:
-    return gemv_kernel.kernel_loads(attention_kernel.ensure_loaded, "Kiln's attention kernel is unavailable, "
-                                    "attention runs decomposed by Inductor (slower decode)")
+    return gemv_kernel.kernel_loads(
+        attention_kernel.ensure_loaded,
+        "Kiln's attention kernel is unavailable, attention runs decomposed by Inductor (slower decode)",
+    )
 
 
 def wanted() -> bool:
@@ -34,8 +37,8 @@ def wanted() -> bool:
 
 def lower_cached_attention(b, node, args, attrs):
     """attention(q, k, v, positions) -> kiln.cached_attention(q, k, v, positions, scale, window)."""
-    q, k, v, mask, positions = node.inputs
-    if mask is not None or positions is None or attrs["softcap"] or attrs["alibi"]:
+    q, k, v, mask, positions, tree = node.inputs
+    if mask is not None or tree is not None or positions is None or attrs["softcap"] or attrs["alibi"]:
         return None
     if any(t.type.dtype != "f32" for t in (q, k, v)) or not isinstance(q.type.shape[3], int):
         return None
@@ -43,8 +46,15 @@ def lower_cached_attention(b, node, args, attrs):
         return None
     scale = attrs["scale"] if attrs["scale"] is not None else 1.0 / math.sqrt(q.type.shape[3])
     position_ids = args[4] if positions.type.dtype == "i64" else b.method("long", args[4])
-    return b.call(torch.ops.kiln.cached_attention, args[0], args[1], args[2], position_ids, float(scale),
-                  int(attrs["window"] or 0))
+    return b.call(
+        torch.ops.kiln.cached_attention,
+        args[0],
+        args[1],
+        args[2],
+        position_ids,
+        float(scale),
+        int(attrs["window"] or 0),
+    )
 
 
 register_attention_lowering(lower_cached_attention)

@@ -17,6 +17,7 @@ usual; what nothing reads is pruned when the model is built.
   passes leave them (`rms_norm`, `add_rms_norm`, `layer_norm`): a graph compiled without the
   fuse phase keeps its norms in plain ops.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -66,9 +67,10 @@ def plan_contrib_ops(graph: Graph, attention_dtypes: frozenset[str] = frozenset(
 
 # -- attention -----------------------------------------------------------------------------
 def _plan_attention(graph: Graph, node: Node, outputs, plan: Plan) -> None:
-    q, k, v, mask, positions = node.inputs
+    q, k, v, mask, positions, tree = node.inputs
     writes = [k.producer, v.producer]
-    if mask is not None or positions is not graph.inputs[1] or any(w is None or w.op != "kv_write" for w in writes):
+    if mask is not None or tree is not None or positions is not graph.inputs[1] or \
+            any(w is None or w.op != "kv_write" for w in writes):
         return
     if node.attrs["alibi"]:
         return  # GroupQueryAttention has no ALiBi: the plain lowering adds the bias
@@ -80,7 +82,9 @@ def _plan_attention(graph: Graph, node: Node, outputs, plan: Plan) -> None:
     q_heads, kv_heads, head_dim = q.type.shape[1], k.type.shape[1], q.type.shape[3]
     if not all(isinstance(d, int) for d in (q_heads, kv_heads, head_dim)) or head_dim % 8 or q_heads % kv_heads:
         return
-    if q.type.dtype not in ("f32", "f16") or {k.type.dtype, v.type.dtype, writes[0].inputs[1].type.dtype} != {q.type.dtype}:
+    if q.type.dtype not in ("f32", "f16") or {k.type.dtype, v.type.dtype, writes[0].inputs[1].type.dtype} != {
+        q.type.dtype
+    }:
         return
     if v.type.shape[3] != head_dim:
         return
@@ -90,8 +94,11 @@ def _plan_attention(graph: Graph, node: Node, outputs, plan: Plan) -> None:
     q_in, k_in = (rotary[0], rotary[1]) if rotary is not None else (q, writes[0].inputs[1])
     v_in = writes[1].inputs[1]
     sources = [_bsh_source(x) for x in (q_in, k_in, v_in)]
-    packed = _packed_source(sources, [q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim]) \
-        if all(sources) else None
+    packed = (
+        _packed_source(sources, [q_heads * head_dim, kv_heads * head_dim, kv_heads * head_dim])
+        if all(sources)
+        else None
+    )
     if packed is not None:
         plan.packed_inputs.add(id(packed))
     for w in writes:
@@ -198,12 +205,20 @@ def _emit_gqa(b: OnnxBuilder, node: Node, writes: list[Node], inputs: tuple, rot
     cos, sin = (b.value(rotary[2]), b.value(rotary[3])) if rotary is not None else ("", "")
     past = [b.value(w.inputs[0]) for w in writes]
     attrs = node.attrs
-    out, _, _ = b.node("GroupQueryAttention", [query, key, value, *past, SEQLENS_K, TOTAL_LENGTH, cos, sin],
-                       [None, b.value(writes[0].output), b.value(writes[1].output)],
-                       domain=MS_DOMAIN, label="attn", num_heads=q_heads, kv_num_heads=kv_heads,
-                       scale=float(attrs["scale"] if attrs["scale"] is not None else head_dim ** -0.5),
-                       softcap=float(attrs["softcap"]), local_window_size=attrs["window"] if attrs["window"] else -1,
-                       do_rotary=int(rotary is not None), rotary_interleaved=0)
+    out, _, _ = b.node(
+        "GroupQueryAttention",
+        [query, key, value, *past, SEQLENS_K, TOTAL_LENGTH, cos, sin],
+        [None, b.value(writes[0].output), b.value(writes[1].output)],
+        domain=MS_DOMAIN,
+        label="attn",
+        num_heads=q_heads,
+        kv_num_heads=kv_heads,
+        scale=float(attrs["scale"] if attrs["scale"] is not None else head_dim**-0.5),
+        softcap=float(attrs["softcap"]),
+        local_window_size=attrs["window"] if attrs["window"] else -1,
+        do_rotary=int(rotary is not None),
+        rotary_interleaved=0,
+    )
     batch, _, seq, _ = q.type.shape
     b.declare(out, q.type.dtype, (batch, seq, q_heads * head_dim))
     for w in writes:
@@ -213,8 +228,11 @@ def _emit_gqa(b: OnnxBuilder, node: Node, writes: list[Node], inputs: tuple, rot
         if tuple(target) == (batch, seq, q_heads * head_dim):
             b.rename(b.value(out_reshape.output), out)
         else:
-            b.node("Reshape", [out, reshape_target(b, (batch, seq, q_heads * head_dim), target)],
-                   [b.value(out_reshape.output)])
+            b.node(
+                "Reshape",
+                [out, reshape_target(b, (batch, seq, q_heads * head_dim), target)],
+                [b.value(out_reshape.output)],
+            )
     # attention's own output [b, h, s, d], for any other reader (pruned when there is none)
     return b.op("Transpose", b.op("Reshape", out, b.const([0, 0, q_heads, head_dim])), perm=[0, 2, 1, 3])
 
@@ -226,8 +244,13 @@ def _plan_norm(node: Node, absorbed: set[int], plan: Plan) -> None:
         return
     kind, x, weight, bias, eps, offset = match
     add = x.producer
-    skip_add = (add is not None and add.op == "add" and id(add) not in absorbed and x.type.rank == 3
-                and all(i.type.shape == x.type.shape and i.type.dtype == x.type.dtype for i in add.inputs))
+    skip_add = (
+        add is not None
+        and add.op == "add"
+        and id(add) not in absorbed
+        and x.type.rank == 3
+        and all(i.type.shape == x.type.shape and i.type.dtype == x.type.dtype for i in add.inputs)
+    )
     if skip_add:
         absorbed.add(id(add))
         plan.skip(add)
@@ -268,9 +291,15 @@ def _plan_split_projection(graph: Graph, node: Node, outputs, plan: Plan) -> Non
     if any(v.name not in graph.params for v in constants):
         return
     rank = node.output.type.rank
-    if not readers or any(r.op != "slice" or r.attrs["axis"] % rank != rank - 1 or r.attrs["step"] != 1
-                          or not isinstance(r.attrs["start"], int) or not isinstance(r.attrs["end"], int)
-                          or id(r) in plan.skipped for r in readers):
+    if not readers or any(
+        r.op != "slice"
+        or r.attrs["axis"] % rank != rank - 1
+        or r.attrs["step"] != 1
+        or not isinstance(r.attrs["start"], int)
+        or not isinstance(r.attrs["end"], int)
+        or id(r) in plan.skipped
+        for r in readers
+    ):
         return
     for r in readers:
         plan.skip(r)

@@ -8,6 +8,7 @@ k unsqueezed to [b, kv_heads, 1, keys, d]), keys are masked by positions (key sl
 position, within the window), and a row that sees no key attends to nothing. kv_write is a
 ScatterND, which returns a new cache: the executable copies it back into its buffer.
 """
+
 from __future__ import annotations
 
 import math
@@ -40,7 +41,10 @@ def lower_kv_write(b: OnnxBuilder, node: Node) -> str:
 
 
 def lower_attention(b: OnnxBuilder, node: Node) -> str:
-    q, k, v, mask, positions = node.inputs
+    q, k, v, mask, positions, tree = node.inputs
+    if tree is not None:
+        raise OnnxLoweringError("attention over a token tree is not lowered to ONNX yet. Fix: compile without "
+                                "token trees for the onnxruntime backend.")
     attrs = node.attrs
     q_heads, kv_heads, head_dim = q.type.shape[1], k.type.shape[1], q.type.shape[3]
     if not all(isinstance(d, int) for d in (q_heads, kv_heads, head_dim, v.type.shape[3])):

@@ -13,9 +13,12 @@ Without start variables (a graph whose caches are plain inputs) both ops use the
 `kv_write` as a one-hot scatter into a copy, `attention` over all keys under the position mask,
 which is what the IR defines.
 """
+
 from __future__ import annotations
 
 from tinygrad import Tensor, dtypes
+
+from kiln.backends.errors import LoweringError
 
 
 def lower_kv_write(ctx, node, args, attrs):
@@ -25,7 +28,7 @@ def lower_kv_write(ctx, node, args, attrs):
     if ctx.starts is not None and ctx.owns_cache(node.inputs[0]):
         seq = new.shape[2]
         for b, start in enumerate(ctx.starts):
-            cache[b:b + 1, :, start:start + seq, :].assign(new[b:b + 1])
+            cache[b : b + 1, :, start : start + seq, :].assign(new[b : b + 1])
         ctx.mark_written_in_place(node.outputs[0])
         return cache
     return _scatter(cache, new, positions)
@@ -47,7 +50,10 @@ def _scatter(cache: Tensor, new: Tensor, positions: Tensor) -> Tensor:
 
 def lower_attention(ctx, node, args, attrs):
     """attention(q, k, v, mask?, positions?) {scale, causal, window, softcap, alibi}."""
-    q, k, v, mask, positions = args
+    q, k, v, mask, positions, tree = args
+    if tree is not None:
+        raise LoweringError("attention over a token tree is not lowered to tinygrad yet. Fix: compile without "
+                            "token trees for the tinygrad backend.")
     scale = attrs["scale"] if attrs["scale"] is not None else q.shape[-1] ** -0.5
     if ctx.starts is not None and ctx.written_in_place(node.inputs[1]) and ctx.written_in_place(node.inputs[2]):
         return _attention_to_written_keys(ctx, q, k, v, mask, scale, attrs)
@@ -60,17 +66,17 @@ def _attention_to_written_keys(ctx, q, k, v, mask, scale, attrs):
     rows = []
     for b, start in enumerate(ctx.starts):
         length = start + seq
-        keys, values = k[b:b + 1, :, :length], v[b:b + 1, :, :length]
+        keys, values = k[b : b + 1, :, :length], v[b : b + 1, :, :length]
         hidden = None
         if not (isinstance(seq, int) and seq == 1) or window:  # one query at the last slot sees every key
             hidden = Tensor.ones(seq, length, dtype=dtypes.bool).triu(start + 1)
             if window:
                 hidden = hidden | Tensor.ones(seq, length, dtype=dtypes.bool).tril(start - window)
-        row_mask = None if mask is None else mask[b:b + 1 if mask.shape[0] > 1 else 1, ..., :length]
+        row_mask = None if mask is None else mask[b : b + 1 if mask.shape[0] > 1 else 1, ..., :length]
         if attrs["alibi"]:
             query_pos = (Tensor.arange(seq) + start).reshape(1, 1, seq, 1)
             row_mask = _with_alibi(row_mask, attrs["alibi"], Tensor.arange(length) - query_pos, q.dtype)
-        rows.append(grouped_attention(q[b:b + 1], keys, values, hidden, row_mask, scale, attrs["softcap"]))
+        rows.append(grouped_attention(q[b : b + 1], keys, values, hidden, row_mask, scale, attrs["softcap"]))
     return rows[0].cat(*rows[1:], dim=0) if len(rows) > 1 else rows[0]
 
 
@@ -108,8 +114,9 @@ def _attention_all_keys(q, k, v, mask, positions, scale, attrs):
     return visible.any(axis=-1, keepdim=True).where(out, 0.0)  # a query that sees nothing gets zeros
 
 
-def grouped_attention(q: Tensor, k: Tensor, v: Tensor, hidden: Tensor | None, mask: Tensor | None,
-                      scale: float, softcap: float) -> Tensor:
+def grouped_attention(
+    q: Tensor, k: Tensor, v: Tensor, hidden: Tensor | None, mask: Tensor | None, scale: float, softcap: float
+) -> Tensor:
     """softmax(q k^T * scale [softcapped] + mask, hiding `hidden`) v, GQA heads kept grouped.
 
     q [batch, q_heads, seq, d]; k, v [batch, kv_heads, keys, d]; hidden/mask broadcast to
