@@ -9,6 +9,7 @@ consecutive slots from the row's length, each at the position of its depth, seei
 `run(tokens, positions, first_row, slots=..., tree=...)` of an executable whose graph has them
 takes both; `tree_feeds` fills what a caller leaves out.
 """
+
 from __future__ import annotations
 
 import functools
@@ -30,7 +31,8 @@ def verifies_trees(graph) -> bool:
     and no attention layer needs a key's sequence position apart from its slot (ALiBi biases and
     sliding windows measure distances in slots, which a tree's siblings make larger)."""
     return has_token_trees(graph) and not any(
-        n.op == "attention" and (n.attrs.get("alibi") or n.attrs.get("window")) for n in graph.nodes)
+        n.op == "attention" and (n.attrs.get("alibi") or n.attrs.get("window")) for n in graph.nodes
+    )
 
 
 @functools.lru_cache(maxsize=64)
@@ -38,8 +40,9 @@ def _lower_triangle(seq: int) -> torch.Tensor:
     return torch.ones(seq, seq, dtype=torch.bool).tril()
 
 
-def tree_feeds(positions: torch.Tensor, slots: torch.Tensor | None,
-               tree: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def tree_feeds(
+    positions: torch.Tensor, slots: torch.Tensor | None, tree: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(slots, tree) for a call: a plain call's (positions, lower triangle) where not given."""
     batch, seq = positions.shape
     if slots is None:
@@ -49,13 +52,16 @@ def tree_feeds(positions: torch.Tensor, slots: torch.Tensor | None,
     if tree is None:
         tree = _lower_triangle(seq).expand(batch, seq, seq)
     elif tree.shape != (batch, seq, seq) or tree.dtype != torch.bool:
-        raise FeedError(f"tree must be bool [batch, seq, seq] = {[batch, seq, seq]}, got {tree.dtype} "
-                        f"{list(tree.shape)}")
+        raise FeedError(
+            f"tree must be bool [batch, seq, seq] = {[batch, seq, seq]}, got {tree.dtype} {list(tree.shape)}"
+        )
     return slots.to(torch.int64).contiguous(), tree.contiguous()
 
 
 def refuse_trees(slots, tree) -> None:
     """For an executable whose graph has no tree inputs: a call that gives them is an error."""
     if slots is not None or tree is not None:
-        raise FeedError("this artifact was compiled without token-tree inputs (slots, tree). Fix: compile it "
-                        "again with this version of Kiln, or verify drafts as one chain.")
+        raise FeedError(
+            "this artifact was compiled without token-tree inputs (slots, tree). Fix: compile it "
+            "again with this version of Kiln, or verify drafts as one chain."
+        )

@@ -15,6 +15,7 @@ sequence, which RoPE reads) and `tree` bool [batch, seq, seq] (which of the call
 one sees: its ancestors and itself). A token tree is then verified in one step: siblings share a
 position but not a slot. A plain call passes slots = positions and a lower-triangular tree.
 """
+
 from __future__ import annotations
 
 from kiln.ir import Graph, Node, TensorType, Value
@@ -54,7 +55,7 @@ def insert_kv_cache(graph: Graph, max_batch: int, max_seq_len: int, token_trees:
     windows = graph.meta.get("model", {}).get("layer_windows") or [0] * len(attentions)
     if len(windows) != len(attentions):
         raise KVCacheInsertionError(f"{len(attentions)} attention ops but {len(windows)} layers in the metadata")
-    slots, tree = (_tree_inputs(graph, positions) if token_trees else (positions, None))
+    slots, tree = _tree_inputs(graph, positions) if token_trees else (positions, None)
     new_caches: list[Value] = []
     for layer, node in enumerate(attentions):
         new_caches += _make_stateful(graph, node, layer, (slots, tree), max_batch, max_seq_len, windows[layer])
@@ -71,8 +72,15 @@ def _tree_inputs(graph: Graph, positions: Value) -> tuple[Value, Value]:
     return slots, graph.add_input("tree", TensorType("bool", (batch, seq, seq)))
 
 
-def _make_stateful(graph: Graph, node: Node, layer: int, placement: tuple[Value, Value | None], max_batch: int,
-                   max_seq_len: int, window: int) -> list[Value]:
+def _make_stateful(
+    graph: Graph,
+    node: Node,
+    layer: int,
+    placement: tuple[Value, Value | None],
+    max_batch: int,
+    max_seq_len: int,
+    window: int,
+) -> list[Value]:
     slots, tree = placement
     q, k, v = node.inputs[:3]
     k, v = grouped_source(k), grouped_source(v)

@@ -1,19 +1,24 @@
 """Attention and the static KV cache's write.
 
-`attention(q, k, v, mask?, positions?)`: q is [batch, q_heads, seq, head_dim], k/v are
+`attention(q, k, v, mask?, positions?, tree?)`: q is [batch, q_heads, seq, head_dim], k/v are
 [kv_batch, kv_heads, keys, head_dim] with q_heads a multiple of kv_heads (GQA kept grouped) and
 kv_batch >= batch (a static cache has max_batch rows; the first `batch` are read).
 Which keys a query sees:
 - `positions` given (the stateful form): key slot s is visible to query (b, t) when
   s <= positions[b, t], and, with a sliding `window`, s > positions[b, t] - window;
 - else `causal`: the usual lower-triangular mask aligned to the last key;
-- `mask` (bool: True = visible, or float: added to scores) narrows it further.
+- `mask` (bool: True = visible, or float: added to scores) narrows it further;
+- `tree` (bool [batch, seq, seq], with `positions`: the key slots of this call's own tokens, where
+  they are contiguous from positions[b, 0]) narrows it among this call's tokens: query t sees the
+  slot of token j, positions[b, 0] + j, only where tree[b, t, j]. A token tree verified in one
+  step passes each token's ancestors (and itself); a lower-triangular `tree` changes nothing.
 `softcap` > 0 applies softcap * tanh(scores / softcap) before masking (Gemma 2 style).
 `alibi` (one slope per query head, or empty) then adds slope * (key slot - query position) to
 the scores, ALiBi's linear bias (BLOOM, MPT); the query position is positions[b, t] when given,
 else t + keys - seq (the last query at the last key). Softmax ignores a constant per row, so
 this equals the models' own slope * key slot.
 """
+
 import math
 
 import torch
@@ -22,7 +27,7 @@ from ..dims import dims_equal
 from ..registry import OpDef, OpError, register
 
 
-def _attention_infer(q, k, v, mask, positions, scale, causal, window, softcap, alibi=()):
+def _attention_infer(q, k, v, mask, positions, tree, scale, causal, window, softcap, alibi=()):
     if q.rank != 4 or k.rank != 4 or v.rank != 4:
         raise OpError("attention: q, k, v must be [batch, heads, seq, head_dim]")
     q_heads, kv_heads = q.shape[1], k.shape[1]
@@ -32,6 +37,8 @@ def _attention_infer(q, k, v, mask, positions, scale, causal, window, softcap, a
         raise OpError("attention: q and k head dims differ")
     if positions is not None and positions.dtype not in ("i64", "i32"):
         raise OpError("attention: positions must be integers")
+    if tree is not None and (positions is None or tree.dtype != "bool" or tree.rank != 3):
+        raise OpError("attention: tree must be bool [batch, seq, seq] beside positions")
     if alibi and isinstance(q_heads, int) and len(alibi) != q_heads:
         raise OpError(f"attention: {len(alibi)} ALiBi slopes for {q_heads} query heads")
     return q.with_shape(q.shape[:3] + (v.shape[3],))
@@ -50,7 +57,16 @@ def alibi_bias(alibi, query_pos, keys: int, dtype) -> torch.Tensor:
     return slopes * (torch.arange(keys) - query_pos).to(dtype)
 
 
-def attention_reference(q, k, v, mask, positions, scale, causal, window, softcap, alibi=()):
+def tree_visibility(positions, tree, keys: int) -> torch.Tensor:
+    """[batch, 1, seq, keys]: False where a key slot holds a token of this call that `tree` hides."""
+    first = positions[:, :1, None]  # [batch, 1, 1]
+    own = torch.arange(keys) - first  # the index j of the call's token in each slot
+    inside = (own >= 0) & (own < tree.shape[-1])
+    seen = torch.gather(tree, 2, own.clamp(0, tree.shape[-1] - 1).expand(-1, tree.shape[1], -1))
+    return (~inside | seen)[:, None]
+
+
+def attention_reference(q, k, v, mask, positions, tree, scale, causal, window, softcap, alibi=()):
     batch, q_heads, seq, head_dim = q.shape
     k, v = k[:batch], v[:batch]
     groups = q_heads // k.shape[1]
@@ -69,6 +85,8 @@ def attention_reference(q, k, v, mask, positions, scale, causal, window, softcap
         visible = key_slot <= query_pos
         if window:
             visible = visible & (key_slot > query_pos - window)
+        if tree is not None:
+            visible = visible & tree_visibility(positions, tree, keys)
     elif causal:
         visible = torch.ones(seq, keys, dtype=torch.bool).tril(keys - seq)[None, None]
         if window:
@@ -100,13 +118,21 @@ def kv_write_reference(cache, new, positions):
     return out
 
 
-register(OpDef(
-    "attention", ("q", "k", "v", "mask?", "positions?"),
-    _attention_infer, attention_reference,
-    attrs={"scale": None, "causal": False, "window": 0, "softcap": 0.0, "alibi": ()},
-))
-register(OpDef(
-    "kv_write", ("cache", "new", "positions"),
-    _kv_write_infer, kv_write_reference,
-    doc="cache[b, :, positions[b, t], :] = new[b, :, t, :] for the first batch rows; returns the cache",
-))
+register(
+    OpDef(
+        "attention",
+        ("q", "k", "v", "mask?", "positions?", "tree?"),
+        _attention_infer,
+        attention_reference,
+        attrs={"scale": None, "causal": False, "window": 0, "softcap": 0.0, "alibi": ()},
+    )
+)
+register(
+    OpDef(
+        "kv_write",
+        ("cache", "new", "positions"),
+        _kv_write_infer,
+        kv_write_reference,
+        doc="cache[b, :, positions[b, t], :] = new[b, :, t, :] for the first batch rows; returns the cache",
+    )
+)
