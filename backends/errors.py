@@ -1,4 +1,5 @@
 """Errors every backend raises: each names the problem and the fix."""
+
 from __future__ import annotations
 
 from kiln.ir.errors import KilnError

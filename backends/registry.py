@@ -5,6 +5,7 @@ str`, `lower(graph, options) -> Executable` and `load(directory, graph, weights,
 Executable`. Modules are imported only when asked for, so a backend with heavy or missing
 dependencies costs nothing unless used.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -30,19 +31,20 @@ class BackendNotFoundError(KilnError):
 def get_backend(name: str) -> Backend:
     """The module implementing backend `name`; a clear error for unknown or unusable backends."""
     if name not in BACKENDS:
-        raise BackendNotFoundError(
-            f"Unknown backend {name!r}. Fix: use one of {', '.join(sorted(BACKENDS))}.")
+        raise BackendNotFoundError(f"Unknown backend {name!r}. Fix: use one of {', '.join(sorted(BACKENDS))}.")
     try:
         module = importlib.import_module(BACKENDS[name])
     except ImportError as e:
         raise BackendNotFoundError(
             f"The {name!r} backend cannot be imported ({e}). Fix: install its dependencies, "
-            "or pick another backend, e.g. 'reference'.") from e
+            "or pick another backend, e.g. 'reference'."
+        ) from e
     missing = [f for f in BACKEND_MEMBERS if not hasattr(module, f)]
     if missing:
         raise BackendNotFoundError(
             f"The {name!r} backend ({BACKENDS[name]}) does not provide {', '.join(missing)} yet. "
-            "Fix: pick another backend, e.g. 'reference'.")
+            "Fix: pick another backend, e.g. 'reference'."
+        )
     return module
 
 

@@ -13,6 +13,7 @@ comes and goes hits them alike. onnxruntime-genai (the `bench` extra) runs the m
 builder makes from the same checkpoint; llama.cpp (llamacpp_baseline.py) runs llama-bench on the
 default model's GGUF requantized.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -30,8 +31,15 @@ from genai_baseline import GenaiRunner, build_genai_model  # noqa: E402
 from llamacpp_baseline import LlamaCppRunner, quantized_gguf  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
-BASELINES = ("hf-eager", "hf-static+compile", "ort-genai-fp32", "ort-genai-int4", "llama.cpp-f32", "llama.cpp-q8_0",
-             "llama.cpp-q4_0")
+BASELINES = (
+    "hf-eager",
+    "hf-static+compile",
+    "ort-genai-fp32",
+    "ort-genai-int4",
+    "llama.cpp-f32",
+    "llama.cpp-q8_0",
+    "llama.cpp-q4_0",
+)
 
 
 def timed(fn, retries: int = 3):
@@ -61,8 +69,11 @@ class KilnRunner:
         self.llm = kiln.load(artifact)
         quantize = self.llm.manifest.get("options", {}).get("quantize")
         embeddings = self.llm.manifest.get("options", {}).get("quantize_embeddings")
-        self.name = (f"kiln-{self.llm.manifest['backend']}" + (f"-{quantize}" if quantize else "")
-                     + ("-emb" if quantize and embeddings else ""))
+        self.name = (
+            f"kiln-{self.llm.manifest['backend']}"
+            + (f"-{quantize}" if quantize else "")
+            + ("-emb" if quantize and embeddings else "")
+        )
         self.weight_bytes = sum(t.numel() * t.element_size() for t in self.llm.graph.weights.values())
         if self.llm.manifest["backend"] == "onnxruntime":  # its session sizes its own thread pool
             import dataclasses
@@ -109,6 +120,7 @@ class HFRunner:
         def run():
             with torch.no_grad():
                 self.model(input_ids=tokens, use_cache=False)
+
         return run
 
     def generate(self, n: int):
@@ -116,16 +128,24 @@ class HFRunner:
 
         def run():
             with torch.no_grad():
-                self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                                    do_sample=False, pad_token_id=0)
+                self.model.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    max_new_tokens=n,
+                    min_new_tokens=n,
+                    do_sample=False,
+                    pad_token_id=0,
+                )
+
         return run
 
 
 def measure(runners: list, test: str, n: int, reps: int) -> list[dict]:
     """tokens/s of `reps` timed runs per runner after one warm-up each, the runners taking turns
     rep by rep. tg subtracts a 1-token generate's time."""
-    fns = [(runner.prefill(n), None) if test == "pp" else (runner.generate(n), runner.generate(1))
-           for runner in runners]
+    fns = [
+        (runner.prefill(n), None) if test == "pp" else (runner.generate(n), runner.generate(1)) for runner in runners
+    ]
     for fn, base in fns:
         fn()
         if base:
@@ -143,22 +163,34 @@ def measure(runners: list, test: str, n: int, reps: int) -> list[dict]:
                 rates[i].append(n / seconds)
             flagged[i] |= contended
             others[i].append(other)
-    return [{"backend": runner.name, "test": f"{test}{n}", "mean": statistics.mean(r),
-             "sd": statistics.stdev(r) if len(r) > 1 else 0.0, "contended": f, "other_cores": max(o),
-             "weight_bytes": getattr(runner, "weight_bytes", None)}
-            for runner, r, f, o in zip(runners, rates, flagged, others)]
+    return [
+        {
+            "backend": runner.name,
+            "test": f"{test}{n}",
+            "mean": statistics.mean(r),
+            "sd": statistics.stdev(r) if len(r) > 1 else 0.0,
+            "contended": f,
+            "other_cores": max(o),
+            "weight_bytes": getattr(runner, "weight_bytes", None),
+        }
+        for runner, r, f, o in zip(runners, rates, flagged, others)
+    ]
 
 
 def table(rows: list[dict], weight_bytes: int, params: int, threads: int) -> str:
     # size: the weights a decode step reads (f32 unless the backend name says otherwise)
-    lines = ["| model | size | params | backend | threads | test | t/s | weight GB/s |",
-             "| --- | ---: | ---: | --- | ---: | --- | ---: | ---: |"]
+    lines = [
+        "| model | size | params | backend | threads | test | t/s | weight GB/s |",
+        "| --- | ---: | ---: | --- | ---: | --- | ---: | ---: |",
+    ]
     for r in rows:
         row_bytes = r.get("weight_bytes") or weight_bytes
         gbs = f"{r['mean'] * row_bytes / 1e9:.1f}" if r["test"].startswith("tg") else ""
         flag = " *" if r["contended"] else ""
-        lines.append(f"| SmolLM2-135M | {row_bytes / 2**20:.0f} MiB | {params / 1e6:.1f} M | {r['backend']} | "
-                     f"{threads} | {r['test']} | {r['mean']:.2f} ± {r['sd']:.2f}{flag} | {gbs} |")
+        lines.append(
+            f"| SmolLM2-135M | {row_bytes / 2**20:.0f} MiB | {params / 1e6:.1f} M | {r['backend']} | "
+            f"{threads} | {r['test']} | {r['mean']:.2f} ± {r['sd']:.2f}{flag} | {gbs} |"
+        )
     return "\n".join(lines)
 
 
@@ -179,16 +211,26 @@ def main(argv=None) -> int:
     parser.add_argument("--artifact", default="out/bench-smollm2", help="artifact path prefix (+ -BACKEND.kiln)")
     parser.add_argument("--backends", default="inductor,onnxruntime,tinygrad", help="Kiln backends, comma-separated")
     parser.add_argument("--genai", default="fp32", help="onnxruntime-genai builder precisions (fp32,int4) or none")
-    parser.add_argument("--llamacpp", default="none", help="llama.cpp types beside Kiln (f32,q8_0,q4_0) or none; "
-                        "needs `python bench/llamacpp_baseline.py build` first")
+    parser.add_argument(
+        "--llamacpp",
+        default="none",
+        help="llama.cpp types beside Kiln (f32,q8_0,q4_0) or none; "
+        "needs `python bench/llamacpp_baseline.py build` first",
+    )
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--pp", type=int, default=64)
     parser.add_argument("--tg", type=int, default=128)
-    parser.add_argument("--quantize", default="", help="also Kiln artifacts with these weight schemes "
-                        "(e.g. int4-g32,int8), on each backend")
-    parser.add_argument("--quantize-embeddings", action="store_true",
-                        help="the --quantize artifacts also quantize the lm_head and token embedding")
+    parser.add_argument(
+        "--quantize",
+        default="",
+        help="also Kiln artifacts with these weight schemes (e.g. int4-g32,int8), on each backend",
+    )
+    parser.add_argument(
+        "--quantize-embeddings",
+        action="store_true",
+        help="the --quantize artifacts also quantize the lm_head and token embedding",
+    )
     parser.add_argument("--skip-hf-compile", action="store_true", help="skip the slow-to-compile baseline")
     parser.add_argument("--skip-hf", action="store_true", help="skip both Hugging Face baselines")
     args = parser.parse_args(argv)
@@ -207,8 +249,15 @@ def main(argv=None) -> int:
             artifact = Path(f"{args.artifact}-{backend}{suffix}.kiln")
             if not (artifact / "manifest.json").exists() or compiled_before_sources(artifact):
                 started = time.perf_counter()
-                kiln.compile(str(model_dir), out=artifact, backend=backend, max_seq_len=512, max_batch=1,
-                             quantize=scheme, quantize_embeddings=embeddings)
+                kiln.compile(
+                    str(model_dir),
+                    out=artifact,
+                    backend=backend,
+                    max_seq_len=512,
+                    max_batch=1,
+                    quantize=scheme,
+                    quantize_embeddings=embeddings,
+                )
                 print(f"compiled {artifact} in {time.perf_counter() - started:.0f}s", file=sys.stderr)
             artifacts.append(artifact)
     runners = [KilnRunner(artifact, args.threads) for artifact in artifacts]
@@ -228,7 +277,7 @@ def main(argv=None) -> int:
     rows = []
     for test, n in (("pp", args.pp), ("tg", args.tg)):
         rows += measure(runners, test, n, args.reps)
-        for row in rows[-len(runners):]:
+        for row in rows[-len(runners) :]:
             print(f"{row}", file=sys.stderr)
     artifact = artifacts[0]
     weights = kiln.load(artifact).graph.weights

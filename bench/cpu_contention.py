@@ -4,6 +4,7 @@ These machines are shared: another process on one of the two cores can cut a dec
 speed several-fold. `CpuMeter` reads the machine's busy time from /proc/stat and subtracts this
 process's own (and its children's) CPU time; what is left was someone else's.
 """
+
 from __future__ import annotations
 
 import os
@@ -84,5 +85,8 @@ def print_paired_rows(row_counts, time_row, old_name: str = "old", new_name: str
                 break
         base = base or (old, new)
         flag = "*" if others > 0.25 else ""
-        print(f"| {m} | {old * 1e3:.2f} | {old / base[0]:.2f} | {new * 1e3:.2f} | {new / base[1]:.2f} | "
-              f"{new / old:.2f} | {others:.2f}{flag} |", flush=True)
+        print(
+            f"| {m} | {old * 1e3:.2f} | {old / base[0]:.2f} | {new * 1e3:.2f} | {new / base[1]:.2f} | "
+            f"{new / old:.2f} | {others:.2f}{flag} |",
+            flush=True,
+        )

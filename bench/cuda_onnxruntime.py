@@ -32,6 +32,7 @@ can be timed on a machine its 270 MB of f16 weights cannot be copied to.
 3. Speed, for each `--speed` artifact (e.g. SmolLM2 fp32 and int4): pp64 and pp512 (one
    prefill call) and tg128 (decode steps after a 1-token prompt), tokens/s mean ± sd.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -58,8 +59,15 @@ def prepare(directory: Path, dtype: str) -> None:
 
     for arch in ARCHES:
         checkpoint = save_tiny_checkpoint(arch, directory / arch, seed=0)
-        kiln.compile(str(checkpoint), out=directory / f"{arch}.kiln", backend="onnxruntime", max_seq_len=128,
-                     max_batch=2, dtype=dtype, device="cuda")
+        kiln.compile(
+            str(checkpoint),
+            out=directory / f"{arch}.kiln",
+            backend="onnxruntime",
+            max_seq_len=128,
+            max_batch=2,
+            dtype=dtype,
+            device="cuda",
+        )
         print(f"prepared {arch}")
 
 
@@ -83,7 +91,7 @@ def logit_gap(llm, hf, device: str, continuation: list[int]) -> list[float]:
     for tokens, positions in feeds:
         got = llm.executable.run(tokens, positions)[0].float()
         position += tokens.size(1)
-        gaps.append(float((got - expected[position - tokens.size(1):position]).abs().max()))
+        gaps.append(float((got - expected[position - tokens.size(1) : position]).abs().max()))
     return gaps
 
 
@@ -109,20 +117,28 @@ def greedy_one(directory: Path, arch: str) -> dict:
     # the oracle runs on the GPU in the artifact's dtype
     dtype = json.loads((directory / f"{arch}.kiln" / "manifest.json").read_text())["options"]["dtype"]
     device = DEVICE
-    hf = transformers.AutoModelForCausalLM.from_pretrained(directory / arch, dtype=TORCH_DTYPES[dtype]).to(device).eval()
+    hf = (
+        transformers.AutoModelForCausalLM.from_pretrained(directory / arch, dtype=TORCH_DTYPES[dtype]).to(device).eval()
+    )
     expected = hf_greedy(hf, PROMPTS, 64)
     llm = on_cuda(directory / f"{arch}.kiln")
     single = [llm.generate(p, max_new_tokens=64, temperature=0, ignore_eos=True).token_ids for p in PROMPTS]
     batch = [r.token_ids for r in llm.generate(PROMPTS, max_new_tokens=64, temperature=0, ignore_eos=True)]
-    return {"provider": llm.executable.session.get_providers()[0],
-            "logit_gap": logit_gap(llm, hf, device, expected[0]),
-            "dtype": dtype, "batch1_equal": single == expected, "batch2_equal": batch == expected,
-            "first_difference": [first_difference(single, expected), first_difference(batch, expected)]}
+    return {
+        "provider": llm.executable.session.get_providers()[0],
+        "logit_gap": logit_gap(llm, hf, device, expected[0]),
+        "dtype": dtype,
+        "batch1_equal": single == expected,
+        "batch2_equal": batch == expected,
+        "first_difference": [first_difference(single, expected), first_difference(batch, expected)],
+    }
 
 
 TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
-CHATS = ["What is the capital of France?",
-         "Write three sentences about why the sky is blue, for a child who asked at bedtime."]
+CHATS = [
+    "What is the capital of France?",
+    "Write three sentences about why the sky is blue, for a child who asked at bedtime.",
+]
 
 
 def first_difference(got: list[list[int]], expected: list[list[int]]) -> list[int | None]:
@@ -158,13 +174,17 @@ def hf_decode_speed(hf, prompt: list[int], new_tokens: int, reps: int) -> str:
         with torch.no_grad():
             synchronize()
             start = time.perf_counter()
-            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, min_new_tokens=1,
-                        do_sample=False)
+            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1, min_new_tokens=1, do_sample=False)
             synchronize()
             prefill = time.perf_counter() - start
             start = time.perf_counter()
-            hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens + 1,
-                        min_new_tokens=new_tokens + 1, do_sample=False)
+            hf.generate(
+                ids,
+                attention_mask=torch.ones_like(ids),
+                max_new_tokens=new_tokens + 1,
+                min_new_tokens=new_tokens + 1,
+                do_sample=False,
+            )
             synchronize()
             seconds.append(time.perf_counter() - start - prefill)
     return rates(new_tokens, seconds[1:])
@@ -186,12 +206,16 @@ def real_one(artifact: Path, checkpoint: Path, reps: int) -> dict:
     expected = hf_greedy(hf, prompts, 64)
     single = [llm.generate(p, max_new_tokens=64, temperature=0, ignore_eos=True).token_ids for p in prompts]
     batch = [r.token_ids for r in llm.generate(prompts, max_new_tokens=64, temperature=0, ignore_eos=True)]
-    stats = [llm.generate(prompts[0], max_new_tokens=128, temperature=0, ignore_eos=True).stats
-             for _ in range(reps + 1)][1:]
+    stats = [
+        llm.generate(prompts[0], max_new_tokens=128, temperature=0, ignore_eos=True).stats for _ in range(reps + 1)
+    ][1:]
     return {
-        "provider": llm.executable.session.get_providers()[0], "dtype": dtype,
-        "prompt_tokens": [len(p) for p in prompts], "new_tokens": [len(e) for e in expected],
-        "batch1_equal": single == expected, "batch2_equal": batch == expected,
+        "provider": llm.executable.session.get_providers()[0],
+        "dtype": dtype,
+        "prompt_tokens": [len(p) for p in prompts],
+        "new_tokens": [len(e) for e in expected],
+        "batch1_equal": single == expected,
+        "batch2_equal": batch == expected,
         "first_difference": [first_difference(single, expected), first_difference(batch, expected)],
         "text": llm.tokenizer.decode(single[0]),
         "kiln_decode_tok_s": f"{statistics.mean(s.decode_tokens_per_s for s in stats):.1f}",
@@ -213,8 +237,10 @@ def speed(model_dir: Path, reps: int, tg: int) -> list[tuple[str, str]]:
     from kiln.backends.onnxruntime.executable import OrtExecutable
 
     manifest = json.loads((model_dir / "manifest.json").read_text())["options"]
-    executable = OrtExecutable(model_dir / "model.onnx", BackendOptions(
-        max_seq_len=manifest["max_seq_len"], max_batch=manifest["max_batch"], device=DEVICE))
+    executable = OrtExecutable(
+        model_dir / "model.onnx",
+        BackendOptions(max_seq_len=manifest["max_seq_len"], max_batch=manifest["max_batch"], device=DEVICE),
+    )
     rows = []
     for n in (64, 512):  # a prompt as the engine feeds it: its last position's logits
         tokens, positions = torch.randint(100, 1000, (1, n)), torch.arange(n)[None]
@@ -255,8 +281,11 @@ def fill(artifact: Path, seed: int = 0) -> None:
             where = {e.key: e.value for e in tensor.external_data}
             dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
             count = int(where["length"]) // np.dtype(dtype).itemsize
-            values = (rng.normal(0, 0.02, count).astype(dtype) if np.issubdtype(dtype, np.floating)
-                      else rng.integers(0, 256, int(where["length"]), dtype=np.uint8))
+            values = (
+                rng.normal(0, 0.02, count).astype(dtype)
+                if np.issubdtype(dtype, np.floating)
+                else rng.integers(0, 256, int(where["length"]), dtype=np.uint8)
+            )
             data.seek(int(where["offset"]))
             data.write(values.tobytes())
     print(f"filled {artifact / 'model.onnx.data'} ({(artifact / 'model.onnx.data').stat().st_size / 1e6:.0f} MB)")
@@ -266,14 +295,26 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("action", choices=["prepare", "check", "fill"])
     parser.add_argument("directory", type=Path)
-    parser.add_argument("--speed", nargs="*", default=[], type=Path,
-                        help="artifact directories (model.onnx, model.onnx.data, manifest.json) to time on CUDA")
-    parser.add_argument("--real", nargs="*", default=[], type=Path,
-                        help="artifacts of a real model to check greedy against Hugging Face and time")
+    parser.add_argument(
+        "--speed",
+        nargs="*",
+        default=[],
+        type=Path,
+        help="artifact directories (model.onnx, model.onnx.data, manifest.json) to time on CUDA",
+    )
+    parser.add_argument(
+        "--real",
+        nargs="*",
+        default=[],
+        type=Path,
+        help="artifacts of a real model to check greedy against Hugging Face and time",
+    )
     parser.add_argument("--checkpoint", type=Path, help="the Hugging Face directory the --real artifacts come from")
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--tg", type=int, default=128)
-    parser.add_argument("--dtype", default="f32", help="prepare: the artifacts' dtype (f16 for CUDA's attention kernels)")
+    parser.add_argument(
+        "--dtype", default="f32", help="prepare: the artifacts' dtype (f16 for CUDA's attention kernels)"
+    )
     args = parser.parse_args(argv)
     if args.action == "prepare":
         prepare(args.directory, args.dtype)
@@ -283,8 +324,11 @@ def main(argv=None) -> int:
         return 0
     import onnxruntime
 
-    print(f"# onnxruntime {onnxruntime.__version__} {onnxruntime.get_available_providers()}; torch {torch.__version__}; "
-          f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'no torch CUDA'}", flush=True)
+    print(
+        f"# onnxruntime {onnxruntime.__version__} {onnxruntime.get_available_providers()}; torch {torch.__version__}; "
+        f"{torch.cuda.get_device_name() if torch.cuda.is_available() else 'no torch CUDA'}",
+        flush=True,
+    )
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False  # f32 means f32
     report = {"greedy": greedy_check(args.directory), "speed": {}}
     report["real"] = real_model_check(args.real, args.checkpoint, args.reps) if args.real else {}

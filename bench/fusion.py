@@ -8,6 +8,7 @@ decode (tgN) tokens/s of the two executables measured in turns, llama-bench styl
 `*` ran while other processes took CPU; see bench.py), and the rate of each one's fastest
 decode step, the figure a busy machine disturbs least.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -82,13 +83,16 @@ def main(argv=None) -> int:
 
     model = load_model(Path(args.model) if args.model else default_model_dir()).model
     options = BackendOptions(max_batch=1, max_seq_len=args.max_seq_len)
-    graphs = {fuse: run_pipeline(capture_causal_lm(model, 1, args.max_seq_len), options, fuse=fuse)
-              for fuse in (False, True)}
+    graphs = {
+        fuse: run_pipeline(capture_causal_lm(model, 1, args.max_seq_len), options, fuse=fuse) for fuse in (False, True)
+    }
     print(op_table(graphs[False], graphs[True]))
     if args.counts_only:
         return 0
-    runners = [GraphRunner(graphs[fuse], f"kiln-inductor{'' if fuse else '-unfused'}", args.threads, args.max_seq_len)
-               for fuse in (False, True)]
+    runners = [
+        GraphRunner(graphs[fuse], f"kiln-inductor{'' if fuse else '-unfused'}", args.threads, args.max_seq_len)
+        for fuse in (False, True)
+    ]
     print("\n| backend | test | t/s |\n| --- | --- | ---: |")
     for test, n in (("pp", args.pp), ("tg", args.tg)):
         for row in measure(runners, test, n, args.reps):

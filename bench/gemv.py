@@ -30,6 +30,7 @@ methods and repeated while contended; the median over rounds with < 8% foreign C
 threads on 2 cores, one foreign busy core turns each parallel region into a scheduler time slice
 (~8 ms here), so contended numbers are meaningless, not just noisy.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -129,8 +130,12 @@ def measure(methods: dict, rounds: int, cold_n: int, hot_n: int, max_rounds: int
     for k, v in rec.items():
         clean = [r for r in v if r[2] < MAX_OTHER]
         use = clean or v
-        out[k] = (statistics.median(r[0] for r in use), statistics.median(r[1] for r in use),
-                  statistics.mean(r[2] for r in v), bool(clean))
+        out[k] = (
+            statistics.median(r[0] for r in use),
+            statistics.median(r[1] for r in use),
+            statistics.mean(r[2] for r in v),
+            bool(clean),
+        )
     return out
 
 
@@ -163,9 +168,12 @@ def _ort_matmul(w, M, K):
 
     wt = numpy_helper.from_array(w.t().contiguous().numpy(), "Wt")
     g = helper.make_graph(
-        [helper.make_node("MatMul", ["x", "Wt"], ["y"])], "g",
+        [helper.make_node("MatMul", ["x", "Wt"], ["y"])],
+        "g",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [M, K])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [M, w.shape[0]])], [wt])
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [M, w.shape[0]])],
+        [wt],
+    )
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = min(model.ir_version, 9)  # onnx may be newer than onnxruntime's max
     so = ort.SessionOptions()
@@ -210,6 +218,7 @@ def build_methods(N, K, M, selected, want_compiled):
         def cold():
             i[0] = (i[0] + 1) % copies
             fn(ws[i[0]])
+
         m[name] = ((cold, None), lambda: fn(ws[0]), nbytes, "rot")
 
     def add_flush(name, mk, nbytes):
@@ -229,19 +238,28 @@ def build_methods(N, K, M, selected, want_compiled):
     if M == 1:
         add_rot("torch.mv", ident, lambda w: torch.mv(w, x[0]), f32)
     add_rot("mm(x,Wt)", lambda w: w.t().contiguous(), lambda w: torch.mm(x, w), f32)
-    add_rot("mkldnn_packed", lambda w: torch.ops.mkldnn._reorder_linear_weight(w, M),
-            lambda w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""), f32)
+    add_rot(
+        "mkldnn_packed",
+        lambda w: torch.ops.mkldnn._reorder_linear_weight(w, M),
+        lambda w: torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], ""),
+        f32,
+    )
     add_rot("kiln", lambda w: gk.pack_linear_weight(w), lambda w: torch.ops.kiln.linear_f32(x, w, None), f32)
-    add_rot("kiln(kn)", lambda w: gk.pack_linear_weight(w, "kn"), lambda w: torch.ops.kiln.linear_f32(x, w, None),
-            f32)
-    add_rot("int8pack_mm", lambda w: (lambda q: (q[0].t().contiguous(), q[1]))(gk.pack_linear_weight_int8(w)),
-            lambda p: torch._weight_int8pack_mm(x, p[0], p[1]), i8)
+    add_rot("kiln(kn)", lambda w: gk.pack_linear_weight(w, "kn"), lambda w: torch.ops.kiln.linear_f32(x, w, None), f32)
+    add_rot(
+        "int8pack_mm",
+        lambda w: (lambda q: (q[0].t().contiguous(), q[1]))(gk.pack_linear_weight_int8(w)),
+        lambda p: torch._weight_int8pack_mm(x, p[0], p[1]),
+        i8,
+    )
     add_rot("kiln_i8", gk.pack_linear_weight_int8, lambda p: torch.ops.kiln.linear_i8(x, p[0], p[1], None), i8)
     if want_compiled:
         for mode in ("default", "freeze", "freeze+cpp_wrapper", "max_autotune_cpp"):
+
             def mk(mode=mode):
                 cm = _compiled_linear(base_w, M, K, mode)
                 return lambda: cm(x)
+
             add_flush(f"inductor:{mode}", mk, f32)
         add_flush("ort_mlas", lambda: _ort_matmul(base_w, M, K), f32)
 
@@ -250,6 +268,7 @@ def build_methods(N, K, M, selected, want_compiled):
             f = torch.compile(lambda a: torch.ops.kiln.linear_f32(a, wt, None), fullgraph=True, dynamic=False)
             f(x)
             return lambda: f(x)
+
         add_flush("kiln:compiled", mk_kc, f32)
     return m
 
@@ -308,6 +327,7 @@ def _compile_linears(ws, kind, mode):
     def run():
         with torch.no_grad():
             cm(x576, x1536)
+
     return run
 
 
@@ -331,14 +351,17 @@ def model_sweep(selected, rounds, tokens, compiled):
         def token():
             for a, w in items:
                 fn(a, w)
+
         return token
 
     if want("F.linear"):
         fns["F.linear"] = (loop([(xs[k], w) for (n, k), w in zip(seq, ws)], F.linear), total_f32)
     if want("mkldnn_packed"):
         items = [(xs[k], torch.ops.mkldnn._reorder_linear_weight(w, 1)) for (n, k), w in zip(seq, ws)]
-        fns["mkldnn_packed"] = (loop(items, lambda a, w: torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], "")),
-                                total_f32)
+        fns["mkldnn_packed"] = (
+            loop(items, lambda a, w: torch.ops.mkldnn._linear_pointwise(a, w, None, "none", [], "")),
+            total_f32,
+        )
     if want("mm(x,Wt)") or want("kiln"):
         packed = [(xs[k], gk.pack_linear_weight(w)) for (n, k), w in zip(seq, ws)]
         if want("mm(x,Wt)"):
@@ -355,16 +378,22 @@ def model_sweep(selected, rounds, tokens, compiled):
             fns["kiln_i8"] = (loop(items, lambda a, p: torch.ops.kiln.linear_i8(a, p[0], p[1], None)), total_i8)
         del q
     if compiled:
-        for kind, mode, nbytes in (("linear", "default", total_f32), ("linear", "freeze", total_f32),
-                                   ("linear", "max_autotune_cpp", total_f32), ("kiln", "default", total_f32),
-                                   ("kiln", "freeze", total_f32), ("kiln_i8", "freeze", total_i8)):
+        for kind, mode, nbytes in (
+            ("linear", "default", total_f32),
+            ("linear", "freeze", total_f32),
+            ("linear", "max_autotune_cpp", total_f32),
+            ("kiln", "default", total_f32),
+            ("kiln", "freeze", total_f32),
+            ("kiln_i8", "freeze", total_i8),
+        ):
             name = f"inductor:{mode}" if kind == "linear" else f"inductor:{mode}+{kind}"
             if want(name) or want("compiled"):
                 try:
                     fns[name] = (_compile_linears(ws, kind, mode), nbytes)
                 except Exception as e:
-                    print(f"  [{name}] unavailable: {type(e).__name__}: {str(e).splitlines()[0][:120]}",
-                          file=sys.stderr)
+                    print(
+                        f"  [{name}] unavailable: {type(e).__name__}: {str(e).splitlines()[0][:120]}", file=sys.stderr
+                    )
     del ws
 
     rec = {k: [] for k in fns}
@@ -389,8 +418,11 @@ def model_sweep(selected, rounds, tokens, compiled):
         base = base or (t if k == "F.linear" else None)
         ratio = f"{base / t:.2f}x" if base else "-"
         mark = "" if clean else "*"
-        print(f"| {k} | {t * 1e3:.2f}{mark} | {fns[k][1] / t / 1e9:.1f} | {1 / t:.1f} | {ratio} | "
-              f"{100 * statistics.mean(o for _, o in v):.0f} |", flush=True)
+        print(
+            f"| {k} | {t * 1e3:.2f}{mark} | {fns[k][1] / t / 1e9:.1f} | {1 / t:.1f} | {ratio} | "
+            f"{100 * statistics.mean(o for _, o in v):.0f} |",
+            flush=True,
+        )
 
 
 def machine_line():
@@ -402,9 +434,11 @@ def machine_line():
                 break
     except OSError:
         pass
-    return (f"{model}; {os.cpu_count()} CPUs; torch {torch.__version__} "
-            f"(capability {torch.backends.cpu.get_cpu_capability()}); threads {torch.get_num_threads()}; "
-            f"loadavg {open('/proc/loadavg').read().split()[0]}; {platform.python_version()}")
+    return (
+        f"{model}; {os.cpu_count()} CPUs; torch {torch.__version__} "
+        f"(capability {torch.backends.cpu.get_cpu_capability()}); threads {torch.get_num_threads()}; "
+        f"loadavg {open('/proc/loadavg').read().split()[0]}; {platform.python_version()}"
+    )
 
 
 def main(argv=None):
@@ -414,8 +448,11 @@ def main(argv=None):
     ap.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated: " + ",".join(SHAPES))
     ap.add_argument("--methods", default="", help="comma-separated subset of method names")
     ap.add_argument("--quick", action="store_true", help="no compiled whole-model variants")
-    ap.add_argument("--inductor", action="store_true",
-                    help="also per-shape one-linear Inductor modules and onnxruntime (slow compiles)")
+    ap.add_argument(
+        "--inductor",
+        action="store_true",
+        help="also per-shape one-linear Inductor modules and onnxruntime (slow compiles)",
+    )
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--max-rounds", type=int, default=8, help="extra rounds while contended")
     ap.add_argument("--cold", type=int, default=40, help="cold calls per round")
@@ -441,15 +478,17 @@ def main(argv=None):
             N, K = SHAPES[name]
             for M in map(int, args.m.split(",")):
                 methods = build_methods(N, K, M, selected, args.inductor)
-                res = measure({k: v[:2] for k, v in methods.items()}, args.rounds, args.cold, args.hot,
-                              args.max_rounds)
+                res = measure({k: v[:2] for k, v in methods.items()}, args.rounds, args.cold, args.hot, args.max_rounds)
                 base = res.get("F.linear", (None,))[0]
                 for k, (c, h, o, clean) in res.items():
                     nbytes, how = methods[k][2], methods[k][3]
                     ratio = f"{base / c:.2f}x" if base else "-"
-                    print(f"| {name} | {N}x{K} | {M} | {k} | {c * 1e6:.1f}{'' if clean else '*'} | "
-                          f"{nbytes / c / 1e9:.1f} | {2 * M * N * K / c / 1e9:.1f} | {h * 1e6:.1f} | {ratio} | "
-                          f"{how} | {100 * o:.0f} |", flush=True)
+                    print(
+                        f"| {name} | {N}x{K} | {M} | {k} | {c * 1e6:.1f}{'' if clean else '*'} | "
+                        f"{nbytes / c / 1e9:.1f} | {2 * M * N * K / c / 1e9:.1f} | {h * 1e6:.1f} | {ratio} | "
+                        f"{how} | {100 * o:.0f} |",
+                        flush=True,
+                    )
                 del methods
     if not args.no_model:
         model_sweep(selected, args.rounds * 2, args.tokens, not args.quick)

@@ -5,6 +5,7 @@ The builder reads the local Hugging Face directory (never a hub) and writes mode
 model.onnx.data and genai_config.json; `precision` is the builder's `-p` (fp32, int4) for
 `-e cpu`. It does not support GPT-2.
 """
+
 from __future__ import annotations
 
 import json
@@ -17,8 +18,19 @@ def build_genai_model(model_dir: Path, out_dir: Path, precision: str = "fp32") -
     """Run the genai model builder once; later calls reuse `out_dir`."""
     if (out_dir / "genai_config.json").is_file():
         return out_dir
-    command = [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(model_dir), "-o", str(out_dir),
-               "-p", precision, "-e", "cpu"]
+    command = [
+        sys.executable,
+        "-m",
+        "onnxruntime_genai.models.builder",
+        "-i",
+        str(model_dir),
+        "-o",
+        str(out_dir),
+        "-p",
+        precision,
+        "-e",
+        "cpu",
+    ]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"the onnxruntime-genai builder failed ({' '.join(command)}):\n{done.stderr[-2000:]}")
@@ -33,8 +45,15 @@ class GenaiRunner:
 
         self.og = og
         config = og.Config(str(genai_dir))
-        config.overlay(json.dumps({"model": {"decoder": {"session_options": {
-            "intra_op_num_threads": threads, "inter_op_num_threads": 1}}}}))
+        config.overlay(
+            json.dumps(
+                {
+                    "model": {
+                        "decoder": {"session_options": {"intra_op_num_threads": threads, "inter_op_num_threads": 1}}
+                    }
+                }
+            )
+        )
         self.model = og.Model(config)
         self.name = f"ort-genai-{precision}"
         # what a decode step reads: the model's weights (the external-data file(s), or the model itself)
@@ -65,4 +84,5 @@ class GenaiRunner:
                 generator.generate_next_token()
                 text.append(stream.decode(generator.get_next_tokens()[0]))
             return "".join(text)
+
         return run

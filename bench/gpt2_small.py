@@ -5,6 +5,7 @@
 GPT2Config() defaults: 12 layers, 768 wide, 12 heads, vocab 50257, 1024 positions (124 M
 parameters, 475 MiB in f32). The tokenizer is a stub (a few words): the benchmarks feed token ids.
 """
+
 from __future__ import annotations
 
 import sys
@@ -17,7 +18,9 @@ def stub_tokenizer_json() -> str:
     """A word-level tokenizer.json; Kiln's loader wants one, the benchmarks never decode text."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    tokenizer = Tokenizer(models.WordLevel({"<|endoftext|>": 50256, "hello": 31373, "world": 995}, unk_token="<|endoftext|>"))
+    tokenizer = Tokenizer(
+        models.WordLevel({"<|endoftext|>": 50256, "hello": 31373, "world": 995}, unk_token="<|endoftext|>")
+    )
     tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
     return tokenizer.to_str()
 

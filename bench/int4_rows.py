@@ -14,6 +14,7 @@ with its ratio to the same op at M = 1. `--isa avx2` turns AVX-512 VNNI off in b
 other processes took during each row is shown (bench/cpu_contention.py); rows where others kept
 more than a quarter core busy are repeated up to three times, then flagged `*`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,9 @@ def build_old_op(rev: str) -> None:
     from kiln.backends.inductor import gemv_kernel
 
     def at_rev(path: str) -> str:
-        return subprocess.run(["git", "show", f"{rev}:{path}"], cwd=REPO, check=True, capture_output=True,
-                              text=True).stdout
+        return subprocess.run(
+            ["git", "show", f"{rev}:{path}"], cwd=REPO, check=True, capture_output=True, text=True
+        ).stdout
 
     def renamed(text: str) -> str:
         text = text.replace("kiln_q4", "kiln_q4old")
@@ -80,8 +82,11 @@ def time_row(m: int, weights, repeats: int, group_size: int) -> tuple[float, flo
     gen = torch.Generator().manual_seed(m)
     xs = {k: torch.randn(m, k, generator=gen) for k in (576, 1536)}
     calls = [(xs[k], q, scales, half) for q, scales, half, k in weights]
-    return paired_medians(lambda: step_seconds(torch.ops.kiln.linear_q4_old, calls, group_size),
-                          lambda: step_seconds(torch.ops.kiln.linear_q4, calls, group_size), repeats)
+    return paired_medians(
+        lambda: step_seconds(torch.ops.kiln.linear_q4_old, calls, group_size),
+        lambda: step_seconds(torch.ops.kiln.linear_q4, calls, group_size),
+        repeats,
+    )
 
 
 def main() -> None:
@@ -102,10 +107,13 @@ def main() -> None:
     isa = "vnni" if torch.ops.kiln.q4_use_vnni(wanted) else "avx2"
     torch.ops.kiln.q4_use_vnni_old(wanted)
     weights = make_weights(args.group_size)
-    print(f"SmolLM2-135M int4-g{args.group_size} linears ({len(weights)} calls, f16 scales), {args.threads} "
-          f"threads, {isa}, old = {args.old}, median of {args.repeats}")
-    print_paired_rows((int(v) for v in args.m.split(",")),
-                      lambda m: time_row(m, weights, args.repeats, args.group_size))
+    print(
+        f"SmolLM2-135M int4-g{args.group_size} linears ({len(weights)} calls, f16 scales), {args.threads} "
+        f"threads, {isa}, old = {args.old}, median of {args.repeats}"
+    )
+    print_paired_rows(
+        (int(v) for v in args.m.split(",")), lambda m: time_row(m, weights, args.repeats, args.group_size)
+    )
 
 
 if __name__ == "__main__":

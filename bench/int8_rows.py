@@ -11,6 +11,7 @@ the median of `--repeats` passes, each ratio to its own M = 1. The CPU time othe
 took during each row is shown (bench/cpu_contention.py); rows where others kept more than a
 quarter core busy are repeated up to three times, then flagged `*`.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -54,8 +55,11 @@ def time_row(m: int, weights, repeats: int) -> tuple[float, float, float]:
     xs = {k: torch.randn(m, k, generator=gen) for k in (576, 1536)}
     old = [(xs[k], *w_old) for w_old, _, k in weights]
     new = [(xs[k], *w_new) for _, w_new, k in weights]
-    return paired_medians(lambda: step_seconds(torch.ops.kiln.linear_i8, old),
-                          lambda: step_seconds(torch.ops.kiln.linear_q8, new), repeats)
+    return paired_medians(
+        lambda: step_seconds(torch.ops.kiln.linear_i8, old),
+        lambda: step_seconds(torch.ops.kiln.linear_q8, new),
+        repeats,
+    )
 
 
 def main() -> None:
@@ -72,10 +76,13 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     isa = "vnni" if torch.ops.kiln.linear_q8_use_vnni(args.isa == "vnni") else "avx2"
     weights = make_weights()
-    print(f"SmolLM2-135M int8 linears ({len(weights)} calls), {args.threads} threads, new op on {isa}, "
-          f"median of {args.repeats}")
-    print_paired_rows((int(v) for v in args.m.split(",")), lambda m: time_row(m, weights, args.repeats),
-                      "linear_i8", "linear_q8")
+    print(
+        f"SmolLM2-135M int8 linears ({len(weights)} calls), {args.threads} threads, new op on {isa}, "
+        f"median of {args.repeats}"
+    )
+    print_paired_rows(
+        (int(v) for v in args.m.split(",")), lambda m: time_row(m, weights, args.repeats), "linear_i8", "linear_q8"
+    )
 
 
 if __name__ == "__main__":

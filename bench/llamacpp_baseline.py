@@ -14,6 +14,7 @@ warm-up outside the time it reports); the row's tokens/s is llama-bench's own. P
 `--repack 0`: this build's repacked weights, its fastest decode path (q4_0 tg128 1.5x faster than
 without), crash on prompt batches on this machine's CPU (a Xeon with AMX); decode keeps them.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,10 @@ def tools_dir() -> Path:
 def tool(name: str) -> Path:
     path = tools_dir() / name
     if not path.is_file():
-        raise FileNotFoundError(f"{path} not found: build llama.cpp's tools with `python bench/llamacpp_baseline.py "
-                                "build`, or point KILN_LLAMA_CPP at a directory holding " + ", ".join(TOOLS))
+        raise FileNotFoundError(
+            f"{path} not found: build llama.cpp's tools with `python bench/llamacpp_baseline.py "
+            "build`, or point KILN_LLAMA_CPP at a directory holding " + ", ".join(TOOLS)
+        )
     return path
 
 
@@ -51,17 +54,32 @@ def build(jobs: int = 2) -> Path:
     """Download the sdist (PyPI), build TOOLS, copy them to tools_dir()."""
     out = tools_dir()
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", SDIST,
-                        "-d", tmp], check=True)
+        subprocess.run(
+            [sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", SDIST, "-d", tmp], check=True
+        )
         archive = next(Path(tmp).glob("llama_cpp_python-*.tar.gz"))
         with tarfile.open(archive) as tar:
             tar.extractall(tmp, filter="data")
         source = next(Path(tmp).glob("llama_cpp_python-*/vendor/llama.cpp"))
         build_dir = source / "build"
-        subprocess.run(["cmake", "-S", str(source), "-B", str(build_dir), "-DCMAKE_BUILD_TYPE=Release",
-                        "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF", "-DLLAMA_BUILD_TESTS=OFF",
-                        "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_SERVER=OFF", "-DBUILD_SHARED_LIBS=OFF"],
-                       check=True)
+        subprocess.run(
+            [
+                "cmake",
+                "-S",
+                str(source),
+                "-B",
+                str(build_dir),
+                "-DCMAKE_BUILD_TYPE=Release",
+                "-DGGML_NATIVE=ON",
+                "-DLLAMA_CURL=OFF",
+                "-DLLAMA_OPENSSL=OFF",
+                "-DLLAMA_BUILD_TESTS=OFF",
+                "-DLLAMA_BUILD_EXAMPLES=OFF",
+                "-DLLAMA_BUILD_SERVER=OFF",
+                "-DBUILD_SHARED_LIBS=OFF",
+            ],
+            check=True,
+        )
         subprocess.run(["cmake", "--build", str(build_dir), "--target", *TOOLS, f"-j{jobs}"], check=True)
         out.mkdir(parents=True, exist_ok=True)
         for name in TOOLS:
@@ -77,8 +95,11 @@ def quantized_gguf(source: Path, quant: str, out_dir: Path) -> Path:
     if not target.is_file():
         out_dir.mkdir(parents=True, exist_ok=True)
         partial = target.with_suffix(".partial")
-        done = subprocess.run([str(tool("llama-quantize")), "--allow-requantize", str(source), str(partial),
-                               QUANT_TYPES[quant]], capture_output=True, text=True)
+        done = subprocess.run(
+            [str(tool("llama-quantize")), "--allow-requantize", str(source), str(partial), QUANT_TYPES[quant]],
+            capture_output=True,
+            text=True,
+        )
         if done.returncode:
             raise RuntimeError(f"llama-quantize failed for {quant}:\n{done.stderr[-2000:]}")
         partial.rename(target)
@@ -95,8 +116,21 @@ class LlamaCppRunner:
         self.weight_bytes = gguf.stat().st_size
 
     def _rate(self, prompt: int, generated: int) -> float:
-        command = [str(tool("llama-bench")), "-m", str(self.gguf), "-t", str(self.threads), "-r", "1",
-                   "-p", str(prompt), "-n", str(generated), "-o", "json"]
+        command = [
+            str(tool("llama-bench")),
+            "-m",
+            str(self.gguf),
+            "-t",
+            str(self.threads),
+            "-r",
+            "1",
+            "-p",
+            str(prompt),
+            "-n",
+            str(generated),
+            "-o",
+            "json",
+        ]
         if prompt:  # its repacked weights (the fast decode path) crash on prompts on this CPU (AMX)
             command += ["--repack", "0"]
         done = subprocess.run(command, capture_output=True, text=True)

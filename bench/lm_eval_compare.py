@@ -9,6 +9,7 @@ to an f32 Hugging Face directory) with max_length set to the artifact's max_seq_
 score the same rolling windows. Runs the `lm_eval` command, or `python -m kiln.lm_eval_plugin`
 (the same CLI with the kiln model registered) when this installation lacks kiln_lm_eval.pth.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,8 +42,16 @@ def main() -> None:
     hf_dir = default_model_dir()
     runs = {
         "kiln": ["--model", "kiln", "--model_args", f"path={artifact}", "--batch_size", str(args.batch_size)],
-        "hf": ["--model", "hf", "--model_args", f"pretrained={hf_dir},dtype=float32,max_length={max_length}",
-               "--device", "cpu", "--batch_size", str(args.batch_size)],
+        "hf": [
+            "--model",
+            "hf",
+            "--model_args",
+            f"pretrained={hf_dir},dtype=float32,max_length={max_length}",
+            "--device",
+            "cpu",
+            "--batch_size",
+            str(args.batch_size),
+        ],
     }
     scores, seconds = {}, {}
     for name, model_args in runs.items():
@@ -73,15 +82,30 @@ def lm_eval_command() -> list[str]:
 def run_lm_eval(model_args: list[str], tasks: str, limit: int | None) -> dict:
     """{task: {metric: value}} from one lm_eval run."""
     with tempfile.TemporaryDirectory() as out:
-        command = [*lm_eval_command(), "run", *model_args, "--tasks", tasks, "--include_path", str(TASKS_DIR),
-                   "--output_path", out, *(["--limit", str(limit)] if limit else [])]
+        command = [
+            *lm_eval_command(),
+            "run",
+            *model_args,
+            "--tasks",
+            tasks,
+            "--include_path",
+            str(TASKS_DIR),
+            "--output_path",
+            out,
+            *(["--limit", str(limit)] if limit else []),
+        ]
         print("$", " ".join(command), flush=True)
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         subprocess.run(command, check=True, env=env)
         results = json.loads(max(Path(out).rglob("results*.json"), key=lambda p: p.stat().st_mtime).read_text())
-    return {task: {key.split(",")[0]: value for key, value in metrics.items()
-                   if key.split(",")[0] in METRICS and isinstance(value, float)}
-            for task, metrics in results["results"].items()}
+    return {
+        task: {
+            key.split(",")[0]: value
+            for key, value in metrics.items()
+            if key.split(",")[0] in METRICS and isinstance(value, float)
+        }
+        for task, metrics in results["results"].items()
+    }
 
 
 def print_table(scores: dict, seconds: dict, args) -> None:

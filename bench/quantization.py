@@ -16,6 +16,7 @@ ONNX Runtime's MatMulNBits runs at `--ort-accuracy-level` (4: int8 activations, 
 path; 0: f32), set through KILN_ORT_ACCURACY_LEVEL before the backend is imported.
 Results accumulate in bench/results/quantization.json (one entry per scheme, backend, option).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 RESULTS = Path(__file__).parent / "results" / "quantization.json"
-DEFAULT_SCHEMES = ("none,int8,int4-g32,int4-g32-asym,int4-g64,int4-g64-asym,int4-g64-awq,"
-                   "int4-g128,int4-g128-asym,int4-g128-awq")
+DEFAULT_SCHEMES = (
+    "none,int8,int4-g32,int4-g32-asym,int4-g64,int4-g64-asym,int4-g64-awq,int4-g128,int4-g128-asym,int4-g128-awq"
+)
 GATHERED_ONLY = {"embedding", "embedding_q", "rope", "index"}  # ops that read a row per token, not the table
 
 
@@ -45,8 +47,11 @@ def weight_bytes_per_token(graph) -> int:
         for v in node.inputs:
             if v is not None and v.name in graph.params:
                 readers.setdefault(v.name, set()).add(node.op)
-    return sum(t.numel() * t.element_size() for name, t in graph.weights.items()
-               if readers.get(name) and not readers[name] <= GATHERED_ONLY)
+    return sum(
+        t.numel() * t.element_size()
+        for name, t in graph.weights.items()
+        if readers.get(name) and not readers[name] <= GATHERED_ONLY
+    )
 
 
 class ExecutableRunner:
@@ -80,8 +85,13 @@ def compiled_graph(captured, scheme: str, quantize_embeddings: bool, tokenizer_p
     calibration = None
     if quantize and get_scheme(quantize).needs_calibration:
         calibration, _ = calibration_tokens(None, tokenizer_path, 512)
-    options = BackendOptions(max_seq_len=512, max_batch=1, threads=threads, quantize=quantize,
-                             quantize_embeddings=quantize_embeddings and quantize is not None)
+    options = BackendOptions(
+        max_seq_len=512,
+        max_batch=1,
+        threads=threads,
+        quantize=quantize,
+        quantize_embeddings=quantize_embeddings and quantize is not None,
+    )
     return run_pipeline(copy_graph(captured), options, calibration=calibration), options
 
 
@@ -125,8 +135,15 @@ def perplexity_table(results: list[dict], backends: list[str]) -> str:
     for scheme, emb in dict.fromkeys((r["scheme"], r["quantize_embeddings"]) for r in results):
         cells = []
         for backend in backends:
-            r = next((r for r in results if (r["scheme"], r["quantize_embeddings"], r["backend"]) == (scheme, emb, backend)
-                      and "perplexity" in r), None)
+            r = next(
+                (
+                    r
+                    for r in results
+                    if (r["scheme"], r["quantize_embeddings"], r["backend"]) == (scheme, emb, backend)
+                    and "perplexity" in r
+                ),
+                None,
+            )
             if r is None:
                 cells.append("")
             elif scheme == "none" or backend not in fp32:
@@ -135,22 +152,30 @@ def perplexity_table(results: list[dict], backends: list[str]) -> str:
                 cells.append(f"{r['perplexity']:.2f} ({100 * (r['perplexity'] / fp32[backend] - 1):+.1f}%)")
             if r is not None and "perplexity_decode" in r:
                 cells[-1] += f"; decode path {r['perplexity_decode']:.2f}"
-        lines.append(f"| {'fp32' if scheme == 'none' else scheme} | {'quantized' if emb else 'f32'} | " + " | ".join(cells) + " |")
+        lines.append(
+            f"| {'fp32' if scheme == 'none' else scheme} | {'quantized' if emb else 'f32'} | "
+            + " | ".join(cells)
+            + " |"
+        )
     return "\n".join(lines)
 
 
 def decode_table(results: list[dict]) -> str:
-    lines = ["| scheme | lm_head | backend | tg128 t/s | CPU ms / token | weights read / token | GB/s | vs fp32 |",
-             "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        "| scheme | lm_head | backend | tg128 t/s | CPU ms / token | weights read / token | GB/s | vs fp32 |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
     fp32 = {r["backend"]: r["tg"] for r in results if r["scheme"] == "none" and "tg" in r}
     for r in [r for r in results if "tg" in r]:
         ratio = f"{r['tg'] / fp32[r['backend']]:.2f}x" if r["backend"] in fp32 else ""
         flag = " *" if r.get("contended") else ""
-        lines.append(f"| {'fp32' if r['scheme'] == 'none' else r['scheme']} | "
-                     f"{'quantized' if r['quantize_embeddings'] else 'f32'} | {r['backend']} | "
-                     f"{r['tg']:.1f} ± {r['tg_sd']:.1f}{flag} | {r.get('cpu_ms', float('nan')):.1f} | "
-                     f"{r['weight_bytes'] / 2**20:.0f} MiB | "
-                     f"{r['tg'] * r['weight_bytes'] / 1e9:.1f} | {ratio} |")
+        lines.append(
+            f"| {'fp32' if r['scheme'] == 'none' else r['scheme']} | "
+            f"{'quantized' if r['quantize_embeddings'] else 'f32'} | {r['backend']} | "
+            f"{r['tg']:.1f} ± {r['tg_sd']:.1f}{flag} | {r.get('cpu_ms', float('nan')):.1f} | "
+            f"{r['weight_bytes'] / 2**20:.0f} MiB | "
+            f"{r['tg'] * r['weight_bytes'] / 1e9:.1f} | {ratio} |"
+        )
     return "\n".join(lines)
 
 
@@ -166,8 +191,12 @@ def main(argv=None) -> int:
     parser.add_argument("--ort-accuracy-level", default="4")
     parser.add_argument("--genai", default="none", help="onnxruntime-genai baseline precision (int4) or none")
     parser.add_argument("--no-perplexity", action="store_true")
-    parser.add_argument("--decode-path", action="store_true", help="also measure perplexity one token at a time "
-                        "through the KV cache (the decode kernels, which may round activations to int8)")
+    parser.add_argument(
+        "--decode-path",
+        action="store_true",
+        help="also measure perplexity one token at a time "
+        "through the KV cache (the decode kernels, which may round activations to int8)",
+    )
     parser.add_argument("--no-decode", action="store_true")
     args = parser.parse_args(argv)
     os.environ["KILN_ORT_ACCURACY_LEVEL"] = args.ort_accuracy_level  # read when the ORT backend is imported
@@ -194,9 +223,14 @@ def main(argv=None) -> int:
         graph, options = compiled_graph(captured, scheme, args.quantize_embeddings, loaded.tokenizer_path, args.threads)
         print(f"{scheme}: pipeline in {time.perf_counter() - started:.0f}s", file=sys.stderr)
         for backend in backends:
-            entry = {"scheme": scheme, "backend": backend, "quantize_embeddings": options.quantize_embeddings,
-                     "weight_bytes": weight_bytes_per_token(graph), "threads": args.threads,
-                     "ort_accuracy_level": int(args.ort_accuracy_level) if backend == "onnxruntime" else None}
+            entry = {
+                "scheme": scheme,
+                "backend": backend,
+                "quantize_embeddings": options.quantize_embeddings,
+                "weight_bytes": weight_bytes_per_token(graph),
+                "threads": args.threads,
+                "ort_accuracy_level": int(args.ort_accuracy_level) if backend == "onnxruntime" else None,
+            }
             started = time.perf_counter()
             executable = get_backend(backend).lower(copy_graph(graph), options)
             if not args.no_perplexity:
@@ -216,8 +250,13 @@ def main(argv=None) -> int:
         from genai_baseline import GenaiRunner, build_genai_model
 
         genai_dir = build_genai_model(model_dir, Path(f"out/bench-smollm2-genai-{args.genai}"), args.genai)
-        entry = {"scheme": f"genai-{args.genai}", "backend": "ort-genai", "quantize_embeddings": True,
-                 "weight_bytes": sum(p.stat().st_size for p in genai_dir.glob("model.onnx*")), "threads": args.threads}
+        entry = {
+            "scheme": f"genai-{args.genai}",
+            "backend": "ort-genai",
+            "quantize_embeddings": True,
+            "weight_bytes": sum(p.stat().st_size for p in genai_dir.glob("model.onnx*")),
+            "threads": args.threads,
+        }
         entry.update(decode_rate(GenaiRunner(genai_dir, args.threads, args.genai), args.tg, args.reps))
         record(entry)
     results = json.loads(RESULTS.read_text())

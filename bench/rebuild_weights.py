@@ -12,6 +12,7 @@ embedding), and the parameters no recipe reproduces (RoPE tables). `rebuild` wri
 the offsets its file records, so the rebuilt files are byte-identical or the manifest's sha256 says
 otherwise: the check is the artifact's own.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,9 +28,21 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 WEIGHTS, ONNX_DATA, HEADER, RECIPE, EXTRAS = (
-    "weights.safetensors", "model.onnx.data", "weights.header", "recipe.json", "extras.safetensors")
-SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I8": torch.int8,
-                      "U8": torch.uint8, "I32": torch.int32, "I64": torch.int64}
+    "weights.safetensors",
+    "model.onnx.data",
+    "weights.header",
+    "recipe.json",
+    "extras.safetensors",
+)
+SAFETENSORS_DTYPES = {
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "I32": torch.int32,
+    "I64": torch.int64,
+}
 
 
 def checkpoint_tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
@@ -72,8 +85,10 @@ def strip(artifact: Path, out: Path, checkpoint_dir: Path) -> None:
                 extras[name] = tensor.contiguous()
     (out / RECIPE).write_text(json.dumps(recipe, indent=1))
     save_file(extras, str(out / EXTRAS))
-    print(f"stripped {artifact} -> {out}: {len(recipe)} parameters by recipe, {len(extras)} carried "
-          f"({(out / EXTRAS).stat().st_size / 1e6:.1f} MB)")
+    print(
+        f"stripped {artifact} -> {out}: {len(recipe)} parameters by recipe, {len(extras)} carried "
+        f"({(out / EXTRAS).stat().st_size / 1e6:.1f} MB)"
+    )
 
 
 def parameters(stripped: Path, checkpoint_dir: Path) -> dict[str, torch.Tensor]:
@@ -111,7 +126,7 @@ def write_onnx_data(stripped: Path, params: dict[str, torch.Tensor], out: Path) 
                 raise KeyError(f"{tensor.name}: no parameter {match[1]} to rebuild it from")
             value = params[match[1]]
             if match[2] is not None:
-                value = value[int(match[2]):int(match[3])]
+                value = value[int(match[2]) : int(match[3])]
             if match[4]:
                 value = value.t()
             dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
@@ -133,8 +148,10 @@ def rebuild(stripped: Path, checkpoint_dir: Path) -> None:
         write_onnx_data(stripped, params, stripped / ONNX_DATA)
     for name in (WEIGHTS, ONNX_DATA):
         if name in manifest and file_sha256(stripped / name) != manifest[name]["sha256"]:
-            raise SystemExit(f"{stripped / name}: rebuilt, but its sha256 differs from the manifest's "
-                             f"(the checkpoint at {checkpoint_dir} is not the one compiled)")
+            raise SystemExit(
+                f"{stripped / name}: rebuilt, but its sha256 differs from the manifest's "
+                f"(the checkpoint at {checkpoint_dir} is not the one compiled)"
+            )
     print(f"rebuilt {stripped}: {', '.join(n for n in (WEIGHTS, ONNX_DATA) if n in manifest)} match the manifest")
 
 

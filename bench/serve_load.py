@@ -9,6 +9,7 @@ texts are identical (greedy decoding must not depend on what shares the batch). 
 requests/s and generated tokens/s under load, p50/p99 time to first token and inter-token latency
 as the clients see them, failed requests and mismatches; exits 1 if any request failed or differed.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,10 +28,31 @@ from pathlib import Path
 
 import openai
 
-TOPICS = ["the sea", "a lighthouse", "winter mornings", "a compiler", "bread", "the moon", "a library", "trains",
-          "a garden", "mountains", "rain", "a violin", "chess", "a market", "the desert", "bees"]
-FORMS = ["Write one sentence about {}.", "Describe {} in a few words.", "Tell me a short fact about {}.",
-         "What comes to mind when you think of {}?", "Once upon a time, {}"]
+TOPICS = [
+    "the sea",
+    "a lighthouse",
+    "winter mornings",
+    "a compiler",
+    "bread",
+    "the moon",
+    "a library",
+    "trains",
+    "a garden",
+    "mountains",
+    "rain",
+    "a violin",
+    "chess",
+    "a market",
+    "the desert",
+    "bees",
+]
+FORMS = [
+    "Write one sentence about {}.",
+    "Describe {} in a few words.",
+    "Tell me a short fact about {}.",
+    "What comes to mind when you think of {}?",
+    "Once upon a time, {}",
+]
 
 
 @dataclass
@@ -53,9 +75,23 @@ def main() -> int:
     artifact = ensure_artifact(Path(args.artifact), args.max_batch)
     requests = make_requests(args.requests, args.max_tokens)
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "kiln", "serve", str(artifact), "--port", str(port),
-                               "--model-name", "smollm2", "--max-queue", str(args.requests),
-                               "--log-level", "warning"])
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kiln",
+            "serve",
+            str(artifact),
+            "--port",
+            str(port),
+            "--model-name",
+            "smollm2",
+            "--max-queue",
+            str(args.requests),
+            "--log-level",
+            "warning",
+        ]
+    )
     try:
         base = f"http://127.0.0.1:{port}"
         wait_healthy(base, server)
@@ -127,8 +163,9 @@ async def one(client: openai.AsyncOpenAI, prompt: str, max_tokens: int) -> Outco
     outcome, pieces = Outcome(), []
     started = last = time.perf_counter()
     try:
-        stream = await client.completions.create(model="smollm2", prompt=prompt, max_tokens=max_tokens,
-                                                 temperature=0, stream=True)
+        stream = await client.completions.create(
+            model="smollm2", prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True
+        )
         async for chunk in stream:
             if not chunk.choices or not chunk.choices[0].text:
                 continue
@@ -156,16 +193,23 @@ def report(requests, loaded: list[Outcome], alone: list[Outcome], wall: float, s
     gaps = [g * 1000 for o in loaded if not o.error for g in o.gaps_s]
     pieces = sum(len(o.gaps_s) + 1 for o in loaded if not o.error and o.text)
     alone_gaps = [g * 1000 for o in alone if not o.error for g in o.gaps_s]
-    print(f"\n{args.requests} streamed greedy completions, {args.concurrency} concurrent clients, "
-          f"max_tokens 8..{args.max_tokens}, artifact {args.artifact}")
+    print(
+        f"\n{args.requests} streamed greedy completions, {args.concurrency} concurrent clients, "
+        f"max_tokens 8..{args.max_tokens}, artifact {args.artifact}"
+    )
     print(f"| {'metric':<34} | {'value':>12} |")
     print(f"|{'-' * 36}|{'-' * 14}|")
-    rows = [("requests/s", f"{len(loaded) / wall:.2f}"), ("streamed pieces/s", f"{pieces / wall:.1f}"),
-            ("TTFT p50 / p99 (ms)", f"{percentile(ttfts, 50):.0f} / {percentile(ttfts, 99):.0f}"),
-            ("inter-token p50 / p99 (ms)", f"{percentile(gaps, 50):.1f} / {percentile(gaps, 99):.1f}"),
-            ("inter-token p50 alone (ms)", f"{percentile(alone_gaps, 50):.1f}"),
-            ("failed requests", str(len(failed))), ("texts differing from alone", f"{mismatched} of {len(loaded)}"),
-            ("KV slots in use afterwards", str(slots_after)), ("wall time under load (s)", f"{wall:.1f}")]
+    rows = [
+        ("requests/s", f"{len(loaded) / wall:.2f}"),
+        ("streamed pieces/s", f"{pieces / wall:.1f}"),
+        ("TTFT p50 / p99 (ms)", f"{percentile(ttfts, 50):.0f} / {percentile(ttfts, 99):.0f}"),
+        ("inter-token p50 / p99 (ms)", f"{percentile(gaps, 50):.1f} / {percentile(gaps, 99):.1f}"),
+        ("inter-token p50 alone (ms)", f"{percentile(alone_gaps, 50):.1f}"),
+        ("failed requests", str(len(failed))),
+        ("texts differing from alone", f"{mismatched} of {len(loaded)}"),
+        ("KV slots in use afterwards", str(slots_after)),
+        ("wall time under load (s)", f"{wall:.1f}"),
+    ]
     for name, value in rows:
         print(f"| {name:<34} | {value:>12} |")
     for error in failed[:5]:

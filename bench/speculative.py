@@ -12,6 +12,7 @@ chosen backend). Heads are benchmarked when the target artifact has them
 (`kiln train-speculator out/bench-spec-inductor.kiln [--kind medusa]`). Each row records how
 many cores other processes kept busy while it ran (the machine may be shared).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from cpu_contention import CONTENDED_CORES, CpuMeter  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
-CODE_PROMPT = '''Rename the variable `total` to `running_sum` in this function and return the code.
+CODE_PROMPT = """Rename the variable `total` to `running_sum` in this function and return the code.
 
 ```python
 def mean(values):
@@ -39,7 +40,7 @@ def mean(values):
         return 0.0
     return total / count
 ```
-'''
+"""
 PROSE_PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 
@@ -108,13 +109,17 @@ def main(argv=None) -> int:
     drafts = {"prompt lookup": "prompt_lookup"}
     try:
         drafts[f"{args.draft_quantize} self-draft"] = compiled(
-            Path(f"out/bench-spec-{args.backend}-{args.draft_quantize}.kiln"), args.backend, args.draft_quantize)
+            Path(f"out/bench-spec-{args.backend}-{args.draft_quantize}.kiln"), args.backend, args.draft_quantize
+        )
     except Exception as error:  # a scheme this backend cannot lower yet: report, keep going
         print(f"note: no {args.draft_quantize} draft on {args.backend}: {error}", file=sys.stderr)
     for kind in sorted(target.manifest.get("speculators", {})):
         drafts[f"{kind} heads"] = functools.partial(TimedDrafter.heads, target, kind)
-    lines = ["| prompt | method | tok/s | x plain | acceptance | tokens/target step | draft ms/step | same as plain | "
-             "others' cores |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |"]
+    lines = [
+        "| prompt | method | tok/s | x plain | acceptance | tokens/target step | draft ms/step | same as plain | "
+        "others' cores |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
+    ]
     for name, text in (("code edit", CODE_PROMPT), ("prose", PROSE_PROMPT)):
         prompt = target.encode_chat([{"role": "user", "content": text}])
         run(target, prompt, 8, None)  # warm-up
@@ -128,13 +133,20 @@ def main(argv=None) -> int:
             result, seconds, others = run(target, prompt, args.tokens, drafter)
             same = "yes" if result.token_ids == plain.token_ids else "NO"
             rate = len(result.token_ids) / seconds
-            draft_ms = f"{drafter.seconds / result.stats.target_steps * 1000:.1f}" if isinstance(
-                drafter, TimedDrafter) and result.stats.target_steps else ""
-            lines.append(f"| {name} | {method} | {rate:.1f} | {rate / plain_rate:.2f} | "
-                         f"{result.stats.acceptance_rate:.0%} | {result.stats.tokens_per_target_step:.2f} | {draft_ms} | "
-                         f"{same} | {contention(others)} |")
-    report = "\n".join(lines) + (f"\n\n`*`: other processes kept more than {CONTENDED_CORES} of a core busy on "
-                                  "average during the run (contended).")
+            draft_ms = (
+                f"{drafter.seconds / result.stats.target_steps * 1000:.1f}"
+                if isinstance(drafter, TimedDrafter) and result.stats.target_steps
+                else ""
+            )
+            lines.append(
+                f"| {name} | {method} | {rate:.1f} | {rate / plain_rate:.2f} | "
+                f"{result.stats.acceptance_rate:.0%} | {result.stats.tokens_per_target_step:.2f} | {draft_ms} | "
+                f"{same} | {contention(others)} |"
+            )
+    report = "\n".join(lines) + (
+        f"\n\n`*`: other processes kept more than {CONTENDED_CORES} of a core busy on "
+        "average during the run (contended)."
+    )
     print(report)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "speculative.md").write_text(report + "\n")

@@ -9,6 +9,7 @@ acceptance); for the restricted sizes it trains the own and the tied head for th
 of steps and reports the held-out tokens accepted per draft (the heads' own greedy chain
 against what the model said). Writes bench/results/speculator_heads.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -55,9 +56,12 @@ def main(argv=None) -> int:
     saved.pop("key")
     corpus = data.Corpus(**saved)
     replies = corpus.positions(4, replies=True)
-    held = replies[len(replies) - len(replies) // 10:]
-    lines = ["| draft vocabulary | head | draft ms (1 thread) | draft ms (2 threads) | reply tokens covered | "
-             "accepted per 4-token draft | others' cores |", "| ---: | --- | ---: | ---: | ---: | ---: | ---: |"]
+    held = replies[len(replies) - len(replies) // 10 :]
+    lines = [
+        "| draft vocabulary | head | draft ms (1 thread) | draft ms (2 threads) | reply tokens covered | "
+        "accepted per 4-token draft | others' cores |",
+        "| ---: | --- | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for size in (int(s) for s in args.sizes.split(",")):
         vocab_ids = corpus.ranking[:size] if size else corpus.ranking
         covered = float(torch.isin(corpus.tokens[held + 2], vocab_ids).float().mean())
@@ -73,11 +77,15 @@ def main(argv=None) -> int:
                     trainer.run(lambda line: print(f"[{size} {choice}] {line}", flush=True), 50, lambda: None, 10**9)
                     accepted = f"{trainer.evaluate()[1]:.2f}"
                 one, two = draft_ms(heads, corpus, 1), draft_ms(heads, corpus, 2)
-            lines.append(f"| {size or len(corpus.ranking)} | {choice} | {one:.2f} | {two:.2f} | {covered:.1%} | "
-                         f"{accepted} | {meter.result.other_cores:.2f} |")
+            lines.append(
+                f"| {size or len(corpus.ranking)} | {choice} | {one:.2f} | {two:.2f} | {covered:.1%} | "
+                f"{accepted} | {meter.result.other_cores:.2f} |"
+            )
             print(lines[-1], flush=True)
-    report = "\n".join(lines) + f"\n\nmlp heads, 4 stages, {args.steps} training steps each (batch 64), " \
+    report = (
+        "\n".join(lines) + f"\n\nmlp heads, 4 stages, {args.steps} training steps each (batch 64), "
         "SmolLM2-135M-Instruct; `others' cores`: how many cores other processes kept busy meanwhile.\n"
+    )
     print(report)
     RESULTS.mkdir(exist_ok=True)
     (RESULTS / "speculator_heads.md").write_text(report)

@@ -14,6 +14,7 @@ for the lm_head and embedding too (`--quantize-embeddings`). The CPU time other 
 is recorded per row; a row where others kept more than a quarter core busy is repeated up to
 three times, then flagged `*`. Writes bench/results/step_cost.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,8 +40,15 @@ def artifact(directory: Path, backend: str, scheme: str):
     out = directory / f"{backend}-{scheme}.kiln"
     if not (out / "manifest.json").exists():
         quantized = scheme != "none"
-        kiln.compile(None, out=out, backend=backend, max_seq_len=1024, max_batch=16,
-                     quantize=scheme if quantized else None, quantize_embeddings=quantized)
+        kiln.compile(
+            None,
+            out=out,
+            backend=backend,
+            max_seq_len=1024,
+            max_batch=16,
+            quantize=scheme if quantized else None,
+            quantize_embeddings=quantized,
+        )
     return kiln.load(out)
 
 
@@ -88,13 +96,19 @@ def measure(llm, ms: list[int], repeats: int) -> list[dict]:
 
 def table(title: str, rows: list[dict], nbytes: int, params: int) -> list[str]:
     base = rows[0]["seconds"] if rows and rows[0]["m"] == 1 else None
-    lines = [f"### {title}", "", "| M | ms | x M=1 | GB/s | GFLOP/s | others' cores |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        f"### {title}",
+        "",
+        "| M | ms | x M=1 | GB/s | GFLOP/s | others' cores |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for row in rows:
         seconds, flag = row["seconds"], " *" if row["others"] > 0.25 else ""
         ratio = f"{seconds / base:.2f}" if base else ""
-        lines.append(f"| {row['m']} | {seconds * 1e3:.1f}{flag} | {ratio} | {nbytes / seconds / 1e9:.1f} | "
-                     f"{2 * params * row['m'] / seconds / 1e9:.1f} | {row['others']:.2f} |")
+        lines.append(
+            f"| {row['m']} | {seconds * 1e3:.1f}{flag} | {ratio} | {nbytes / seconds / 1e9:.1f} | "
+            f"{2 * params * row['m'] / seconds / 1e9:.1f} | {row['others']:.2f} |"
+        )
     return lines + [""]
 
 
@@ -110,8 +124,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     ms = [int(m) for m in args.m.split(",")]
-    lines = [f"SmolLM2-135M-Instruct, {args.threads} threads, one row, positions {START_POSITION}.., "
-             f"{platform.processor() or platform.machine()} ({cpu_name()})", ""]
+    lines = [
+        f"SmolLM2-135M-Instruct, {args.threads} threads, one row, positions {START_POSITION}.., "
+        f"{platform.processor() or platform.machine()} ({cpu_name()})",
+        "",
+    ]
     for backend in args.backends.split(","):
         for scheme in args.schemes.split(","):
             llm = artifact(args.artifacts, backend, scheme)

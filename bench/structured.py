@@ -12,6 +12,7 @@ It prints model steps per output token, the forced share of the tokens and decod
 (median of --reps runs), checks that both constrained runs give the same tokens and valid JSON,
 and writes bench/results/structured.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,8 +28,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from cpu_contention import CpuMeter  # noqa: E402
 
 RESULTS = Path(__file__).parent / "results"
-PROMPT = ("Create the JSON record of an order: customer Alice Martin (alice@example.com, gold tier) ordered "
-          "two blue mugs at 12.5 each and one red teapot at 30; it ships express to 5 Rue Verte, Lyon, France.")
+PROMPT = (
+    "Create the JSON record of an order: customer Alice Martin (alice@example.com, gold tier) ordered "
+    "two blue mugs at 12.5 each and one red teapot at 30; it ships express to 5 Rue Verte, Lyon, France."
+)
 ORDER_SCHEMA = {
     "type": "object",
     "properties": {
@@ -116,20 +119,28 @@ def main(argv=None) -> int:
         "mask only (fast_forward=False)": {"json_schema": ORDER_SCHEMA, "fast_forward": False},
         "fast-forward": {"json_schema": ORDER_SCHEMA},
     }
-    lines = [f"SmolLM2-135M-Instruct, {args.backend}, greedy, median of {args.reps}",
-             "", "| run | tokens | model steps | steps/token | forced | tok/s | valid JSON |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | --- |"]
+    lines = [
+        f"SmolLM2-135M-Instruct, {args.backend}, greedy, median of {args.reps}",
+        "",
+        "| run | tokens | model steps | steps/token | forced | tok/s | valid JSON |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | --- |",
+    ]
     results = {}
     for name, constraint in runs.items():
         result, seconds_per_token, contended = timed(llm, prompt, args.tokens, args.reps, **constraint)
         results[name] = result
         stats = result.stats
         valid = _valid(result.text) if constraint else ""
-        lines.append(f"| {name} | {stats.tokens_out} | {stats.model_steps} | {stats.steps_per_token:.2f} | "
-                     f"{stats.forced_tokens} | {1 / seconds_per_token:.1f}{' *' if contended else ''} | {valid} |")
+        lines.append(
+            f"| {name} | {stats.tokens_out} | {stats.model_steps} | {stats.steps_per_token:.2f} | "
+            f"{stats.forced_tokens} | {1 / seconds_per_token:.1f}{' *' if contended else ''} | {valid} |"
+        )
     same = results["fast-forward"].token_ids == results["mask only (fast_forward=False)"].token_ids
-    lines += ["", f"Fast-forward output identical to mask-only: {'yes' if same else 'NO'}.",
-              "tok/s: new tokens over the whole call (prefill included); `*`: other processes took CPU time."]
+    lines += [
+        "",
+        f"Fast-forward output identical to mask-only: {'yes' if same else 'NO'}.",
+        "tok/s: new tokens over the whole call (prefill included); `*`: other processes took CPU time.",
+    ]
     report = "\n".join(lines)
     print(report)
     print("\nfast-forward output:", results["fast-forward"].text)

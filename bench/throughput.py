@@ -10,6 +10,7 @@ with max_batch equal to the highest level. Reported per level: total generated t
 requests/s, mean TTFT, per-request decode tokens/s, and the CPU time other processes took
 (runs where they took more than a quarter core are flagged `*`). Writes bench/results/throughput.md.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -38,7 +39,7 @@ def prompts(tokenizer, count: int, seed: int = 0) -> list[list[int]]:
     for _ in range(count):
         length = rng.randint(16, 120)
         start = rng.randrange(0, len(ids) - length)
-        out.append(ids[start:start + length])
+        out.append(ids[start : start + length])
     return out
 
 
@@ -70,11 +71,15 @@ def run_level(llm, requests: list[list[int]], concurrency: int, new_tokens: int)
     wall = meter.result.wall_s
     tokens = sum(len(r.token_ids) for r in results)
     return {
-        "concurrency": concurrency, "requests": len(results), "tokens": tokens,
-        "tokens_per_s": tokens / wall, "requests_per_s": len(results) / wall,
+        "concurrency": concurrency,
+        "requests": len(results),
+        "tokens": tokens,
+        "tokens_per_s": tokens / wall,
+        "requests_per_s": len(results) / wall,
         "ttft_ms": 1000 * statistics.mean(r.stats.ttft_s for r in results),
         "decode_tps": statistics.mean(r.stats.decode_tokens_per_s for r in results),
-        "other_cores": meter.result.other_cores, "contended": meter.result.contended,
+        "other_cores": meter.result.other_cores,
+        "contended": meter.result.contended,
     }
 
 
@@ -106,14 +111,19 @@ def main(argv=None) -> int:
         row = run_level(llm, requests, level, args.new_tokens)
         rows.append(row)
         print(row, file=sys.stderr)
-    lines = [f"SmolLM2-135M f32, kiln-{args.backend}, {args.threads} threads, {args.requests} requests of "
-             f"16-120 prompt tokens + {args.new_tokens} new tokens each, max_batch {max(levels)}", "",
-             "| concurrent | total tokens/s | requests/s | mean TTFT ms | per-request decode tok/s | others' cores |",
-             "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+    lines = [
+        f"SmolLM2-135M f32, kiln-{args.backend}, {args.threads} threads, {args.requests} requests of "
+        f"16-120 prompt tokens + {args.new_tokens} new tokens each, max_batch {max(levels)}",
+        "",
+        "| concurrent | total tokens/s | requests/s | mean TTFT ms | per-request decode tok/s | others' cores |",
+        "| ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
     for r in rows:
         flag = " *" if r["contended"] else ""
-        lines.append(f"| {r['concurrency']} | {r['tokens_per_s']:.1f}{flag} | {r['requests_per_s']:.2f} | "
-                     f"{r['ttft_ms']:.0f} | {r['decode_tps']:.1f} | {r['other_cores']:.2f} |")
+        lines.append(
+            f"| {r['concurrency']} | {r['tokens_per_s']:.1f}{flag} | {r['requests_per_s']:.2f} | "
+            f"{r['ttft_ms']:.0f} | {r['decode_tps']:.1f} | {r['other_cores']:.2f} |"
+        )
     text = "\n".join(lines) + "\n"
     print(text)
     RESULTS.mkdir(exist_ok=True)

@@ -16,6 +16,7 @@ processes lands on every runner alike rather than on whichever ran at the time. 
 Per rep it prints tokens/s by wall clock and by the runner's own CPU time, and the cores other
 processes used meanwhile (`*`: more than a quarter core, see cpu_contention.py).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,8 +46,9 @@ def timed_reps(step, tokens: int, reps: int) -> list[dict]:
             for _ in range(tokens):
                 step()
         cpu = time.process_time() - cpu
-        results.append({"tok_s": tokens / meter.result.wall_s, "cpu_tok_s": tokens / cpu,
-                        "other_cores": meter.result.other_cores})
+        results.append(
+            {"tok_s": tokens / meter.result.wall_s, "cpu_tok_s": tokens / cpu, "other_cores": meter.result.other_cores}
+        )
     return results
 
 
@@ -109,8 +111,14 @@ class Runner:
 
     def __init__(self, name: str, argv: list[str], env: dict | None = None):
         self.name, self.reps = name, []
-        self.process = subprocess.Popen([sys.executable, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+        self.process = subprocess.Popen(
+            [sys.executable, *argv],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, **(env or {})},
+        )
         self._expect("ready")
 
     def _expect(self, what: str) -> str:
@@ -151,20 +159,26 @@ def summary(row: dict, key: str) -> str:
 
 
 def table(rows: list[dict], tokens: int) -> str:
-    lines = ["| model | backend | threads | test | t/s (wall) | t/s (own CPU time) | others' cores |",
-             "| --- | --- | ---: | --- | ---: | ---: | ---: |"]
+    lines = [
+        "| model | backend | threads | test | t/s (wall) | t/s (own CPU time) | others' cores |",
+        "| --- | --- | ---: | --- | ---: | ---: | ---: |",
+    ]
     for row in rows:
         others = max(r["other_cores"] for r in row["reps"])
         flag = " *" if others > 0.25 else ""
-        lines.append(f"| GPT-2 small f32 | {row['backend']} | {row['threads']} | tg{tokens} | {summary(row, 'tok_s')}{flag} | "
-                     f"{summary(row, 'cpu_tok_s')} | {others:.2f} |")
+        lines.append(
+            f"| GPT-2 small f32 | {row['backend']} | {row['threads']} | tg{tokens} | {summary(row, 'tok_s')}{flag} | "
+            f"{summary(row, 'cpu_tok_s')} | {others:.2f} |"
+        )
     base = next((r for r in rows if r["backend"] == "tinygrad-handwritten"), None)
     if base:
         mean = lambda row, key: statistics.mean(r[key] for r in row["reps"])  # noqa: E731
         for row in rows:
             if row["backend"].startswith("kiln"):
-                lines.append(f"\n{row['backend']} ({row['threads']} threads): {mean(row, 'tok_s') / mean(base, 'tok_s'):.1f}x the hand-written "
-                             f"baseline by wall clock, {mean(row, 'cpu_tok_s') / mean(base, 'cpu_tok_s'):.1f}x by CPU time")
+                lines.append(
+                    f"\n{row['backend']} ({row['threads']} threads): {mean(row, 'tok_s') / mean(base, 'tok_s'):.1f}x the hand-written "
+                    f"baseline by wall clock, {mean(row, 'cpu_tok_s') / mean(base, 'cpu_tok_s'):.1f}x by CPU time"
+                )
     return "\n".join(lines)
 
 
@@ -187,8 +201,10 @@ def main(argv=None) -> int:
         kiln.compile(str(model_dir), out=ARTIFACT, backend="tinygrad", max_seq_len=256, max_batch=1)
     common = ["--tokens", str(args.tokens)]
     baseline = [str(HERE / "tinygrad_gpt2_baseline.py"), "--tokens", str(args.tokens), "--serve"]
-    specs = [("tinygrad-handwritten", "stock", baseline, None),
-             ("tinygrad-handwritten-transposed", "stock", baseline + ["--transpose"], None)]
+    specs = [
+        ("tinygrad-handwritten", "stock", baseline, None),
+        ("tinygrad-handwritten-transposed", "stock", baseline + ["--transpose"], None),
+    ]
     thread_counts = [int(t) for t in str(args.threads).split(",")]
     for threads in thread_counts:
         kiln_argv = [__file__, "--child", "kiln", *common, "--threads", str(threads)]
@@ -196,7 +212,14 @@ def main(argv=None) -> int:
         if args.beam:
             specs.append((f"kiln-tinygrad BEAM={args.beam}", threads, kiln_argv, {"BEAM": str(args.beam)}))
     if not args.skip_hf:
-        specs.append(("hf-eager", max(thread_counts), [__file__, "--child", "hf", *common, "--threads", str(max(thread_counts))], None))
+        specs.append(
+            (
+                "hf-eager",
+                max(thread_counts),
+                [__file__, "--child", "hf", *common, "--threads", str(max(thread_counts))],
+                None,
+            )
+        )
     runners = []
     try:
         for name, _, argv, env in specs:  # one at a time: loading and compiling would contend

@@ -11,6 +11,7 @@ tinygrad's examples. Prints one JSON line: per rep, decode tokens/s by wall cloc
 process's CPU time, and the cores other processes used meanwhile; with --serve it times one rep per
 "rep" line on stdin, so that bench/tinygrad_gpt2.py can alternate it with the other runners.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -53,15 +54,21 @@ class Block:
     def __init__(self, weights: dict, i: int, transpose: bool):
         p = f"transformer.h.{i}"
         self.ln_1, self.ln_2 = LayerNorm(weights, f"{p}.ln_1"), LayerNorm(weights, f"{p}.ln_2")
-        self.c_attn, self.attn_proj = Conv1D(weights, f"{p}.attn.c_attn", transpose), Conv1D(weights, f"{p}.attn.c_proj", transpose)
-        self.c_fc, self.mlp_proj = Conv1D(weights, f"{p}.mlp.c_fc", transpose), Conv1D(weights, f"{p}.mlp.c_proj", transpose)
+        self.c_attn, self.attn_proj = (
+            Conv1D(weights, f"{p}.attn.c_attn", transpose),
+            Conv1D(weights, f"{p}.attn.c_proj", transpose),
+        )
+        self.c_fc, self.mlp_proj = (
+            Conv1D(weights, f"{p}.mlp.c_fc", transpose),
+            Conv1D(weights, f"{p}.mlp.c_proj", transpose),
+        )
         self.cache_kv = Tensor.zeros(2, 1, HEADS, MAX_CONTEXT, DIM // HEADS).contiguous().realize()
 
     def attention(self, x: Tensor, start_pos) -> Tensor:
         batch, seq, _ = x.shape
         q, k, v = [t.reshape(batch, seq, HEADS, DIM // HEADS).transpose(1, 2) for t in self.c_attn(x).chunk(3, dim=2)]
-        self.cache_kv[:, :, :, start_pos:start_pos + seq, :].assign(Tensor.stack(k, v))
-        keys, values = self.cache_kv[0, :, :, :start_pos + seq], self.cache_kv[1, :, :, :start_pos + seq]
+        self.cache_kv[:, :, :, start_pos : start_pos + seq, :].assign(Tensor.stack(k, v))
+        keys, values = self.cache_kv[0, :, :, : start_pos + seq], self.cache_kv[1, :, :, : start_pos + seq]
         out = q.scaled_dot_product_attention(keys, values, is_causal=seq > 1)
         return self.attn_proj(out.transpose(1, 2).reshape(batch, seq, DIM))
 
@@ -80,7 +87,7 @@ class GPT2:
 
     def forward(self, tokens: Tensor, start_pos) -> Tensor:
         seq = tokens.shape[1]
-        x = self.wte[tokens] + self.wpe[start_pos:start_pos + seq].unsqueeze(0)
+        x = self.wte[tokens] + self.wpe[start_pos : start_pos + seq].unsqueeze(0)
         for block in self.blocks:
             x = block(x, start_pos)
         return (self.ln_f(x[:, -1:]) @ self.wte.T).argmax(-1).realize()

@@ -10,6 +10,7 @@
 - lower_to_fx.py holds the one table from IR op to torch call (`FX_LOWERINGS`), and the hook for
   custom linear kernels (`register_linear_lowering`).
 """
+
 from __future__ import annotations
 
 import torch
@@ -23,8 +24,13 @@ from kiln.ir.ops.collectives import tensor_parallel_size
 from .aoti_package import AOTIExecutable, PackageError
 from .aoti_package import load as load_package
 from .executable import InductorExecutable, lower
-from .lower_to_fx import (FX_LOWERINGS, check_lowering_table, graph_to_fx, register_attention_lowering,
-                          register_linear_lowering)
+from .lower_to_fx import (
+    FX_LOWERINGS,
+    check_lowering_table,
+    graph_to_fx,
+    register_attention_lowering,
+    register_linear_lowering,
+)
 
 NAME = "inductor"
 
@@ -43,7 +49,19 @@ def load(directory, graph, weights, options):
 
 
 __all__ = [
-    "NAME", "backend_version", "lower", "load", "InductorExecutable", "AOTIExecutable", "FeedError",
-    "PackageError", "FX_LOWERINGS", "LoweringError", "UnsupportedOpError", "check_lowering_table",
-    "graph_to_fx", "register_linear_lowering", "register_attention_lowering",
+    "NAME",
+    "backend_version",
+    "lower",
+    "load",
+    "InductorExecutable",
+    "AOTIExecutable",
+    "FeedError",
+    "PackageError",
+    "FX_LOWERINGS",
+    "LoweringError",
+    "UnsupportedOpError",
+    "check_lowering_table",
+    "graph_to_fx",
+    "register_linear_lowering",
+    "register_attention_lowering",
 ]

@@ -6,6 +6,7 @@ writing in place, so Dynamo traces them into the graph (`_c10d_functional.all_re
 break per layer. They run over the default process group (gloo on CPU, NCCL on CUDA). A world of
 one rank is the identity, like the IR's reference kernels.
 """
+
 from __future__ import annotations
 
 import torch

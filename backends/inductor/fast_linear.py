@@ -12,6 +12,7 @@ load packs again. It declines (F.linear stays) when the weight is not an fp32 pa
 CPU lacks AVX2/FMA or no C++ compiler can build the kernel (with a warning naming why), or when
 `KILN_LINEAR_KERNEL=torch` asks for torch's own linear (for benchmarks comparing the two).
 """
+
 from __future__ import annotations
 
 import functools
@@ -27,8 +28,9 @@ ENV_SWITCH = "KILN_LINEAR_KERNEL"  # "kiln" (default) or "torch"
 @functools.cache
 def kernel_available() -> bool:
     """Whether the GEMV kernel is built and loaded here (it builds once, then it is cached)."""
-    return gemv_kernel.kernel_loads(gemv_kernel.ensure_loaded, "Kiln's GEMV kernel is unavailable, linears run "
-                                    "on torch's F.linear (slower decode)")
+    return gemv_kernel.kernel_loads(
+        gemv_kernel.ensure_loaded, "Kiln's GEMV kernel is unavailable, linears run on torch's F.linear (slower decode)"
+    )
 
 
 def wanted() -> bool:

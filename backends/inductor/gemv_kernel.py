@@ -97,9 +97,7 @@ def _compiler() -> str:
 def _check_cpu() -> None:
     cap = torch.backends.cpu.get_cpu_capability()
     if cap not in ("AVX2", "AVX512"):
-        raise KernelBuildError(
-            f"kiln GEMV kernel needs a CPU with AVX2 and FMA (torch reports capability {cap!r})"
-        )
+        raise KernelBuildError(f"kiln GEMV kernel needs a CPU with AVX2 and FMA (torch reports capability {cap!r})")
 
 
 def _build_cmds(cxx: str, src: Path, out: Path) -> list[list[str]]:
@@ -113,8 +111,19 @@ def _build_cmds(cxx: str, src: Path, out: Path) -> list[list[str]]:
     return [
         [cxx, *_FLAGS, *_KERNEL_FLAGS, "-c", "-DKILN_GEMV_KERNELS", str(src), "-o", kern_o],
         [cxx, *_FLAGS, "-c", abi, *incs, str(src), "-o", ops_o],
-        [cxx, *_FLAGS, "-shared", kern_o, ops_o, "-o", str(out), f"-L{lib}", "-lc10", "-ltorch_cpu",
-         f"-Wl,-rpath,{lib}"],
+        [
+            cxx,
+            *_FLAGS,
+            "-shared",
+            kern_o,
+            ops_o,
+            "-o",
+            str(out),
+            f"-L{lib}",
+            "-lc10",
+            "-ltorch_cpu",
+            f"-Wl,-rpath,{lib}",
+        ],
     ]
 
 
@@ -148,8 +157,14 @@ def _build_key(src: Path) -> str:
         raise KernelBuildError(f"kiln kernels: cannot run {cxx}: {e}") from e
     digest = hashlib.sha256()
     sources = [src.read_bytes()] + [h.read_bytes() for h in sorted(src.parent.glob("*.h"))]
-    for part in (*sources, " ".join(_FLAGS + _KERNEL_FLAGS).encode(), torch.__version__.encode(),
-                 cxx.encode(), version.encode(), sys.platform.encode()):
+    for part in (
+        *sources,
+        " ".join(_FLAGS + _KERNEL_FLAGS).encode(),
+        torch.__version__.encode(),
+        cxx.encode(),
+        version.encode(),
+        sys.platform.encode(),
+    ):
         digest.update(part + b"\0")
     return digest.hexdigest()[:16]
 
@@ -218,15 +233,18 @@ def kernel_chosen(env_switch: str, kernel: str, alternative: str) -> bool:
     """`env_switch` ("kiln", the default, or "torch") asks for Kiln's kernel or torch's ops."""
     choice = os.environ.get(env_switch, "kiln").lower()
     if choice not in ("kiln", "torch"):
-        raise OptionError(f"{env_switch}={choice!r} is not a choice. Fix: set it to 'kiln' ({kernel}) or 'torch' "
-                          f"({alternative}), or unset it.")
+        raise OptionError(
+            f"{env_switch}={choice!r} is not a choice. Fix: set it to 'kiln' ({kernel}) or 'torch' "
+            f"({alternative}), or unset it."
+        )
     return choice == "kiln"
 
 
 def _ops_registered() -> bool:
     try:
-        return all(torch._C._dispatch_has_kernel_for_dispatch_key(f"kiln::{op}", "CPU")
-                   for op in ("linear_f32", "linear_i8"))
+        return all(
+            torch._C._dispatch_has_kernel_for_dispatch_key(f"kiln::{op}", "CPU") for op in ("linear_f32", "linear_i8")
+        )
     except RuntimeError:  # "operator ... does not exist"
         return False
 
@@ -303,7 +321,7 @@ def pack_linear_weight(w: torch.Tensor, layout: str = "auto") -> torch.Tensor:
 
 
 def packed_layout(packed: torch.Tensor) -> str:
-    """"kn" or "nk" for a tensor made by pack_linear_weight."""
+    """ "kn" or "nk" for a tensor made by pack_linear_weight."""
     return "kn" if packed.is_contiguous() else "nk"
 
 
@@ -325,8 +343,9 @@ def linear_f32(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor 
     return torch.ops.kiln.linear_f32(x, packed_weight, bias)
 
 
-def linear_i8(x: torch.Tensor, packed_weight: torch.Tensor, scales: torch.Tensor,
-              bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear_i8(
+    x: torch.Tensor, packed_weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """Weight-only int8 linear with ``(packed_weight, scales) = pack_linear_weight_int8(W)``."""
     ensure_loaded()
     return torch.ops.kiln.linear_i8(x, packed_weight, scales, bias)

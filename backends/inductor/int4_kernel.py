@@ -14,6 +14,7 @@ Needs AVX2 + FMA + F16C (every AVX2 CPU has F16C), K a multiple of 64 and group_
 multiple of 64. Built like gemv_kernel.py (same compiler,
 flags, cache directory), with a fake implementation for torch.compile / AOTInductor.
 """
+
 from __future__ import annotations
 
 from pathlib import Path

@@ -16,6 +16,7 @@ and run one MKL GEMM. Needs K % 32 == 0 (the lowering keeps `linear_i8` otherwis
 Built like gemv_kernel.py (same compiler, flags, cache), with a fake implementation for
 torch.compile / AOTInductor.
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -62,7 +63,9 @@ def pack_int8_weight(qweight: torch.Tensor) -> torch.Tensor:
     [ceil(N/16), K/4, 64]: panels of 16 channels, each channel's 4 K-consecutive values side by
     side, stored + 128 (VNNI's unsigned operand). Channels past N are zero weights."""
     if qweight.dim() != 2 or qweight.dtype != torch.int8:
-        raise LoweringError(f"pack_int8_weight: expected an int8 [N, K] weight, got {qweight.dtype} {tuple(qweight.shape)}")
+        raise LoweringError(
+            f"pack_int8_weight: expected an int8 [N, K] weight, got {qweight.dtype} {tuple(qweight.shape)}"
+        )
     n, k = qweight.shape
     if not supports(k):
         raise LoweringError(f"pack_int8_weight: K must be a multiple of {BLOCK}, got {k}")
@@ -86,8 +89,9 @@ def round_rows(x: torch.Tensor) -> torch.Tensor:
     return (q.double() * (block_max / 127.0).double()).reshape(x.shape)
 
 
-def reference(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor,
-              bias: torch.Tensor | None = None) -> torch.Tensor:
+def reference(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """What linear_q8 computes, in float64: x rounded per block (`round_rows`), int8 weight [N, K]
     dequantized with its per-channel scales."""
     w = qweight.double() * scales.double().reshape(-1, 1)

@@ -10,6 +10,7 @@ entry (`check_lowering_table` says which do not). The module it builds:
   `input.size(axis)`, and an attribute such as `shape=[batch, seq, 4, 16]` or `end=seq+past`
   becomes arithmetic on those sizes, so one traced module serves every batch and length.
 """
+
 from __future__ import annotations
 
 import operator
@@ -90,13 +91,15 @@ class FxBuilder:
     def _emit_dim(self, d: sympy.Expr) -> fx.Node | int:
         if isinstance(d, sympy.Symbol):
             if d.name not in self.symbols:
-                raise LoweringError(f"symbol {d.name} is not the bare dim of any graph input, so its runtime "
-                                    f"value is unknown; give some input a dim of exactly {d.name}")
+                raise LoweringError(
+                    f"symbol {d.name} is not the bare dim of any graph input, so its runtime "
+                    f"value is unknown; give some input a dim of exactly {d.name}"
+                )
             size = self.symbols[d.name]
             return size if isinstance(size, int) else self.method("size", *size)
         if isinstance(d, (sympy.Add, sympy.Mul)):
             fn = operator.add if isinstance(d, sympy.Add) else operator.mul
-            coeff, terms = (d.as_coeff_add() if fn is operator.add else d.as_coeff_mul())
+            coeff, terms = d.as_coeff_add() if fn is operator.add else d.as_coeff_mul()
             if not coeff.is_Integer:
                 raise LoweringError(f"dim {d} has a non-integer coefficient")
             result = self.dim(terms[0])
@@ -117,7 +120,9 @@ class FxBuilder:
                 raise LoweringError(f"dim {d} divides by a non-constant")
             num = self.dim(sympy.expand(numerator))
             if isinstance(d, sympy.ceiling):
-                return self.call(operator.neg, self.call(operator.floordiv, self.call(operator.neg, num), int(denominator)))
+                return self.call(
+                    operator.neg, self.call(operator.floordiv, self.call(operator.neg, num), int(denominator))
+                )
             return self.call(operator.floordiv, num, int(denominator))
         if isinstance(d, sympy.Mod) and d.args[1].is_Integer:
             return self.call(operator.mod, self.dim(d.args[0]), int(d.args[1]))
@@ -139,8 +144,10 @@ Lowering = Callable[[FxBuilder, Node, list, dict], fx.Node]
 
 def _torch_call(fn: Callable, **rename: str) -> Lowering:
     """Lowering to `fn(*inputs, **attrs)`, attribute names renamed to fn's keywords."""
+
     def lower(b, node, args, attrs):
         return b.call(fn, *args, **{rename.get(k, k): v for k, v in attrs.items()})
+
     return lower
 
 
@@ -152,6 +159,7 @@ def _same_named_function(op: str) -> Callable:
 def _reduction(fn: Callable) -> Lowering:
     def lower(b, node, args, attrs):
         return b.call(fn, args[0], dim=list(attrs["axes"]), keepdim=attrs["keepdim"])
+
     return lower
 
 
@@ -203,23 +211,26 @@ def register_attention_lowering(lowering: Lowering) -> None:
 
 
 def _attention(b, node, args, attrs):
-    return (_first_taken(ATTENTION_LOWERINGS, b, node, args, attrs)
-            or b.call(composite_ops.attention, *args, **attrs))
+    return _first_taken(ATTENTION_LOWERINGS, b, node, args, attrs) or b.call(composite_ops.attention, *args, **attrs)
 
 
 def _kv_write(b, node, args, attrs):
     if args[0].op == "get_attr" and args[0].target in b.buffers:  # a cache this module owns: in place
         new_shape = node.inputs[1].type.shape
-        index = b.shared(("kv_write_index", new_shape[0], new_shape[1], args[2]),
-                         lambda: b.call(composite_ops.kv_write_index, args[1], args[2]))
+        index = b.shared(
+            ("kv_write_index", new_shape[0], new_shape[1], args[2]),
+            lambda: b.call(composite_ops.kv_write_index, args[1], args[2]),
+        )
         return b.call(composite_ops.kv_write_at, args[0], args[1], index)
     return b.call(composite_ops.kv_write_functional, *args)
 
 
 def _rope(b, node, args, attrs):
     x, positions, cos_table, sin_table = args
-    rows = b.shared(("rope_rows", positions, cos_table, sin_table),
-                    lambda: b.call(composite_ops.rope_rows, positions, cos_table, sin_table))
+    rows = b.shared(
+        ("rope_rows", positions, cos_table, sin_table),
+        lambda: b.call(composite_ops.rope_rows, positions, cos_table, sin_table),
+    )
     rotated = b.call(composite_ops.rotate_half, x, b.call(operator.getitem, rows, 0), b.call(operator.getitem, rows, 1))
     if node.inputs[2].type.dtype == node.inputs[0].type.dtype:
         return rotated
@@ -233,8 +244,9 @@ FX_LOWERINGS: dict[str, Lowering] = {
     "sum": _reduction(torch.sum),
     "mean": _reduction(torch.mean),
     "max": _reduction(torch.amax),
-    "any": lambda b, node, args, attrs: b.call(torch.any, b.method("bool", args[0]),
-                                               dim=tuple(attrs["axes"]), keepdim=attrs["keepdim"]),
+    "any": lambda b, node, args, attrs: b.call(
+        torch.any, b.method("bool", args[0]), dim=tuple(attrs["axes"]), keepdim=attrs["keepdim"]
+    ),
     "cumsum": _torch_call(torch.cumsum, axis="dim"),
     "topk": _torch_call(torch.topk, axis="dim"),
     "softmax": _torch_call(torch.softmax, axis="dim"),
@@ -244,10 +256,12 @@ FX_LOWERINGS: dict[str, Lowering] = {
     "slice": _slice,
     "concat": lambda b, node, args, attrs: b.call(torch.cat, list(args), dim=attrs["axis"]),
     "index": lambda b, node, args, attrs: b.call(operator.getitem, args[0], tuple(args[1:])),
-    "arange": lambda b, node, args, attrs: b.call(torch.arange, attrs["start"], attrs["end"], attrs["step"],
-                                                  dtype=to_torch(attrs["dtype"])),
-    "full": lambda b, node, args, attrs: b.call(torch.full, attrs["shape"], attrs["value"],
-                                                dtype=to_torch(attrs["dtype"])),
+    "arange": lambda b, node, args, attrs: b.call(
+        torch.arange, attrs["start"], attrs["end"], attrs["step"], dtype=to_torch(attrs["dtype"])
+    ),
+    "full": lambda b, node, args, attrs: b.call(
+        torch.full, attrs["shape"], attrs["value"], dtype=to_torch(attrs["dtype"])
+    ),
     "linear": _linear,
     "embedding": lambda b, node, args, attrs: b.call(F.embedding, args[1], args[0]),
     "layer_norm": _layer_norm,
@@ -265,8 +279,10 @@ def check_lowering_table() -> None:
     """Raise UnsupportedOpError naming every registered IR op that FX_LOWERINGS lacks."""
     missing = sorted(set(all_ops()) - set(FX_LOWERINGS))
     if missing:
-        raise UnsupportedOpError(f"the inductor backend has no lowering for IR op(s) {missing}; "
-                                 "add them to FX_LOWERINGS in backends/inductor/lower_to_fx.py")
+        raise UnsupportedOpError(
+            f"the inductor backend has no lowering for IR op(s) {missing}; "
+            "add them to FX_LOWERINGS in backends/inductor/lower_to_fx.py"
+        )
 
 
 def attribute_name(ir_name: str, prefix: str, taken: set[str]) -> str:
@@ -286,14 +302,17 @@ def _check_state_use(graph: Graph, state: Mapping[str, torch.Tensor]) -> None:
         if v.name in state:
             readers = v.users
             if len(readers) != 1 or readers[0].op != "kv_write" or readers[0].inputs[0] is not v:
-                raise LoweringError(f"state input %{v.name} must be read by exactly one kv_write (as its "
-                                    f"cache); it is read by {[n.op for n in readers]}")
+                raise LoweringError(
+                    f"state input %{v.name} must be read by exactly one kv_write (as its "
+                    f"cache); it is read by {[n.op for n in readers]}"
+                )
             if graph.outputs and v in graph.outputs:
                 raise LoweringError(f"state input %{v.name} is also a graph output")
 
 
-def graph_to_fx(graph: Graph, weights: Mapping[str, torch.Tensor] | None = None,
-                state: Mapping[str, torch.Tensor] | None = None) -> fx.GraphModule:
+def graph_to_fx(
+    graph: Graph, weights: Mapping[str, torch.Tensor] | None = None, state: Mapping[str, torch.Tensor] | None = None
+) -> fx.GraphModule:
     """Lower `graph` to an FX module. `state` maps graph input names to buffers the module owns.
 
     The module's `input_names` / `output_names` list the IR names of its positional inputs and of

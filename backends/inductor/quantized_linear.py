@@ -19,6 +19,7 @@ measured 7-12 times slower than the fp32 GEMV here, so they are not used (see in
 All these run under AOTInductor too: the custom ops through its proxy executor, the repacked
 weight as a module constant that `load` rebuilds from the artifact's weights.
 """
+
 from __future__ import annotations
 
 import contextvars
@@ -39,8 +40,9 @@ def int4_kernel_available() -> bool:
     """Whether Kiln's int4 kernel is built and loaded here (built once, then cached)."""
     from . import gemv_kernel, int4_kernel
 
-    return gemv_kernel.kernel_loads(int4_kernel.ensure_loaded, "Kiln's int4 kernel is unavailable; 4-bit "
-                                    "linears dequantize in torch ops (slower)")
+    return gemv_kernel.kernel_loads(
+        int4_kernel.ensure_loaded, "Kiln's int4 kernel is unavailable; 4-bit linears dequantize in torch ops (slower)"
+    )
 
 
 @functools.cache
@@ -48,8 +50,10 @@ def int8_kernel_available() -> bool:
     """Whether Kiln's int8 x int8 kernel is built and loaded here (built once, then cached)."""
     from . import gemv_kernel, int8_kernel
 
-    loads = gemv_kernel.kernel_loads(int8_kernel.ensure_loaded, "Kiln's int8 x int8 kernel is unavailable; "
-                                     "8-bit linears use f32 activations (slower over several tokens)")
+    loads = gemv_kernel.kernel_loads(
+        int8_kernel.ensure_loaded,
+        "Kiln's int8 x int8 kernel is unavailable; 8-bit linears use f32 activations (slower over several tokens)",
+    )
     return loads and int8_kernel.faster_than_f32_activations()
 
 
@@ -58,8 +62,10 @@ def _int8_activations_wanted() -> bool:
     load an artifact compiled before linear_q8, whose package names the [K, N] constants)."""
     choice = os.environ.get(INT8_ENV_SWITCH, "q8").lower()
     if choice not in ("q8", "i8"):
-        raise OptionError(f"{INT8_ENV_SWITCH}={choice!r} is not a choice. Fix: set it to 'q8' (int8 x int8) or 'i8' "
-                          "(f32 activations), or unset it.")
+        raise OptionError(
+            f"{INT8_ENV_SWITCH}={choice!r} is not a choice. Fix: set it to 'q8' (int8 x int8) or 'i8' "
+            "(f32 activations), or unset it."
+        )
     return choice == "q8"
 
 
@@ -90,8 +96,12 @@ def _int8_form_here(in_features: int) -> str:
     if packaged == "q8":
         int8_kernel.ensure_loaded()  # the AVX2 form runs where VNNI does not
         return "q8"
-    if packaged is None and int8_kernel.supports(in_features) and _int8_activations_wanted() \
-            and int8_kernel_available():
+    if (
+        packaged is None
+        and int8_kernel.supports(in_features)
+        and _int8_activations_wanted()
+        and int8_kernel_available()
+    ):
         return "q8"
     return "i8"
 

@@ -8,6 +8,7 @@
 - executable.py runs it with IOBinding over KV buffers updated in place; providers.py picks the
   execution provider and checks at compile time that it can run every node.
 """
+
 from __future__ import annotations
 
 import tempfile
@@ -58,13 +59,29 @@ def load(directory: Path, graph: Graph, weights: dict[str, torch.Tensor], option
     """Open an artifact's model.onnx (no lowering: graph and weights are not needed to run it)."""
     path = Path(directory) / MODEL_FILE
     if not path.is_file():
-        raise ArtifactError(f"{path} is missing: the artifact was not compiled with --backend onnxruntime. "
-                                "Fix: recompile it with --backend onnxruntime.")
+        raise ArtifactError(
+            f"{path} is missing: the artifact was not compiled with --backend onnxruntime. "
+            "Fix: recompile it with --backend onnxruntime."
+        )
     return OrtExecutable(path, options)
 
 
 __all__ = [
-    "NAME", "backend_version", "lower", "load", "OrtExecutable", "OnnxProgram", "graph_to_onnx",
-    "write_model", "check_model", "check_supported", "ONNX_LOWERINGS", "check_lowering_table",
-    "FeedError", "OnnxLoweringError", "ProviderError", "MODEL_FILE", "DATA_FILE",
+    "NAME",
+    "backend_version",
+    "lower",
+    "load",
+    "OrtExecutable",
+    "OnnxProgram",
+    "graph_to_onnx",
+    "write_model",
+    "check_model",
+    "check_supported",
+    "ONNX_LOWERINGS",
+    "check_lowering_table",
+    "FeedError",
+    "OnnxLoweringError",
+    "ProviderError",
+    "MODEL_FILE",
+    "DATA_FILE",
 ]

@@ -1,4 +1,5 @@
 """Errors of the ONNX Runtime backend: each names the problem and the fix."""
+
 from __future__ import annotations
 
 from kiln.backends.errors import FeedError, LoweringError  # noqa: F401  (re-exported: one class each)

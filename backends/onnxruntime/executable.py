@@ -13,6 +13,7 @@ GroupQueryAttention derives positions from each row's last one, so positions mus
 per row (checked), and it takes a multi-token step with past context only for batch 1: such a
 call with several rows runs one row at a time.
 """
+
 from __future__ import annotations
 
 import tempfile
@@ -30,8 +31,14 @@ from kiln.ir import to_torch
 from .errors import FeedError, ProviderError
 from .model_files import DATA_FILE, MODEL_FILE, read_info
 from .to_onnx import LOGIT_POSITIONS, SEQLENS_K, TOTAL_LENGTH
-from .providers import (check_lengths_fed, check_supported, choose_provider, device_binding, provider_list,
-                        session_options)
+from .providers import (
+    check_lengths_fed,
+    check_supported,
+    choose_provider,
+    device_binding,
+    provider_list,
+    session_options,
+)
 
 
 class OrtExecutable(Executable):
@@ -46,20 +53,25 @@ class OrtExecutable(Executable):
         model = onnx.load(str(self.model_path), load_external_data=False)
         check_supported(model, self.provider)
         check_lengths_fed(model, self.info, self.provider)
-        self.session = ort.InferenceSession(str(self.model_path), session_options(options),
-                                            providers=provider_list(self.provider, options.device))
+        self.session = ort.InferenceSession(
+            str(self.model_path), session_options(options), providers=provider_list(self.provider, options.device)
+        )
         self.device_type, self.device_id = device_binding(options.device)
         if self.device_type != "cpu" and not all(c["in_place"] for c in self.info["caches"]):
-            raise ProviderError(f"this model updates some KV caches with plain ONNX ops, which the executable "
-                                f"copies back on the CPU only, not on {options.device}. Fix: use device='cpu'.")
+            raise ProviderError(
+                f"this model updates some KV caches with plain ONNX ops, which the executable "
+                f"copies back on the CPU only, not on {options.device}. Fix: use device='cpu'."
+            )
         self.hold_caches([self._allocate(c) for c in self.info["caches"]], [c["shape"] for c in self.info["caches"]])
         # optional Executable capabilities (backends/executable.py), fixed per model
         self.copies_rows = all(isinstance(c, torch.Tensor) for c in self.caches)  # cache_views can be had
         self.selects_logits = LOGIT_POSITIONS in self.info["inputs"]  # run(..., last_only=True) skips the rest
         # torch writes these buffers (zeroing, prefix copies) on its own CUDA stream, ORT on another
-        self._torch_stream = (torch.cuda.current_stream(self.caches[0].device)
-                              if self.caches and isinstance(self.caches[0], torch.Tensor) and self.caches[0].is_cuda
-                              else None)
+        self._torch_stream = (
+            torch.cuda.current_stream(self.caches[0].device)
+            if self.caches and isinstance(self.caches[0], torch.Tensor) and self.caches[0].is_cuda
+            else None
+        )
         self.binding = self.session.io_binding()
         self._bound_rows: tuple[int, int] | None = None
         self._feed_arrays: dict[tuple[int, int, bool], dict[str, np.ndarray]] = {}  # (batch, seq, last_only)
@@ -79,8 +91,9 @@ class OrtExecutable(Executable):
             return torch.zeros(cache["shape"], dtype=dtype)
         if self.device_type == "cuda" and torch.cuda.is_available():
             return torch.zeros(cache["shape"], dtype=dtype, device=f"cuda:{self.device_id}")
-        buffer = ort.OrtValue.ortvalue_from_shape_and_type(cache["shape"], _numpy_dtype(dtype), self.device_type,
-                                                           self.device_id)
+        buffer = ort.OrtValue.ortvalue_from_shape_and_type(
+            cache["shape"], _numpy_dtype(dtype), self.device_type, self.device_id
+        )
         buffer.update_inplace(np.zeros(cache["shape"], _numpy_dtype(dtype)))
         return buffer
 
@@ -92,8 +105,14 @@ class OrtExecutable(Executable):
             else:
                 cache.update_inplace(np.zeros(spec["shape"], _numpy_dtype(to_torch(spec["dtype"]))))
 
-    def run(self, tokens: torch.Tensor, positions: torch.Tensor, first_row: int = 0,
-            out: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
+    def run(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        first_row: int = 0,
+        out: torch.Tensor | None = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
         """Logits [batch, seq, vocab] for int64 tokens/positions [batch, seq] ([batch, 1, vocab]
         of the last position with `last_only`, where the model can select them); writes the caches
         of rows [first_row, first_row + batch) (bound by pointer: any row costs the same). `out`,
@@ -104,16 +123,20 @@ class OrtExecutable(Executable):
         check_rows(first_row, batch, self.max_batch)
         last_only = last_only and self.selects_logits
         if seq > 1 and batch > 1 and self.info["contiguous_positions"] and bool(positions[:, 0].any()):
-            rows = [self._run_rows(tokens[r:r + 1], positions[r:r + 1], first_row + r, last_only=last_only)
-                    for r in range(batch)]
+            rows = [
+                self._run_rows(tokens[r : r + 1], positions[r : r + 1], first_row + r, last_only=last_only)
+                for r in range(batch)
+            ]
             kept = 1 if last_only else seq
             return torch.cat(rows) if out is None else torch.cat(rows, out=self._checked_out(out, batch, kept))
         return self._run_rows(tokens, positions, first_row, out, last_only)
 
     def cache_views(self) -> list[torch.Tensor]:
         if not self.copies_rows:
-            raise ProviderError(f"KV rows on {self.options.device} are not addressable here (torch has no "
-                                f"{self.device_type} support); prefix copies need a torch build for that device")
+            raise ProviderError(
+                f"KV rows on {self.options.device} are not addressable here (torch has no "
+                f"{self.device_type} support); prefix copies need a torch build for that device"
+            )
         return self.caches
 
     def _check_feeds(self, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -121,13 +144,21 @@ class OrtExecutable(Executable):
         if self.info["contiguous_positions"] and positions.size(1) > 1:
             expected = positions[:, :1] + torch.arange(positions.size(1))
             if not torch.equal(positions, expected):
-                raise FeedError("positions must be contiguous in each row (row b at positions[b, 0], +1, +2, ...) "
-                                "for the onnxruntime backend: GroupQueryAttention derives them from each row's "
-                                "last position. Fix: feed contiguous positions, or use another backend.")
+                raise FeedError(
+                    "positions must be contiguous in each row (row b at positions[b, 0], +1, +2, ...) "
+                    "for the onnxruntime backend: GroupQueryAttention derives them from each row's "
+                    "last position. Fix: feed contiguous positions, or use another backend."
+                )
         return tokens, positions
 
-    def _run_rows(self, tokens: torch.Tensor, positions: torch.Tensor, first_row: int,
-                  out: torch.Tensor | None = None, last_only: bool = False) -> torch.Tensor:
+    def _run_rows(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        first_row: int,
+        out: torch.Tensor | None = None,
+        last_only: bool = False,
+    ) -> torch.Tensor:
         """One session run over cache rows [first_row, first_row + batch)."""
         batch, seq = tokens.shape
         self._bind_feeds(tokens, positions, last_only)
@@ -139,7 +170,7 @@ class OrtExecutable(Executable):
             self._torch_stream.synchronize()
         self.session.run_with_iobinding(self.binding)
         for index, out_cache in zip(self._copied_back, scratch):
-            self.caches[index][first_row:first_row + batch].copy_(out_cache)
+            self.caches[index][first_row : first_row + batch].copy_(out_cache)
         return logits if isinstance(logits, torch.Tensor) else torch.from_numpy(logits.numpy())  # device -> host
 
     def _bind_feeds(self, tokens: torch.Tensor, positions: torch.Tensor, last_only: bool = False) -> None:
@@ -184,8 +215,9 @@ class OrtExecutable(Executable):
         for index in self._copied_back:
             cache, spec = self.caches[index], self.info["caches"][index]
             scratch = torch.empty([batch, *cache.shape[1:]], dtype=cache.dtype)
-            self.binding.bind_output(spec["output"], "cpu", 0, _numpy_dtype(cache.dtype), list(scratch.shape),
-                                     scratch.data_ptr())
+            self.binding.bind_output(
+                spec["output"], "cpu", 0, _numpy_dtype(cache.dtype), list(scratch.shape), scratch.data_ptr()
+            )
             out.append(scratch)
         return out
 
@@ -197,10 +229,17 @@ class OrtExecutable(Executable):
 
     def _checked_out(self, out: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
         shape = (batch, seq, self.info["vocab"])
-        if self.device_type != "cpu" or tuple(out.shape) != shape or out.dtype != self._logits_dtype or \
-                not out.is_contiguous() or out.device.type != "cpu":
-            raise FeedError(f"out must be a contiguous CPU {self._logits_dtype} tensor {list(shape)} on a CPU "
-                            f"session, got {out.dtype} {list(out.shape)} on {out.device}")
+        if (
+            self.device_type != "cpu"
+            or tuple(out.shape) != shape
+            or out.dtype != self._logits_dtype
+            or not out.is_contiguous()
+            or out.device.type != "cpu"
+        ):
+            raise FeedError(
+                f"out must be a contiguous CPU {self._logits_dtype} tensor {list(shape)} on a CPU "
+                f"session, got {out.dtype} {list(out.shape)} on {out.device}"
+            )
         return out
 
     def _bind_logits(self, batch: int, seq: int, out: torch.Tensor | None = None):
@@ -210,8 +249,9 @@ class OrtExecutable(Executable):
         if self.device_type != "cpu":
             if out is not None:
                 self._checked_out(out, batch, seq)  # raises: `out` is for CPU sessions
-            logits = ort.OrtValue.ortvalue_from_shape_and_type([batch, seq, self.info["vocab"]], _numpy_dtype(dtype),
-                                                               self.device_type, self.device_id)
+            logits = ort.OrtValue.ortvalue_from_shape_and_type(
+                [batch, seq, self.info["vocab"]], _numpy_dtype(dtype), self.device_type, self.device_id
+            )
             self.binding.bind_ortvalue_output(self.info["logits"], logits)
             return logits
         logits = out if out is not None else torch.empty(batch, seq, self.info["vocab"], dtype=dtype)
@@ -219,8 +259,9 @@ class OrtExecutable(Executable):
         if out is None or self._bound_logits != key:
             if out is not None:
                 self._checked_out(out, batch, seq)
-            self.binding.bind_output(self.info["logits"], "cpu", 0, self._logits_numpy_dtype, list(logits.shape),
-                                     logits.data_ptr())
+            self.binding.bind_output(
+                self.info["logits"], "cpu", 0, self._logits_numpy_dtype, list(logits.shape), logits.data_ptr()
+            )
             self._bound_logits = key if out is not None else None
         return logits
 
@@ -245,9 +286,11 @@ class OrtModelForAnotherMachine(Executable):
         raise self._not_here()
 
     def _not_here(self) -> ProviderError:
-        return ProviderError(f"this model was lowered for {self.provider}, which this onnxruntime {ort.__version__} "
-                             "lacks. Fix: save it (kiln.compile does) and kiln.load it on a machine with the provider "
-                             "(onnxruntime-gpu for CUDA).")
+        return ProviderError(
+            f"this model was lowered for {self.provider}, which this onnxruntime {ort.__version__} "
+            "lacks. Fix: save it (kiln.compile does) and kiln.load it on a machine with the provider "
+            "(onnxruntime-gpu for CUDA)."
+        )
 
     def reset(self) -> None:
         pass

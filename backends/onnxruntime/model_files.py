@@ -5,6 +5,7 @@ aligned offset (ORT can then map them instead of copying); smaller ones stay inl
 run the model (which caches update in place, ...) rides along in the model's metadata under
 `kiln.program`, so a loaded artifact needs nothing but these two files.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,8 +31,9 @@ def write_model(program: OnnxProgram, directory: Path) -> list[str]:
     tensors = []
     with open(directory / DATA_FILE, "wb") as data:
         for name, array in program.initializers.items():
-            tensor = onnx.TensorProto(name=name, data_type=onnx.helper.np_dtype_to_tensor_dtype(array.dtype),
-                                      dims=array.shape)
+            tensor = onnx.TensorProto(
+                name=name, data_type=onnx.helper.np_dtype_to_tensor_dtype(array.dtype), dims=array.shape
+            )
             if array.nbytes < INLINE_BYTES:
                 tensor.raw_data = array.tobytes()
             else:
@@ -55,8 +57,10 @@ def read_info(model_path: Path) -> dict:
     for prop in model.metadata_props:
         if prop.key == INFO_KEY:
             return json.loads(prop.value)
-    raise ArtifactError(f"{model_path} has no {INFO_KEY} metadata: it was not written by Kiln's "
-                            "onnxruntime backend. Fix: recompile the model with --backend onnxruntime.")
+    raise ArtifactError(
+        f"{model_path} has no {INFO_KEY} metadata: it was not written by Kiln's "
+        "onnxruntime backend. Fix: recompile the model with --backend onnxruntime."
+    )
 
 
 def check_model(model_path: Path) -> None:

@@ -6,6 +6,7 @@ turns symbolic dims into ONNX: `batch`/`seq` become dim_params in value types, a
 needs a dim's value at run time (a Reshape to `[batch*seq, 64]`), a few Shape/Slice/Mul nodes
 compute it from the graph input the symbol is bound to.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -27,13 +28,27 @@ MS_DOMAIN = "com.microsoft"
 INT64_MAX = 2**63 - 1
 
 ELEM_TYPES = {
-    "f64": TensorProto.DOUBLE, "f32": TensorProto.FLOAT, "f16": TensorProto.FLOAT16,
-    "bf16": TensorProto.BFLOAT16, "i64": TensorProto.INT64, "i32": TensorProto.INT32,
-    "i16": TensorProto.INT16, "i8": TensorProto.INT8, "u8": TensorProto.UINT8, "bool": TensorProto.BOOL,
+    "f64": TensorProto.DOUBLE,
+    "f32": TensorProto.FLOAT,
+    "f16": TensorProto.FLOAT16,
+    "bf16": TensorProto.BFLOAT16,
+    "i64": TensorProto.INT64,
+    "i32": TensorProto.INT32,
+    "i16": TensorProto.INT16,
+    "i8": TensorProto.INT8,
+    "u8": TensorProto.UINT8,
+    "bool": TensorProto.BOOL,
 }
 NUMPY_DTYPES = {
-    "f64": np.float64, "f32": np.float32, "f16": np.float16, "i64": np.int64, "i32": np.int32,
-    "i16": np.int16, "i8": np.int8, "u8": np.uint8, "bool": np.bool_,
+    "f64": np.float64,
+    "f32": np.float32,
+    "f16": np.float16,
+    "i64": np.int64,
+    "i32": np.int32,
+    "i16": np.int16,
+    "i8": np.int8,
+    "u8": np.uint8,
+    "bool": np.bool_,
 }
 
 
@@ -51,8 +66,7 @@ def to_numpy(tensor: torch.Tensor) -> np.ndarray:
     """A weight as a numpy array (bf16 has no numpy dtype: it is widened to f32 bits-exactly)."""
     tensor = tensor.detach().cpu().contiguous()
     if tensor.dtype == torch.bfloat16:
-        raise OnnxLoweringError("bf16 weights are not supported by the onnxruntime backend yet; "
-                                "compile with dtype f32")
+        raise OnnxLoweringError("bf16 weights are not supported by the onnxruntime backend yet; compile with dtype f32")
     return tensor.numpy()
 
 
@@ -115,8 +129,15 @@ class OnnxBuilder:
         return float(array.reshape(-1)[0]) if array is not None and array.size == 1 else None
 
     # -- nodes and constants --------------------------------------------------------------
-    def node(self, op_type: str, inputs: Iterable[str], outputs: int | list = 1, domain: str = "",
-             label: str | None = None, **attrs) -> list[str]:
+    def node(
+        self,
+        op_type: str,
+        inputs: Iterable[str],
+        outputs: int | list = 1,
+        domain: str = "",
+        label: str | None = None,
+        **attrs,
+    ) -> list[str]:
         """Append a node named after the current scope (and label); returns its output names.
 
         `outputs` is a count, or a list of names where None means "name it after the node"."""
@@ -145,7 +166,9 @@ class OnnxBuilder:
     def initializer(self, name: str, array: np.ndarray) -> str:
         if name in self.initializers:
             raise OnnxLoweringError(f"initializer {name} is defined twice")
-        self.initializers[name] = np.array(array, order="C", copy=False) if array.flags.c_contiguous else array.copy(order="C")
+        self.initializers[name] = (
+            np.array(array, order="C", copy=False) if array.flags.c_contiguous else array.copy(order="C")
+        )
         return name
 
     def const(self, array, dtype=np.int64) -> str:
@@ -188,8 +211,10 @@ class OnnxBuilder:
         try:
             if isinstance(d, sympy.Symbol):
                 if d.name not in self.symbol_sources:
-                    raise OnnxLoweringError(f"symbol {d.name} is not a dim of any graph input, so its run-time "
-                                            "value is unknown; give some input a dim of exactly " + d.name)
+                    raise OnnxLoweringError(
+                        f"symbol {d.name} is not a dim of any graph input, so its run-time "
+                        "value is unknown; give some input a dim of exactly " + d.name
+                    )
                 source, axis = self.symbol_sources[d.name]
                 return self.op("Shape", source, start=axis, end=axis + 1)
             if isinstance(d, (sympy.Add, sympy.Mul)):

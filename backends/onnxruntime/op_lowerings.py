@@ -8,6 +8,7 @@ fused kernels (GroupQueryAttention, SkipSimplifiedLayerNormalization, ...) befor
 Types: IR binary ops promote like torch, ONNX ops want equal input types, so inputs are cast to
 the IR's result type where they differ.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -30,10 +31,14 @@ Lowering = Callable[[OnnxBuilder, Node], "str | list[str]"]
 def _binary(onnx_op: str, compare: bool = False, negate: bool = False) -> Lowering:
     def lower(b, node):
         x, y = node.inputs
-        dtype = result_dtype((x.type.dtype, x.type.rank), (y.type.dtype, y.type.rank)) if compare \
+        dtype = (
+            result_dtype((x.type.dtype, x.type.rank), (y.type.dtype, y.type.rank))
+            if compare
             else node.output.type.dtype
+        )
         out = b.op(onnx_op, b.typed(x, dtype), b.typed(y, dtype))
         return b.op("Not", out) if negate else out
+
     return lower
 
 
@@ -62,8 +67,10 @@ def _where(b, node):
 
 def _reduction(onnx_op: str) -> Lowering:
     def lower(b, node):
-        return b.op(onnx_op, b.value(node.inputs[0]), b.const(list(node.attrs["axes"])),
-                    keepdims=int(node.attrs["keepdim"]))
+        return b.op(
+            onnx_op, b.value(node.inputs[0]), b.const(list(node.attrs["axes"])), keepdims=int(node.attrs["keepdim"])
+        )
+
     return lower
 
 
@@ -115,8 +122,14 @@ def _slice(b, node):
     x = node.inputs[0]
     axis = node.attrs["axis"] % x.type.rank
     dim = x.type.shape[axis]
-    return b.op("Slice", b.value(x), _slice_bound(b, node.attrs["start"], dim), _slice_bound(b, node.attrs["end"], dim),
-                b.const([axis]), b.const([node.attrs["step"]]))
+    return b.op(
+        "Slice",
+        b.value(x),
+        _slice_bound(b, node.attrs["start"], dim),
+        _slice_bound(b, node.attrs["end"], dim),
+        b.const([axis]),
+        b.const([node.attrs["step"]]),
+    )
 
 
 def _concat(b, node):
@@ -137,7 +150,7 @@ def _index(b, node):
     x, *indices = node.inputs
     if len(indices) == 1:
         return b.op("Gather", b.value(x), b.value(indices[0]), axis=0)
-    lead = node.output.type.shape[:node.output.type.rank - (x.type.rank - len(indices))]
+    lead = node.output.type.shape[: node.output.type.rank - (x.type.rank - len(indices))]
     columns = [b.op("Unsqueeze", b.op("Expand", b.typed(i, "i64"), b.shape(lead)), b.const([-1])) for i in indices]
     return b.op("GatherND", b.value(x), b.op("Concat", *columns, axis=-1))
 
@@ -219,8 +232,13 @@ def _add_rms_norm(b, node):
     """(normed, sum) of x + residual: ORT's SkipSimplifiedLayerNormalization, outputs 0 and 3."""
     x, residual, weight = node.inputs
     scale = norm_scale(b, weight, node.attrs["offset"], x.type.shape[-1], x.type.dtype)
-    outputs = b.node("SkipSimplifiedLayerNormalization", [b.value(x), b.value(residual), scale], 4,
-                     domain=MS_DOMAIN, epsilon=node.attrs["eps"])
+    outputs = b.node(
+        "SkipSimplifiedLayerNormalization",
+        [b.value(x), b.value(residual), scale],
+        4,
+        domain=MS_DOMAIN,
+        epsilon=node.attrs["eps"],
+    )
     for name, v in zip((outputs[0], outputs[3]), node.outputs):
         b.declare(name, v.type.dtype, v.type.shape)
     return [outputs[0], outputs[3]]
@@ -234,8 +252,15 @@ def _rope(b, node):
     attrs = {"interleaved": 0}
     if rotary_dim != head_dim:
         attrs.update(rotary_embedding_dim=rotary_dim, num_heads=heads)
-    out = b.op("RotaryEmbedding", b.value(x), b.typed(positions, "i64"), b.value(cos_table), b.value(sin_table),
-               domain=MS_DOMAIN, **attrs)
+    out = b.op(
+        "RotaryEmbedding",
+        b.value(x),
+        b.typed(positions, "i64"),
+        b.value(cos_table),
+        b.value(sin_table),
+        domain=MS_DOMAIN,
+        **attrs,
+    )
     b.declare(out, node.output.type.dtype, node.output.type.shape)
     return out
 
@@ -243,8 +268,14 @@ def _rope(b, node):
 def _topk(b, node):
     """ONNX TopK: sorted, ties to the lower index, as the IR's reference."""
     x = node.inputs[0]
-    outputs = b.node("TopK", [b.value(x), b.const([node.attrs["k"]])], 2, axis=node.attrs["axis"],
-                     largest=int(node.attrs["largest"]), sorted=1)
+    outputs = b.node(
+        "TopK",
+        [b.value(x), b.const([node.attrs["k"]])],
+        2,
+        axis=node.attrs["axis"],
+        largest=int(node.attrs["largest"]),
+        sorted=1,
+    )
     return list(outputs)
 
 
@@ -253,26 +284,65 @@ def _cast(b, node):
 
 
 ONNX_LOWERINGS: dict[str, Lowering] = {
-    "add": _binary("Add"), "sub": _binary("Sub"), "mul": _binary("Mul"), "div": _binary("Div"),
-    "pow": _binary("Pow"), "maximum": _binary("Max"), "minimum": _binary("Min"),
-    "eq": _binary("Equal", compare=True), "ne": _binary("Equal", compare=True, negate=True),
-    "lt": _binary("Less", compare=True), "le": _binary("LessOrEqual", compare=True),
-    "gt": _binary("Greater", compare=True), "ge": _binary("GreaterOrEqual", compare=True),
-    "logical_and": _logical("And"), "logical_or": _logical("Or"), "logical_not": _logical("Not"),
-    "neg": _unary("Neg"), "exp": _unary("Exp"), "log": _unary("Log"), "sqrt": _unary("Sqrt"),
+    "add": _binary("Add"),
+    "sub": _binary("Sub"),
+    "mul": _binary("Mul"),
+    "div": _binary("Div"),
+    "pow": _binary("Pow"),
+    "maximum": _binary("Max"),
+    "minimum": _binary("Min"),
+    "eq": _binary("Equal", compare=True),
+    "ne": _binary("Equal", compare=True, negate=True),
+    "lt": _binary("Less", compare=True),
+    "le": _binary("LessOrEqual", compare=True),
+    "gt": _binary("Greater", compare=True),
+    "ge": _binary("GreaterOrEqual", compare=True),
+    "logical_and": _logical("And"),
+    "logical_or": _logical("Or"),
+    "logical_not": _logical("Not"),
+    "neg": _unary("Neg"),
+    "exp": _unary("Exp"),
+    "log": _unary("Log"),
+    "sqrt": _unary("Sqrt"),
     "rsqrt": lambda b, node: b.op("Reciprocal", b.op("Sqrt", b.value(node.inputs[0]))),
-    "reciprocal": _unary("Reciprocal"), "abs": _unary("Abs"), "tanh": _unary("Tanh"), "sin": _unary("Sin"),
-    "cos": _unary("Cos"), "erf": _unary("Erf"), "sigmoid": _unary("Sigmoid"), "relu": _unary("Relu"),
-    "silu": _silu, "gelu": _gelu, "where": _where, "cast": _cast,
-    "sum": _reduction("ReduceSum"), "mean": _reduction("ReduceMean"), "max": _reduction("ReduceMax"),
-    "any": _any, "cumsum": _cumsum, "topk": _topk,
+    "reciprocal": _unary("Reciprocal"),
+    "abs": _unary("Abs"),
+    "tanh": _unary("Tanh"),
+    "sin": _unary("Sin"),
+    "cos": _unary("Cos"),
+    "erf": _unary("Erf"),
+    "sigmoid": _unary("Sigmoid"),
+    "relu": _unary("Relu"),
+    "silu": _silu,
+    "gelu": _gelu,
+    "where": _where,
+    "cast": _cast,
+    "sum": _reduction("ReduceSum"),
+    "mean": _reduction("ReduceMean"),
+    "max": _reduction("ReduceMax"),
+    "any": _any,
+    "cumsum": _cumsum,
+    "topk": _topk,
     "softmax": lambda b, node: b.op("Softmax", b.value(node.inputs[0]), axis=node.attrs["axis"]),
-    "reshape": _reshape, "permute": _permute, "slice": _slice, "concat": _concat, "expand": _expand,
-    "index": _index, "arange": _arange, "full": _full,
-    "linear": _linear, "matmul": _matmul, "embedding": _embedding,
-    "linear_q": quantized_lowerings.lower_linear_q, "embedding_q": quantized_lowerings.lower_embedding_q,
-    "layer_norm": _layer_norm, "rms_norm": _rms_norm, "add_rms_norm": _add_rms_norm, "rope": _rope,
-    "attention": plain_attention.lower_attention, "kv_write": plain_attention.lower_kv_write,
+    "reshape": _reshape,
+    "permute": _permute,
+    "slice": _slice,
+    "concat": _concat,
+    "expand": _expand,
+    "index": _index,
+    "arange": _arange,
+    "full": _full,
+    "linear": _linear,
+    "matmul": _matmul,
+    "embedding": _embedding,
+    "linear_q": quantized_lowerings.lower_linear_q,
+    "embedding_q": quantized_lowerings.lower_embedding_q,
+    "layer_norm": _layer_norm,
+    "rms_norm": _rms_norm,
+    "add_rms_norm": _add_rms_norm,
+    "rope": _rope,
+    "attention": plain_attention.lower_attention,
+    "kv_write": plain_attention.lower_kv_write,
 }
 
 
@@ -281,7 +351,8 @@ def _refuse_collective(b, node):
         return b.op("Identity", b.value(node.inputs[0]))
     raise UnsupportedOpError(
         f"the onnxruntime backend cannot run a tensor-parallel graph (it has {node.op}). "
-        "Fix: compile with --backend inductor (or reference), or without --tensor-parallel")
+        "Fix: compile with --backend inductor (or reference), or without --tensor-parallel"
+    )
 
 
 ONNX_LOWERINGS.update(all_reduce=_refuse_collective, all_gather=_refuse_collective)
@@ -291,5 +362,7 @@ def check_lowering_table() -> None:
     """Raise UnsupportedOpError naming every registered IR op that ONNX_LOWERINGS lacks."""
     missing = sorted(set(all_ops()) - set(ONNX_LOWERINGS))
     if missing:
-        raise UnsupportedOpError(f"the onnxruntime backend has no lowering for IR op(s) {missing}; "
-                                "add them to ONNX_LOWERINGS in backends/onnxruntime/op_lowerings.py")
+        raise UnsupportedOpError(
+            f"the onnxruntime backend has no lowering for IR op(s) {missing}; "
+            "add them to ONNX_LOWERINGS in backends/onnxruntime/op_lowerings.py"
+        )

@@ -6,6 +6,7 @@ up in ORT's kernel registry for that provider (op, domain, opset version and the
 the node is fed), so a model the provider cannot run fails at compile time, naming the op and
 the provider, instead of at the first generate.
 """
+
 from __future__ import annotations
 
 import functools
@@ -32,8 +33,10 @@ def target_provider(device: str) -> str:
     """The execution provider for a device name ("cpu", "cuda", "cuda:1"), installed or not."""
     kind = device.split(":")[0]
     if kind not in PROVIDERS:
-        raise ProviderError(f"device {device!r} has no ONNX Runtime execution provider here. "
-                            f"Fix: use one of {', '.join(sorted(PROVIDERS))}.")
+        raise ProviderError(
+            f"device {device!r} has no ONNX Runtime execution provider here. "
+            f"Fix: use one of {', '.join(sorted(PROVIDERS))}."
+        )
     return PROVIDERS[kind]
 
 
@@ -41,9 +44,11 @@ def choose_provider(device: str) -> str:
     """The execution provider for a device name ("cpu", "cuda", "cuda:1"); it must be installed."""
     provider = target_provider(device)
     if provider not in ort.get_available_providers():
-        raise ProviderError(f"{provider} is not available in this onnxruntime {ort.__version__} (it has "
-                            f"{', '.join(ort.get_available_providers())}). Fix: install the gpu extra "
-                            "(pip install 'kiln[gpu]', i.e. onnxruntime-gpu), or use device='cpu'.")
+        raise ProviderError(
+            f"{provider} is not available in this onnxruntime {ort.__version__} (it has "
+            f"{', '.join(ort.get_available_providers())}). Fix: install the gpu extra "
+            "(pip install 'kiln[gpu]', i.e. onnxruntime-gpu), or use device='cpu'."
+        )
     return provider
 
 
@@ -96,15 +101,22 @@ def _kernels(provider: str) -> dict[tuple[str, str], list[KernelDef]] | None:
     asked for; seen with 1.31.1 on an H100 machine), so a build with more than the CPU provider
     reads the registry in a child process, where a crash costs only the check."""
     if ort.get_available_providers() == ["CPUExecutionProvider"]:
-        listed = [(k.domain, k.op_name, k.version_range, k.type_constraints)
-                  for k in ort_state.get_all_opkernel_def() if k.provider == provider]
+        listed = [
+            (k.domain, k.op_name, k.version_range, k.type_constraints)
+            for k in ort_state.get_all_opkernel_def()
+            if k.provider == provider
+        ]
     else:
-        done = subprocess.run([sys.executable, "-c", _KERNELS_SCRIPT, provider], capture_output=True, text=True,
-                              timeout=300)
+        done = subprocess.run(
+            [sys.executable, "-c", _KERNELS_SCRIPT, provider], capture_output=True, text=True, timeout=300
+        )
         if done.returncode != 0:
-            warnings.warn(f"could not read ONNX Runtime's kernel registry for {provider} (exit status "
-                          f"{done.returncode}: {done.stderr.strip()[-300:]}); the model's ops are not checked "
-                          "against that provider before the first run", stacklevel=3)
+            warnings.warn(
+                f"could not read ONNX Runtime's kernel registry for {provider} (exit status "
+                f"{done.returncode}: {done.stderr.strip()[-300:]}); the model's ops are not checked "
+                "against that provider before the first run",
+                stacklevel=3,
+            )
             return None
         listed = json.loads(done.stdout)
     index: dict[tuple[str, str], list[KernelDef]] = {}
@@ -192,9 +204,11 @@ def unsupported_nodes(model: onnx.ModelProto, provider: str) -> list[str]:
             continue
         bound = _param_types(schema, node, types)
         version = schema.since_version
-        if not any(k.version_range[0] <= version <= k.version_range[1] and
-                   all(bound.get(param, set()) <= set(allowed) for param, allowed in k.type_constraints.items())
-                   for k in kernels):
+        if not any(
+            k.version_range[0] <= version <= k.version_range[1]
+            and all(bound.get(param, set()) <= set(allowed) for param, allowed in k.type_constraints.items())
+            for k in kernels
+        ):
             fed = ", ".join(f"{p}={'/'.join(sorted(t))}" for p, t in sorted(bound.items()))
             problems.append(f"{node.op_type} ({node.domain or 'ai.onnx'} opset {version}, {fed}) in node {node.name}")
     return problems
@@ -210,8 +224,10 @@ def _known_unsupported(model: onnx.ModelProto, provider: str) -> list[str]:
         allowed = known.get((node.domain, node.op_type))
         fed = {types[name] for name in node.input[:1] if name in types}
         if allowed is not None and fed - allowed:
-            problems.append(f"{node.op_type} ({node.domain}, {'/'.join(sorted(fed))}; the provider takes "
-                            f"{'/'.join(sorted(allowed))}) in node {node.name}")
+            problems.append(
+                f"{node.op_type} ({node.domain}, {'/'.join(sorted(fed))}; the provider takes "
+                f"{'/'.join(sorted(allowed))}) in node {node.name}"
+            )
     return problems
 
 
@@ -220,9 +236,11 @@ def check_supported(model: onnx.ModelProto, provider: str) -> None:
     problems = unsupported_nodes(model, provider)
     if problems:
         listed = "; ".join(problems[:5]) + (f"; and {len(problems) - 5} more" if len(problems) > 5 else "")
-        raise ProviderError(f"ONNX Runtime {ort.__version__}'s {provider} cannot run: {listed}. Fix: use another "
-                            "device (e.g. device='cpu'), another dtype (f16 or bf16 for CUDA), or the inductor "
-                            "backend.")
+        raise ProviderError(
+            f"ONNX Runtime {ort.__version__}'s {provider} cannot run: {listed}. Fix: use another "
+            "device (e.g. device='cpu'), another dtype (f16 or bf16 for CUDA), or the inductor "
+            "backend."
+        )
 
 
 def check_lengths_fed(model: onnx.ModelProto, info: dict, provider: str) -> None:
@@ -231,6 +249,8 @@ def check_lengths_fed(model: onnx.ModelProto, info: dict, provider: str) -> None
     if provider == "CPUExecutionProvider" or SEQLENS_K in info["inputs"]:
         return
     if any(n.op_type == "GroupQueryAttention" for n in model.graph.node):
-        raise ProviderError(f"this model computes GroupQueryAttention's sequence lengths in the graph, which "
-                            f"{provider} gets wrong (an artifact compiled by an older Kiln). Fix: compile it "
-                            "again with this version.")
+        raise ProviderError(
+            f"this model computes GroupQueryAttention's sequence lengths in the graph, which "
+            f"{provider} gets wrong (an artifact compiled by an older Kiln). Fix: compile it "
+            "again with this version."
+        )

@@ -13,6 +13,7 @@ MatMulNBits runs at accuracy level 4 by default (activations rounded to int8 per
 integer dot product: ORT's fast CPU path); `KILN_ORT_ACCURACY_LEVEL=0` keeps them f32 (the IR's
 exact result, slower), read when the lowering module is imported and written into each node.
 """
+
 from __future__ import annotations
 
 import os
@@ -60,7 +61,11 @@ def dequantized(qweight: np.ndarray, scales: np.ndarray, zeros: np.ndarray | Non
     """The f32 [N, K] weight (for group sizes ORT's kernels do not take)."""
     codes = unsigned_codes(qweight, bits).astype(np.float32)
     k = codes.shape[1]
-    zero = np.float32(DEFAULT_ZERO[bits]) if zeros is None else np.repeat(zeros.astype(np.float32), group_size, axis=1)[:, :k]
+    zero = (
+        np.float32(DEFAULT_ZERO[bits])
+        if zeros is None
+        else np.repeat(zeros.astype(np.float32), group_size, axis=1)[:, :k]
+    )
     return ((codes - zero) * np.repeat(scales, group_size, axis=1)[:, :k]).astype(np.float32)
 
 
@@ -85,8 +90,16 @@ def lower_linear_q(b: OnnxBuilder, node: Node) -> str:
     return out
 
 
-def matmul_nbits(b: OnnxBuilder, x: str, q: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None, bias: str,
-                 attrs: dict, name: str) -> str:
+def matmul_nbits(
+    b: OnnxBuilder,
+    x: str,
+    q: np.ndarray,
+    scales: np.ndarray,
+    zeros: np.ndarray | None,
+    bias: str,
+    attrs: dict,
+    name: str,
+) -> str:
     """x @ W.T (+ bias) for the quantized W = (q, scales, zeros): MatMulNBits, or a float MatMul
     over W dequantized here when the group size makes no ORT block."""
     bits, group_size = attrs["bits"], attrs["group_size"]
@@ -97,16 +110,29 @@ def matmul_nbits(b: OnnxBuilder, x: str, q: np.ndarray, scales: np.ndarray, zero
         return b.op("Add", y, bias) if bias else y
     codes, block_scales, block_zeros = _blocked(q, scales, zeros, bits, group_size, block)
     n, blocks, _ = codes.shape
-    inputs = [x, b.initializer(f"{name}.nbits", pack_nibbles(codes) if bits == 4 else codes),
-              b.initializer(f"{name}.nbits_scales", block_scales)]
+    inputs = [
+        x,
+        b.initializer(f"{name}.nbits", pack_nibbles(codes) if bits == 4 else codes),
+        b.initializer(f"{name}.nbits_scales", block_scales),
+    ]
     if block_zeros is not None:
         even = np.full((n, blocks + blocks % 2), DEFAULT_ZERO[4], np.uint8)
         even[:, :blocks] = block_zeros
         inputs.append(b.initializer(f"{name}.nbits_zeros", pack_nibbles(even)))
     else:
         inputs.append("")
-    return b.op("MatMulNBits", *inputs, "", bias, domain=MS_DOMAIN, K=qweight_in(q, bits), N=int(n), bits=bits,
-                block_size=block, accuracy_level=ACCURACY_LEVEL)
+    return b.op(
+        "MatMulNBits",
+        *inputs,
+        "",
+        bias,
+        domain=MS_DOMAIN,
+        K=qweight_in(q, bits),
+        N=int(n),
+        bits=bits,
+        block_size=block,
+        accuracy_level=ACCURACY_LEVEL,
+    )
 
 
 def qweight_in(q: np.ndarray, bits: int) -> int:
@@ -122,16 +148,22 @@ def lower_embedding_q(b: OnnxBuilder, node: Node) -> str:
     if block is None or q is None or qweight_in(q, bits) % block:
         w = dequantized(q, b.weight(scales), None if zeros is None else b.weight(zeros), bits, group_size)
         return b.op("Gather", b.initializer(f"{qweight.name}.dequantized", w), b.value(ids), axis=0)
-    codes, block_scales, block_zeros = _blocked(q, b.weight(scales), None if zeros is None else b.weight(zeros), bits,
-                                                group_size, block)
+    codes, block_scales, block_zeros = _blocked(
+        q, b.weight(scales), None if zeros is None else b.weight(zeros), bits, group_size, block
+    )
     n = codes.shape[0]
     data = pack_nibbles(codes.reshape(n, -1)) if bits == 4 else codes.reshape(n, -1)
-    inputs = [b.initializer(f"{qweight.name}.gather", data), b.value(ids), b.initializer(f"{scales.name}.gather", block_scales)]
+    inputs = [
+        b.initializer(f"{qweight.name}.gather", data),
+        b.value(ids),
+        b.initializer(f"{scales.name}.gather", block_scales),
+    ]
     if block_zeros is not None:
         even = np.full((n, block_zeros.shape[1] + block_zeros.shape[1] % 2), DEFAULT_ZERO[4], np.uint8)
-        even[:, :block_zeros.shape[1]] = block_zeros
+        even[:, : block_zeros.shape[1]] = block_zeros
         inputs.append(b.initializer(f"{zeros.name}.gather", pack_nibbles(even)))
-    out = b.op("GatherBlockQuantized", *inputs, domain=MS_DOMAIN, bits=bits, block_size=block, gather_axis=0,
-               quantize_axis=1)
+    out = b.op(
+        "GatherBlockQuantized", *inputs, domain=MS_DOMAIN, bits=bits, block_size=block, gather_axis=0, quantize_axis=1
+    )
     b.declare(out, node.output.type.dtype, node.output.type.shape)
     return out

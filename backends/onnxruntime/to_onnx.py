@@ -13,6 +13,7 @@ executable binds the caches: in place (GroupQueryAttention updates the buffer it
 plain ScatterND whose output is bound to its data input's buffer: ORT skips the copy when the
 two are one buffer) or copied back (a cache something else also reads).
 """
+
 from __future__ import annotations
 
 import heapq
@@ -57,8 +58,9 @@ def present_name(cache_name: str) -> str:
     return "present." + cache_name.removeprefix("cache.")
 
 
-def graph_to_onnx(graph: Graph, weights=None, contrib_ops: bool = True,
-                  provider: str = "CPUExecutionProvider") -> OnnxProgram:
+def graph_to_onnx(
+    graph: Graph, weights=None, contrib_ops: bool = True, provider: str = "CPUExecutionProvider"
+) -> OnnxProgram:
     """Lower a stateful graph (weights from `weights` or `graph.weights`) to ONNX for `provider`
     (whose kernels decide which attention dtypes go to GroupQueryAttention)."""
     check_lowering_table()
@@ -72,8 +74,9 @@ def graph_to_onnx(graph: Graph, weights=None, contrib_ops: bool = True,
     used = {name for n in nodes for name in n.input}
     initializers = {k: v for k, v in b.initializers.items() if k in used}
     value_infos = [vi for vi in b.value_infos if vi.name in {o for n in nodes for o in n.output}]
-    graph_proto = helper.make_graph(nodes, "kiln", [i for i in inputs if i.name in used], outputs,
-                                    value_info=value_infos)
+    graph_proto = helper.make_graph(
+        nodes, "kiln", [i for i in inputs if i.name in used], outputs, value_info=value_infos
+    )
     opsets = [helper.make_opsetid("", OPSET)] + [helper.make_opsetid(MS_DOMAIN, 1)] * (MS_DOMAIN in b.opsets)
     model = helper.make_model(graph_proto, opset_imports=opsets, producer_name="kiln", ir_version=IR_VERSION)
     info = _program_info(graph, plan, used, nodes)
@@ -93,8 +96,9 @@ def _declare_inputs(graph: Graph, b: OnnxBuilder) -> list[onnx.ValueInfoProto]:
     inputs.append(helper.make_tensor_value_info(TOTAL_LENGTH, onnx.TensorProto.INT32, []))
     for v in cache_inputs(graph):
         b.define(v, v.name)  # a cache is fed as its first `batch` rows: the symbol of tokens' batch
-        inputs.append(helper.make_tensor_value_info(v.name, elem_type(v.type.dtype),
-                                                    onnx_dims((batch, *v.type.shape[1:]))))
+        inputs.append(
+            helper.make_tensor_value_info(v.name, elem_type(v.type.dtype), onnx_dims((batch, *v.type.shape[1:])))
+        )
     return inputs
 
 
@@ -105,8 +109,10 @@ def logits_head(graph: Graph) -> Node | None:
     value = graph.outputs[0]
     while value.producer is not None and value.producer.op in ops_with("elementwise"):
         node = value.producer
-        if any(i is not None and i is not node.inputs[0] and i.type.rank > 0 and
-               any(d != 1 for d in i.type.shape) for i in node.inputs[1:]):
+        if any(
+            i is not None and i is not node.inputs[0] and i.type.rank > 0 and any(d != 1 for d in i.type.shape)
+            for i in node.inputs[1:]
+        ):
             return None
         value = node.inputs[0]
     node = value.producer
@@ -136,8 +142,9 @@ def _lower_nodes(graph: Graph, b: OnnxBuilder, plan: Plan, head: Node | None = N
 
 def _lower_one(b: OnnxBuilder, node) -> str | list[str]:
     if node.op not in ONNX_LOWERINGS:
-        raise UnsupportedOpError(f"IR op {node.op!r} has no ONNX lowering; add it to ONNX_LOWERINGS "
-                                "in backends/onnxruntime/op_lowerings.py")
+        raise UnsupportedOpError(
+            f"IR op {node.op!r} has no ONNX lowering; add it to ONNX_LOWERINGS in backends/onnxruntime/op_lowerings.py"
+        )
     return ONNX_LOWERINGS[node.op](b, node)
 
 
@@ -146,8 +153,9 @@ def _name_outputs(graph: Graph, b: OnnxBuilder, selected: bool = False) -> list[
     then `present.<cache>` per cache input."""
     batch = graph.inputs[0].type.shape[0]
     logits_shape = graph.outputs[0].type.shape
-    named = [("logits", graph.outputs[0], (logits_shape[0], "logit_count", logits_shape[2]) if selected
-              else logits_shape)]
+    named = [
+        ("logits", graph.outputs[0], (logits_shape[0], "logit_count", logits_shape[2]) if selected else logits_shape)
+    ]
     for cache, out in zip(cache_inputs(graph), graph.outputs[1:]):
         named.append((present_name(cache.name), out, (batch, *out.type.shape[1:])))
     outputs = []
@@ -172,7 +180,9 @@ def _resolve(name: str, renames: dict[str, str]) -> str:
     return name
 
 
-def _resolve_and_prune(nodes: list[onnx.NodeProto], renames: dict[str, str], outputs: list[str]) -> list[onnx.NodeProto]:
+def _resolve_and_prune(
+    nodes: list[onnx.NodeProto], renames: dict[str, str], outputs: list[str]
+) -> list[onnx.NodeProto]:
     """Apply renames, keep the nodes the outputs need, and order them topologically (stable)."""
     for n in nodes:
         n.input[:] = [_resolve(i, renames) for i in n.input]
@@ -205,14 +215,24 @@ def _resolve_and_prune(nodes: list[onnx.NodeProto], renames: dict[str, str], out
 
 def _program_info(graph: Graph, plan: Plan, used: set[str], nodes: list[onnx.NodeProto]) -> dict:
     scattered = _scattered_in_place(nodes)
-    caches = [{"input": c.name, "output": present_name(c.name),
-               "in_place": c.name in plan.in_place_caches or c.name in scattered,
-               "shape": [int(d) for d in c.type.shape], "dtype": c.type.dtype} for c in cache_inputs(graph)]
+    caches = [
+        {
+            "input": c.name,
+            "output": present_name(c.name),
+            "in_place": c.name in plan.in_place_caches or c.name in scattered,
+            "shape": [int(d) for d in c.type.shape],
+            "dtype": c.type.dtype,
+        }
+        for c in cache_inputs(graph)
+    ]
     return {
         "format": 1,
         # fed by the executable: tokens, positions, and GroupQueryAttention's lengths (from positions)
-        "inputs": [name for name in (graph.inputs[0].name, graph.inputs[1].name, LOGIT_POSITIONS, SEQLENS_K,
-                                     TOTAL_LENGTH) if name in used],
+        "inputs": [
+            name
+            for name in (graph.inputs[0].name, graph.inputs[1].name, LOGIT_POSITIONS, SEQLENS_K, TOTAL_LENGTH)
+            if name in used
+        ],
         "caches": caches,
         "logits": "logits",
         "vocab": graph.outputs[0].type.shape[-1],
@@ -230,6 +250,11 @@ def _scattered_in_place(nodes: list[onnx.NodeProto]) -> set[str]:
     for node in nodes:
         for name in node.input:
             readers[name] = readers.get(name, 0) + 1
-    return {node.input[0] for node in nodes
-            if node.op_type == "ScatterND" and node.input[0].startswith("cache.")
-            and node.output[0] == present_name(node.input[0]) and readers[node.input[0]] == 1}
+    return {
+        node.input[0]
+        for node in nodes
+        if node.op_type == "ScatterND"
+        and node.input[0].startswith("cache.")
+        and node.output[0] == present_name(node.input[0])
+        and readers[node.input[0]] == 1
+    }

@@ -8,6 +8,7 @@
 - cpu_graph.py replays jitted kernels on all cores; toolchain.py checks for the C compiler
   tinygrad's CPU device needs; artifact_files.py saves and loads (`load(directory, ...)`).
 """
+
 from __future__ import annotations
 
 from kiln.backends.errors import FeedError
@@ -27,7 +28,18 @@ def backend_version() -> str:
 
 
 __all__ = [
-    "NAME", "backend_version", "lower", "load", "TinygradExecutable", "FeedError", "TinygradArtifactError",
-    "CompilerNotFoundError", "TinygradDeviceError", "UnsupportedOpError", "TENSOR_LOWERINGS",
-    "check_lowering_table", "compiled_program_count", "require_cpu_compiler",
+    "NAME",
+    "backend_version",
+    "lower",
+    "load",
+    "TinygradExecutable",
+    "FeedError",
+    "TinygradArtifactError",
+    "CompilerNotFoundError",
+    "TinygradDeviceError",
+    "UnsupportedOpError",
+    "TENSOR_LOWERINGS",
+    "check_lowering_table",
+    "compiled_program_count",
+    "require_cpu_compiler",
 ]

@@ -8,6 +8,7 @@ weight layouts) so that `load` rebuilds the same steps, and checks the tinygrad 
 Kernels recompile on the first calls after a load, from tinygrad's own compile cache on disk
 when the same machine built them before.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,6 +28,7 @@ INFO_FORMAT = 1
 
 TinygradArtifactError = ArtifactError  # tinygrad.json is missing, damaged, or written by another tinygrad
 
+
 def tinygrad_version() -> str:
     return version("tinygrad")
 
@@ -40,7 +42,9 @@ def write_backend_info(directory, executable: TinygradExecutable) -> list[str]:
         "tinygrad": tinygrad_version(),
         "renderer": chosen_renderer(),
         "prefill_chunk": executable.prefill_chunk,
-        "stored_weights": {n: {"transposed": s.transposed, "rows": s.rows} for n, s in executable.layouts.stored.items()},
+        "stored_weights": {
+            n: {"transposed": s.transposed, "rows": s.rows} for n, s in executable.layouts.stored.items()
+        },
     }
     (directory / INFO_FILE).write_text(json.dumps(info, indent=1) + "\n")
     return [INFO_FILE]
@@ -51,13 +55,18 @@ def read_backend_info(directory: Path) -> dict:
     try:
         info = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise TinygradArtifactError(f"cannot read {path} ({e}); recompile the artifact with --backend tinygrad") from None
+        raise TinygradArtifactError(
+            f"cannot read {path} ({e}); recompile the artifact with --backend tinygrad"
+        ) from None
     if info.get("format") != INFO_FORMAT:
-        raise TinygradArtifactError(f"{path} has format {info.get('format')!r}, this Kiln reads {INFO_FORMAT}; "
-                                    "recompile the artifact")
+        raise TinygradArtifactError(
+            f"{path} has format {info.get('format')!r}, this Kiln reads {INFO_FORMAT}; recompile the artifact"
+        )
     if info.get("tinygrad") != tinygrad_version():
-        raise TinygradArtifactError(f"{path} was written with tinygrad {info.get('tinygrad')}, this is tinygrad "
-                                    f"{tinygrad_version()}; recompile the artifact or install that version")
+        raise TinygradArtifactError(
+            f"{path} was written with tinygrad {info.get('tinygrad')}, this is tinygrad "
+            f"{tinygrad_version()}; recompile the artifact or install that version"
+        )
     return info
 
 

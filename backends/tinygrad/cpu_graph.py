@@ -16,6 +16,7 @@ has not started by the time the calling thread finished its own runs on the call
 a machine whose other processes hold the cores, waiting for a pool thread to be scheduled made
 2 threads slower than 1.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -63,8 +64,10 @@ class KilnCPUGraph(GraphRunner):
 
     def __init__(self, linear, input_uops=()):
         super().__init__(linear, input_uops)
-        self.launches = [KernelLaunch(self.runtimes[j], program, buffers, device_vars, self.uop_replace[j])
-                         for j, (_, program, buffers, device_vars) in enumerate(self.calls)]
+        self.launches = [
+            KernelLaunch(self.runtimes[j], program, buffers, device_vars, self.uop_replace[j])
+            for j, (_, program, buffers, device_vars) in enumerate(self.calls)
+        ]
 
     def __call__(self, input_uops, var_vals: dict[str, int], wait: bool = False) -> float | None:
         start = time.perf_counter()

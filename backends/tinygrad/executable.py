@@ -15,6 +15,7 @@ cache). With KILN_TINYGRAD_BEAM=N (or tinygrad's BEAM=N) the decode
 kernels are chosen by tinygrad's BEAM search, timed on this machine (minutes per model the first
 time, then read from tinygrad's cache); prefill kernels keep the hand-coded optimizations.
 """
+
 from __future__ import annotations
 
 import os
@@ -71,9 +72,12 @@ class TinygradExecutable(Executable):
         self.layouts = plan_weights(graph)
         self.params = {name: to_tinygrad(stored_weight(name, weights[name], self.layouts)) for name in graph.params}
         bounds = {name: bound.max for name, bound in graph.symbols.items()}
-        caches = {v.name: Tensor.zeros(*[evaluate(d, bounds) for d in v.type.shape],
-                                       dtype=tiny_dtype(v.type.dtype)).contiguous().realize()
-                  for v in cache_inputs(graph)}
+        caches = {
+            v.name: Tensor.zeros(*[evaluate(d, bounds) for d in v.type.shape], dtype=tiny_dtype(v.type.dtype))
+            .contiguous()
+            .realize()
+            for v in cache_inputs(graph)
+        }
         self.hold_caches(caches, [c.shape for c in caches.values()])
         self.prefill_chunk = max(2, min(prefill_chunk, self.max_seq_len))
         self._start_vars = [UOp.variable(f"start{b}", 0, self.max_seq_len - 1) for b in range(self.max_batch)]
@@ -107,9 +111,15 @@ class TinygradExecutable(Executable):
             logits = self.graph.outputs[0].type
             decode = kind == "decode"
             self.steps[key] = JittedStep(
-                self._forward(batch), list(self.caches.values()), batch, 1 if decode else self.prefill_chunk,
-                logits.shape[-1], tiny_dtype(logits.dtype), seq_var=None if decode else self._seq_var,
-                beam=self.decode_beam if decode else 0)  # BEAM would time symbolic-length kernels at one length only
+                self._forward(batch),
+                list(self.caches.values()),
+                batch,
+                1 if decode else self.prefill_chunk,
+                logits.shape[-1],
+                tiny_dtype(logits.dtype),
+                seq_var=None if decode else self._seq_var,
+                beam=self.decode_beam if decode else 0,
+            )  # BEAM would time symbolic-length kernels at one length only
         return self.steps[key]
 
     @property
@@ -133,7 +143,7 @@ class TinygradExecutable(Executable):
         seq = tokens.shape[1]
         pieces = []
         for begin in range(0, seq, self.prefill_chunk):
-            chunk = tokens[:, begin:begin + self.prefill_chunk]
+            chunk = tokens[:, begin : begin + self.prefill_chunk]
             pieces.append(self._run_chunk(chunk, starts + begin))
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
 
@@ -147,18 +157,24 @@ class TinygradExecutable(Executable):
     def _check_feeds(self, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
         """int64 numpy tokens and each row's first position, after checking the contract."""
         if tokens.dim() != 2 or tokens.shape != positions.shape:
-            raise FeedError(f"tokens {list(tokens.shape)} and positions {list(positions.shape)} must both be [batch, seq]")
+            raise FeedError(
+                f"tokens {list(tokens.shape)} and positions {list(positions.shape)} must both be [batch, seq]"
+            )
         batch, seq = tokens.shape
         if not 1 <= batch <= self.max_batch:
             raise FeedError(f"batch {batch} is outside [1, {self.max_batch}]; lower with a larger max_batch")
         positions = positions.to(torch.int64).numpy()
         starts = positions[:, 0].copy()
         if seq > 1 and not (np.diff(positions, axis=1) == 1).all():
-            raise FeedError("the tinygrad backend needs each row's positions consecutive (start, start+1, ...): "
-                            "its cache position is one symbolic start per row")
+            raise FeedError(
+                "the tinygrad backend needs each row's positions consecutive (start, start+1, ...): "
+                "its cache position is one symbolic start per row"
+            )
         if starts.min() < 0 or starts.max() + seq > self.max_seq_len:
-            raise FeedError(f"positions must lie in [0, {self.max_seq_len}), got [{int(starts.min())}, "
-                            f"{int(starts.max()) + seq - 1}]")
+            raise FeedError(
+                f"positions must lie in [0, {self.max_seq_len}), got [{int(starts.min())}, "
+                f"{int(starts.max()) + seq - 1}]"
+            )
         return tokens.to(torch.int64).numpy(), starts
 
     def reset(self) -> None:

@@ -5,6 +5,7 @@ per-row start variables, the caches the executable owns) and returns the graph o
 Tensors. Called inside a `TinyJit` function, it is traced once per specialization and never
 again: replays run the captured kernels.
 """
+
 from __future__ import annotations
 
 from typing import Mapping
@@ -21,8 +22,13 @@ from .weight_layouts import WeightLayouts
 class LoweringContext:
     """What the lowerings need beyond their inputs: sizes, start variables, cache ownership."""
 
-    def __init__(self, bindings: dict, starts: list | None = None, owned_caches: frozenset[str] = frozenset(),
-                 layouts: WeightLayouts | None = None):
+    def __init__(
+        self,
+        bindings: dict,
+        starts: list | None = None,
+        owned_caches: frozenset[str] = frozenset(),
+        layouts: WeightLayouts | None = None,
+    ):
         self.bindings = bindings
         self.starts = starts  # one bound Variable per batch row, or None (generic cache ops)
         self.owned_caches = owned_caches

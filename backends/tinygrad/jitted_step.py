@@ -8,6 +8,7 @@ step fed fresh `Tensor(numpy)` inputs would pay tinygrad's scheduler for two cop
 A prefill step's buffers hold `chunk` tokens; the traced function slices the first `seq` of
 them, `seq` a bound Variable, so every length up to `chunk` replays the same kernels.
 """
+
 from __future__ import annotations
 
 from typing import Callable
@@ -20,14 +21,25 @@ from tinygrad.dtype import _to_np_dtype
 def host_view(tensor: Tensor) -> np.ndarray:
     """A numpy array over a realized CPU tensor's memory (no copy; synchronizes first)."""
     buffer = tensor.uop.buffer.ensure_allocated()
-    return np.frombuffer(buffer.as_memoryview(force_zero_copy=True), dtype=_to_np_dtype(buffer.dtype)).reshape(tensor.shape)
+    return np.frombuffer(buffer.as_memoryview(force_zero_copy=True), dtype=_to_np_dtype(buffer.dtype)).reshape(
+        tensor.shape
+    )
 
 
 class JittedStep:
     """`forward(tokens, positions, starts) -> logits` under a TinyJit, over buffers this step owns."""
 
-    def __init__(self, forward: Callable, state: list[Tensor], batch: int, length: int, vocab: int, logits_dtype,
-                 seq_var: UOp | None = None, beam: int = 0):
+    def __init__(
+        self,
+        forward: Callable,
+        state: list[Tensor],
+        batch: int,
+        length: int,
+        vocab: int,
+        logits_dtype,
+        seq_var: UOp | None = None,
+        beam: int = 0,
+    ):
         """`length` tokens per row (1 for decode); `seq_var` makes the used length symbolic (prefill);
         `state` (the KV caches forward writes) is realized with the logits."""
         self.tokens = Tensor.zeros(batch, length, dtype=dtypes.int64).contiguous().realize()
@@ -42,7 +54,7 @@ class JittedStep:
                 seq = variables[batch]
                 tokens, positions = tokens[:, :seq], positions[:, :seq]
             logits = forward(tokens, positions, starts)
-            logits_buffer[:, :tokens.shape[1]].assign(logits.cast(logits_buffer.dtype))
+            logits_buffer[:, : tokens.shape[1]].assign(logits.cast(logits_buffer.dtype))
             Tensor.realize(logits_buffer, *state)
             return logits_buffer
 

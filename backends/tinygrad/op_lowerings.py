@@ -10,6 +10,7 @@ Dtypes follow the IR, not tinygrad's promotion: a binary op computes in the dtyp
 inferred for its output (torch's rules), and `graph_to_tensors` casts any result whose dtype
 tinygrad chose differently. `kv_write` and `attention` live in cache_attention.py.
 """
+
 from __future__ import annotations
 
 import math
@@ -25,8 +26,15 @@ from kiln.ir.ops.shape import BIG
 from . import cache_attention, quantized_lowerings
 
 TINYGRAD_DTYPES = {
-    "f64": dtypes.float64, "f32": dtypes.float32, "f16": dtypes.float16, "bf16": dtypes.bfloat16,
-    "i64": dtypes.int64, "i32": dtypes.int32, "i16": dtypes.int16, "i8": dtypes.int8, "u8": dtypes.uint8,
+    "f64": dtypes.float64,
+    "f32": dtypes.float32,
+    "f16": dtypes.float16,
+    "bf16": dtypes.bfloat16,
+    "i64": dtypes.int64,
+    "i32": dtypes.int32,
+    "i16": dtypes.int16,
+    "i8": dtypes.int8,
+    "u8": dtypes.uint8,
     "bool": dtypes.bool,
 }
 
@@ -41,19 +49,23 @@ Lowering = Callable[..., "Tensor | tuple[Tensor, ...]"]
 
 def _in_output_dtype(fn: Callable) -> Lowering:
     """Binary arithmetic computed in the IR's output dtype (torch promotion, not tinygrad's)."""
+
     def lower(ctx, node, args, attrs):
         dtype = tiny_dtype(node.outputs[0].type.dtype)
         return fn(*(a.cast(dtype) for a in args))
+
     return lower
 
 
 def _compare(fn: Callable) -> Lowering:
     """A comparison of both operands in their promoted IR dtype; the result is bool."""
+
     def lower(ctx, node, args, attrs):
         from kiln.ir.dtypes import promote
 
         dtype = tiny_dtype(promote(node.inputs[0].type.dtype, node.inputs[1].type.dtype))
         return fn(args[0].cast(dtype), args[1].cast(dtype))
+
     return lower
 
 
@@ -175,7 +187,7 @@ def _rope(ctx, node, args, attrs):
     half = cos_table.shape[-1]
     c = ctx.embedding(node, cos_table, positions).unsqueeze(1)  # [batch, 1, seq, half]
     s = ctx.embedding(node, sin_table, positions).unsqueeze(1)
-    x1, x2, rest = x[..., :half], x[..., half:2 * half], x[..., 2 * half:]
+    x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
     parts = [x1 * c - x2 * s, x2 * c + x1 * s] + ([rest] if x.shape[-1] > 2 * half else [])
     return parts[0].cat(*parts[1:], dim=-1)
 
@@ -212,8 +224,9 @@ TENSOR_LOWERINGS: dict[str, Lowering] = {
     "relu": _unary(Tensor.relu),
     "silu": _unary(lambda x: x * x.sigmoid()),
     "gelu": _gelu,
-    "where": lambda ctx, node, args, attrs: args[0].cast(dtypes.bool).where(
-        *(a.cast(tiny_dtype(node.outputs[0].type.dtype)) for a in args[1:])),
+    "where": lambda ctx, node, args, attrs: (
+        args[0].cast(dtypes.bool).where(*(a.cast(tiny_dtype(node.outputs[0].type.dtype)) for a in args[1:]))
+    ),
     "cast": lambda ctx, node, args, attrs: args[0].cast(tiny_dtype(attrs["dtype"])),
     "sum": lambda ctx, node, args, attrs: args[0].sum(axis=_axes(attrs), keepdim=attrs["keepdim"]),
     "mean": lambda ctx, node, args, attrs: args[0].mean(axis=_axes(attrs), keepdim=attrs["keepdim"]),
@@ -249,7 +262,8 @@ def _refuse_collective(ctx, node, args, attrs):
         return args[0]
     raise UnsupportedOpError(
         f"the tinygrad backend cannot run a tensor-parallel graph (it has {node.op}). "
-        "Fix: compile with --backend inductor (or reference), or without --tensor-parallel")
+        "Fix: compile with --backend inductor (or reference), or without --tensor-parallel"
+    )
 
 
 TENSOR_LOWERINGS.update(all_reduce=_refuse_collective, all_gather=_refuse_collective)
@@ -259,13 +273,17 @@ def check_lowering_table() -> None:
     """Raise UnsupportedOpError naming every registered IR op that TENSOR_LOWERINGS lacks."""
     missing = sorted(set(all_ops()) - set(TENSOR_LOWERINGS))
     if missing:
-        raise UnsupportedOpError(f"the tinygrad backend has no lowering for IR op(s) {missing}; add them to "
-                                 "TENSOR_LOWERINGS in backends/tinygrad/op_lowerings.py")
+        raise UnsupportedOpError(
+            f"the tinygrad backend has no lowering for IR op(s) {missing}; add them to "
+            "TENSOR_LOWERINGS in backends/tinygrad/op_lowerings.py"
+        )
 
 
 def lower_node(ctx, node: Node, args: list, attrs: dict):
     """Apply the table's lowering of `node`; UnsupportedOpError for an op it lacks."""
     if node.op not in TENSOR_LOWERINGS:
-        raise UnsupportedOpError(f"IR op {node.op!r} has no tinygrad lowering; add it to TENSOR_LOWERINGS "
-                                 "in backends/tinygrad/op_lowerings.py")
+        raise UnsupportedOpError(
+            f"IR op {node.op!r} has no tinygrad lowering; add it to TENSOR_LOWERINGS "
+            "in backends/tinygrad/op_lowerings.py"
+        )
     return TENSOR_LOWERINGS[node.op](ctx, node, args, attrs)

@@ -13,6 +13,7 @@ In both, x is made contiguous first: left lazy, tinygrad fuses the ops producing
 norm, silu(gate) * up) into the product's loads and recomputes them for every output; that
 made SmolLM2's int4 layers 5-6x slower (weight_layouts.matvec does the same for f32).
 """
+
 from __future__ import annotations
 
 from tinygrad import Tensor, dtypes
@@ -48,8 +49,9 @@ def dequantize(qweight: Tensor, scales: Tensor, zeros: Tensor | None, bits: int,
     return (q - zero) * expand_groups(scales, group_size, k)
 
 
-def grouped_product(x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor | None, bits: int,
-                    group_size: int) -> Tensor:
+def grouped_product(
+    x: Tensor, qweight: Tensor, scales: Tensor, zeros: Tensor | None, bits: int, group_size: int
+) -> Tensor:
     """x @ W.T for the quantized W, summed per group on the codes, then scaled (K % group_size = 0).
 
     Few, long groups (per-channel int8: one group of K) are cut into `splits` blocks each, so the
@@ -95,6 +97,7 @@ def lower_linear_q(ctx, node, args, attrs):
 def lower_embedding_q(ctx, node, args, attrs):
     qweight, scales, ids, zeros = args
     flat = ids.reshape(-1).cast(dtypes.int32)
-    rows = dequantize(qweight[flat], scales[flat], None if zeros is None else zeros[flat],
-                      attrs["bits"], attrs["group_size"])
+    rows = dequantize(
+        qweight[flat], scales[flat], None if zeros is None else zeros[flat], attrs["bits"], attrs["group_size"]
+    )
     return rows.reshape(*ids.shape, rows.shape[-1])

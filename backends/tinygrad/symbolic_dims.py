@@ -5,6 +5,7 @@ decoding) or a tinygrad `Variable` (`seq` when prefilling), so one traced progra
 prompt length. An attribute such as `shape=[batch, seq, 4, 16]` or `end=seq+past` becomes the
 same arithmetic on those sizes.
 """
+
 from __future__ import annotations
 
 import sympy

@@ -10,6 +10,7 @@ libLLVM, no subprocess per kernel), X86 (tinygrad's own assembler) and LVP (Mesa
 Kiln picks CLANG: the fastest here (see docs/backend-tinygrad.md for the measurements);
 `KILN_TINYGRAD_RENDERER=llvm` or tinygrad's own `DEV=CPU:LLVM` pick another.
 """
+
 from __future__ import annotations
 
 import ctypes.util
@@ -44,13 +45,15 @@ def require_cpu_compiler() -> str:
     if "clang" not in os.path.basename(compiler):
         raise CompilerNotFoundError(
             f"$CC is {compiler!r}, but tinygrad's CPU device passes clang-only flags (--target, vector "
-            f"extensions) to $CC. Fix: unset CC, or set CC=clang ({CLANG_INSTALL}).")
+            f"extensions) to $CC. Fix: unset CC, or set CC=clang ({CLANG_INSTALL})."
+        )
     path = shutil.which(compiler)
     if path is None:
         raise CompilerNotFoundError(
             f"the tinygrad backend needs the C compiler {compiler!r}, which is not on PATH: tinygrad's CPU "
             f"device compiles every kernel with it. Fix: install it ({CLANG_INSTALL}; `make .venv` does "
-            "this on Debian/Ubuntu), or use another backend, e.g. --backend inductor.")
+            "this on Debian/Ubuntu), or use another backend, e.g. --backend inductor."
+        )
     return path
 
 
@@ -59,7 +62,8 @@ def require_llvm_library() -> None:
     if not any(ctypes.util.find_library(name) for name in LLVM_LIBRARIES):
         raise CompilerNotFoundError(
             f"the LLVM renderer needs libLLVM (14 to 21), which is not installed. Fix: {LLVM_INSTALL}, "
-            f"or use the default renderer ({DEFAULT_RENDERER}).")
+            f"or use the default renderer ({DEFAULT_RENDERER})."
+        )
 
 
 def chosen_renderer() -> str:
@@ -79,8 +83,9 @@ def configure_cpu_device(device: str = "cpu") -> str:
     Returns the tinygrad device string ("CPU"). Safe to call more than once.
     """
     if device != "cpu":
-        raise TinygradDeviceError(f"the tinygrad backend runs on the CPU only so far, not {device!r}; "
-                                  "use device='cpu' or another backend")
+        raise TinygradDeviceError(
+            f"the tinygrad backend runs on the CPU only so far, not {device!r}; use device='cpu' or another backend"
+        )
     require_cpu_compiler()
     renderer = chosen_renderer()
     if renderer == "LLVM":

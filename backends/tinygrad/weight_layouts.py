@@ -16,6 +16,7 @@ picks good loops for a decode step's matrix-vector product. Measured per kernel 
   projections ran at 2.1 GB/s). Such products are computed as `splits` partial dot products
   per output, [.., splits, out] in one kernel, then summed in a second, tiny one.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
