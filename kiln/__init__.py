@@ -8,16 +8,25 @@
 The names below are resolved on first use, so `import kiln.ir` (which runs this file first)
 stays light and never imports the runtime or the frontend.
 """
+
 import importlib
 
 _EXPORTS = {
-    "compile": "kiln.api", "load": "kiln.api", "quality": "kiln.runtime.quality",
+    "compile": "kiln.api",
+    "load": "kiln.api",
+    "quality": "kiln.runtime.quality",
     "LLM": "kiln.runtime.generate",
-    "GenerationResult": "kiln.runtime.results", "GenerationStats": "kiln.runtime.results",
-    "KilnError": "kiln.ir.errors", "OptionError": "kiln.ir.errors", "UnsupportedOpError": "kiln.ir.errors",
-    "CheckpointError": "kiln.frontend.errors", "ModelNotFoundError": "kiln.frontend.errors",
-    "ArtifactError": "kiln.runtime.errors", "ContextLengthError": "kiln.runtime.errors",
-    "GenerationError": "kiln.runtime.errors", "TokenizerError": "kiln.runtime.errors",
+    "GenerationResult": "kiln.runtime.results",
+    "GenerationStats": "kiln.runtime.results",
+    "KilnError": "kiln.ir.errors",
+    "OptionError": "kiln.ir.errors",
+    "UnsupportedOpError": "kiln.ir.errors",
+    "CheckpointError": "kiln.frontend.errors",
+    "ModelNotFoundError": "kiln.frontend.errors",
+    "ArtifactError": "kiln.runtime.errors",
+    "ContextLengthError": "kiln.runtime.errors",
+    "GenerationError": "kiln.runtime.errors",
+    "TokenizerError": "kiln.runtime.errors",
     "TokenIdError": "kiln.runtime.errors",
     "BackendNotFoundError": "kiln.backends.registry",
     "GraphBreakError": "kiln.frontend.breaks.compile_check",

@@ -1,4 +1,5 @@
 """`python -m kiln ...` is the `kiln` command."""
+
 from kiln.cli import kiln_main
 
 raise SystemExit(kiln_main())

@@ -7,6 +7,7 @@
 (load, capture) -> passes -> backend -> artifact. Each stage is imported only when used, so
 `kiln.load` never pulls in transformers.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,8 +22,9 @@ from kiln.runtime.generate import LLM
 from kiln.runtime.tokenizer import Tokenizer
 
 
-def load(path: str | Path, check_hashes: bool = True, device: str | None = None,
-         expected_sha256: str | None = None) -> LLM:
+def load(
+    path: str | Path, check_hashes: bool = True, device: str | None = None, expected_sha256: str | None = None
+) -> LLM:
     """Open the artifact at `path` (checked: versions, sizes, hashes) and ready it to generate,
     on the device it was compiled for, or on `device` ("cpu", "cuda", "cuda:1") if given.
 
@@ -64,8 +66,10 @@ def backend_options(options: dict, manifest: Path | str = "the artifact's manife
     chosen = {k: v for k, v in options.items() if k in known}
     for name, value in chosen.items():
         if not OPTION_CHECKS[name](value):
-            raise ArtifactError(f"{manifest} gives {name}={value!r:.40}, which no backend can run "
-                                f"with ({OPTION_RULES[name]}). Fix: recompile the artifact.")
+            raise ArtifactError(
+                f"{manifest} gives {name}={value!r:.40}, which no backend can run "
+                f"with ({OPTION_RULES[name]}). Fix: recompile the artifact."
+            )
     return BackendOptions(**chosen)
 
 
@@ -73,20 +77,42 @@ def _count(value, at_least: int) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= at_least
 
 
-OPTION_RULES = {"max_batch": "an integer >= 1", "max_seq_len": "an integer >= 1", "threads": "null or an integer >= 1",
-                "dtype": "a name", "device": "a name", "quantize": "null or a scheme name",
-                "quantize_embeddings": "true or false"}
+OPTION_RULES = {
+    "max_batch": "an integer >= 1",
+    "max_seq_len": "an integer >= 1",
+    "threads": "null or an integer >= 1",
+    "dtype": "a name",
+    "device": "a name",
+    "quantize": "null or a scheme name",
+    "quantize_embeddings": "true or false",
+}
 OPTION_CHECKS = {
-    "max_batch": lambda v: _count(v, 1), "max_seq_len": lambda v: _count(v, 1),
-    "threads": lambda v: v is None or _count(v, 1), "dtype": lambda v: isinstance(v, str),
-    "device": lambda v: isinstance(v, str), "quantize": lambda v: v is None or isinstance(v, str),
-    "quantize_embeddings": lambda v: isinstance(v, bool)}
+    "max_batch": lambda v: _count(v, 1),
+    "max_seq_len": lambda v: _count(v, 1),
+    "threads": lambda v: v is None or _count(v, 1),
+    "dtype": lambda v: isinstance(v, str),
+    "device": lambda v: isinstance(v, str),
+    "quantize": lambda v: v is None or isinstance(v, str),
+    "quantize_embeddings": lambda v: isinstance(v, bool),
+}
 
 
-def compile(model=None, out: str | Path = "model.kiln", backend: str = "inductor", max_seq_len: int = 1024,
-            max_batch: int = 1, dtype: str = "f32", dump_ir: str | Path | None = None,
-            progress: Progress | None = None, quantize: str | None = None, quantize_embeddings: bool = False,
-            calibration=None, tensor_parallel: int = 1, device: str = "cpu", cache: bool = True) -> Path:
+def compile(
+    model=None,
+    out: str | Path = "model.kiln",
+    backend: str = "inductor",
+    max_seq_len: int = 1024,
+    max_batch: int = 1,
+    dtype: str = "f32",
+    dump_ir: str | Path | None = None,
+    progress: Progress | None = None,
+    quantize: str | None = None,
+    quantize_embeddings: bool = False,
+    calibration=None,
+    tensor_parallel: int = 1,
+    device: str = "cpu",
+    cache: bool = True,
+) -> Path:
     """Compile `model` (a local Hugging Face directory or .gguf file; None = the bundled default,
     SmolLM2-135M-Instruct) into an artifact directory at `out`; returns its path.
 
@@ -118,9 +144,19 @@ def compile(model=None, out: str | Path = "model.kiln", backend: str = "inductor
     writes one artifact with every rank's weights; run it with `torchrun --nproc-per-node N`.
     """
     options = CompileOptions.checked(  # every option, before any slow step
-        model=model, out=out, backend=backend, max_seq_len=max_seq_len, max_batch=max_batch, dtype=dtype,
-        device=device, quantize=quantize, quantize_embeddings=quantize_embeddings, calibration=calibration,
-        tensor_parallel=tensor_parallel, dump_ir=dump_ir)
+        model=model,
+        out=out,
+        backend=backend,
+        max_seq_len=max_seq_len,
+        max_batch=max_batch,
+        dtype=dtype,
+        device=device,
+        quantize=quantize,
+        quantize_embeddings=quantize_embeddings,
+        calibration=calibration,
+        tensor_parallel=tensor_parallel,
+        dump_ir=dump_ir,
+    )
     steps = CompileSteps(options, progress, cache=cache)
     steps.locate()
     cached = steps.reuse_cached()

@@ -1,4 +1,5 @@
 """`kiln cache info` and `kiln cache clear`: the compile cache's place and size, or emptying it."""
+
 from __future__ import annotations
 
 import argparse
@@ -22,8 +23,10 @@ def run_command(args: argparse.Namespace) -> int:
         print(f"deleted {entries} cached artifact(s), {size / 1e9:.2f} GB, from {directory}")
         return 0
     entries = cache.entries()
-    print(f"compile cache {directory}: {len(entries)} artifact(s), {sum(s for _, s, _ in entries) / 1e9:.2f} GB "
-          f"of at most {max_bytes() / 1e9:.1f} GB ({MAX_GB_ENV}); {CACHE_ENV}=off turns it off")
+    print(
+        f"compile cache {directory}: {len(entries)} artifact(s), {sum(s for _, s, _ in entries) / 1e9:.2f} GB "
+        f"of at most {max_bytes() / 1e9:.1f} GB ({MAX_GB_ENV}); {CACHE_ENV}=off turns it off"
+    )
     return 0
 
 

@@ -5,6 +5,7 @@ Moby-Dick chapters (kiln/moby_dick.py); this turns any of them into the [sequenc
 token rows the quantize phase runs the model on, and a line saying where they came from (for
 the manifest).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -38,17 +39,21 @@ def calibration_tokens(source, tokenizer_path: Path, max_seq_len: int) -> tuple[
     if len(ids) < length:
         length = len(ids)
     if length < 16:
-        raise CalibrationSourceError(f"calibration ({description}) has {len(ids)} tokens; give at least a few "
-                                     "hundred (a paragraph or more of text like the model's inputs)")
+        raise CalibrationSourceError(
+            f"calibration ({description}) has {len(ids)} tokens; give at least a few "
+            "hundred (a paragraph or more of text like the model's inputs)"
+        )
     rows = min(SEQUENCES, len(ids) // length)
-    return torch.tensor(ids[:rows * length], dtype=torch.int64).view(rows, length), description
+    return torch.tensor(ids[: rows * length], dtype=torch.int64).view(rows, length), description
 
 
 def check_source(source) -> None:
     """Fail early (before the model loads) on a calibration file that does not exist."""
     if isinstance(source, (str, Path)) and not Path(source).is_file():
-        raise CalibrationSourceError(f"calibration file {source} does not exist. Fix: give a UTF-8 text file "
-                                     "(or leave it out for the bundled Moby-Dick chapters).")
+        raise CalibrationSourceError(
+            f"calibration file {source} does not exist. Fix: give a UTF-8 text file "
+            "(or leave it out for the bundled Moby-Dick chapters)."
+        )
 
 
 def _text(source) -> tuple[str, str]:

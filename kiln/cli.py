@@ -15,6 +15,7 @@ Every mistake the user can fix prints one line to stderr, naming it and the fix,
 status 2: a Kiln error, a flag argparse refuses, an option out of range. Options are checked
 before any slow step (loading a model or an artifact).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -47,8 +48,9 @@ def _run(main, argv) -> int:
         print(f"error: {_one_line(str(e))}", file=sys.stderr)
         return EXIT_USAGE
     except MemoryError:
-        print("error: out of memory. Fix: a smaller --max-seq-len or --max-batch (or a smaller model).",
-              file=sys.stderr)
+        print(
+            "error: out of memory. Fix: a smaller --max-seq-len or --max-batch (or a smaller model).", file=sys.stderr
+        )
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
@@ -76,32 +78,61 @@ def compile_model_main(argv: list[str] | None = None) -> int:
 
 def compile_parser() -> argparse.ArgumentParser:
     """The parser of `compile-model` (not of `compile-model explain`: explain_parser)."""
-    parser = Parser(prog="compile-model", description="Compile a causal LM into a Kiln artifact. "
-                                     "`compile-model explain --help`: explain its graph breaks.")
-    parser.add_argument("model", nargs="?", help="local Hugging Face directory or .gguf file "
-                        "(default: the bundled SmolLM2-135M-Instruct)")
+    parser = Parser(
+        prog="compile-model",
+        description="Compile a causal LM into a Kiln artifact. "
+        "`compile-model explain --help`: explain its graph breaks.",
+    )
+    parser.add_argument(
+        "model",
+        nargs="?",
+        help="local Hugging Face directory or .gguf file (default: the bundled SmolLM2-135M-Instruct)",
+    )
     parser.add_argument("-o", "--out", required=True, help="artifact directory to write")
     parser.add_argument("--backend", default="inductor", choices=sorted(BACKENDS))
     parser.add_argument("--max-seq-len", type=int, default=1024)
     parser.add_argument("--max-batch", type=int, default=1)
-    parser.add_argument("--dtype", default="f32", choices=["f32", "f16"],
-                        help="compute dtype: f32 (the CPU path; smaller weights: --quantize), or f16 for GPUs "
-                             "(--backend onnxruntime --device cuda)")
-    parser.add_argument("--device", default="cpu", help="where the artifact runs: cpu (default) or cuda[:N] "
-                        "(it compiles on a machine without one)")
+    parser.add_argument(
+        "--dtype",
+        default="f32",
+        choices=["f32", "f16"],
+        help="compute dtype: f32 (the CPU path; smaller weights: --quantize), or f16 for GPUs "
+        "(--backend onnxruntime --device cuda)",
+    )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where the artifact runs: cpu (default) or cuda[:N] (it compiles on a machine without one)",
+    )
     parser.add_argument("--dump-ir", metavar="DIR", help="write the IR after each pass phase into DIR")
     from kiln.passes.quant_schemes import scheme_names
 
-    parser.add_argument("--quantize", metavar="SCHEME", default="none",
-                        help=f"weight quantization: none (default), {', '.join(scheme_names())}")
-    parser.add_argument("--quantize-embeddings", action="store_true",
-                        help="also quantize the lm_head and the token embedding (kept f32 by default)")
-    parser.add_argument("--calibration", metavar="FILE", help="text the -awq schemes calibrate on "
-                        "(default: bundled Moby-Dick chapters)")
-    parser.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
-                        help="shard over N ranks (run with torchrun --nproc-per-node N -m kiln generate ...)")
-    parser.add_argument("--no-cache", action="store_true", help="compile afresh, not from the compile cache "
-                        "(`kiln cache clear` empties it)")
+    parser.add_argument(
+        "--quantize",
+        metavar="SCHEME",
+        default="none",
+        help=f"weight quantization: none (default), {', '.join(scheme_names())}",
+    )
+    parser.add_argument(
+        "--quantize-embeddings",
+        action="store_true",
+        help="also quantize the lm_head and the token embedding (kept f32 by default)",
+    )
+    parser.add_argument(
+        "--calibration", metavar="FILE", help="text the -awq schemes calibrate on (default: bundled Moby-Dick chapters)"
+    )
+    parser.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=1,
+        metavar="N",
+        help="shard over N ranks (run with torchrun --nproc-per-node N -m kiln generate ...)",
+    )
+    parser.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="compile afresh, not from the compile cache (`kiln cache clear` empties it)",
+    )
     return parser
 
 
@@ -118,11 +149,22 @@ def _compile_model(argv) -> int:
 
     started = time.perf_counter()
     progress = for_stream(sys.stderr)  # bars on a terminal, a line per phase otherwise
-    path = kiln.compile(args.model, out=args.out, backend=args.backend, max_seq_len=args.max_seq_len,
-                        max_batch=args.max_batch, dtype=args.dtype, dump_ir=args.dump_ir, quantize=args.quantize,
-                        quantize_embeddings=args.quantize_embeddings, calibration=args.calibration,
-                        tensor_parallel=args.tensor_parallel, device=args.device, cache=not args.no_cache,
-                        progress=progress)
+    path = kiln.compile(
+        args.model,
+        out=args.out,
+        backend=args.backend,
+        max_seq_len=args.max_seq_len,
+        max_batch=args.max_batch,
+        dtype=args.dtype,
+        dump_ir=args.dump_ir,
+        quantize=args.quantize,
+        quantize_embeddings=args.quantize_embeddings,
+        calibration=args.calibration,
+        tensor_parallel=args.tensor_parallel,
+        device=args.device,
+        cache=not args.no_cache,
+        progress=progress,
+    )
     manifest = json.loads((Path(path) / "manifest.json").read_text())
     stats = manifest.get("graph_stats", {})
     top_ops = ", ".join(f"{op} {n}" for op, n in list(stats.get("ops", {}).items())[:6])
@@ -134,8 +176,10 @@ def _compile_model(argv) -> int:
         from kiln.frontend.breaks.report_model import summary_line
 
         print(f"breaks     {summary_line(manifest['graph_breaks'])} (report.md in the artifact)")
-    print(f"options    max_seq_len={args.max_seq_len} max_batch={args.max_batch} dtype={args.dtype} device={args.device} "
-          f"quantize={args.quantize}{' (with embeddings)' if args.quantize_embeddings else ''}")
+    print(
+        f"options    max_seq_len={args.max_seq_len} max_batch={args.max_batch} dtype={args.dtype} device={args.device} "
+        f"quantize={args.quantize}{' (with embeddings)' if args.quantize_embeddings else ''}"
+    )
     print(f"time       {time.perf_counter() - started:.1f}s")
     return 0
 
@@ -144,14 +188,22 @@ def explain_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="compile-model explain",
         description="Capture a model with Dynamo and explain every graph break and recompile it meets: where, "
-                    "why in plain words, what it costs, whether Kiln removes it, and how to fix it.")
-    parser.add_argument("target", nargs="?", help="local Hugging Face directory, .gguf file, or "
-                        "path/to/file.py:callable returning (module, inputs) (default: the bundled SmolLM2-135M-Instruct)")
+        "why in plain words, what it costs, whether Kiln removes it, and how to fix it.",
+    )
+    parser.add_argument(
+        "target",
+        nargs="?",
+        help="local Hugging Face directory, .gguf file, or "
+        "path/to/file.py:callable returning (module, inputs) (default: the bundled SmolLM2-135M-Instruct)",
+    )
     parser.add_argument("--format", choices=["md", "html", "json"], default="md")
     parser.add_argument("-o", "--out", metavar="FILE", help="write the report to FILE (default: standard output)")
-    parser.add_argument("--sections", default="forward,stateless,generate",
-                        help="for a model, what to capture, comma-separated: forward (with a DynamicCache, prefill "
-                             "and decode), stateless (what Kiln compiles), generate (model.generate)")
+    parser.add_argument(
+        "--sections",
+        default="forward,stateless,generate",
+        help="for a model, what to capture, comma-separated: forward (with a DynamicCache, prefill "
+        "and decode), stateless (what Kiln compiles), generate (model.generate)",
+    )
     return parser
 
 
@@ -164,8 +216,10 @@ def _explain(argv) -> int:
     sections = tuple(s.strip() for s in args.sections.split(",") if s.strip())
     unknown = sorted(set(sections) - set(SECTIONS))
     if unknown or not sections:
-        raise OptionError(f"--sections {args.sections!r} names no section or unknown ones {unknown}. "
-                          f"Fix: a comma-separated list of {', '.join(SECTIONS)}.")
+        raise OptionError(
+            f"--sections {args.sections!r} names no section or unknown ones {unknown}. "
+            f"Fix: a comma-separated list of {', '.join(SECTIONS)}."
+        )
 
     import json
 
@@ -185,12 +239,16 @@ def _explain(argv) -> int:
         started = time.perf_counter()
         print(f"[compile-model explain] capture {subject.name} ...", file=sys.stderr, flush=True)
         analyzed.append(analyze(subject))
-        print(f"[compile-model explain] {subject.name}: {analyzed[-1].summary_line()}, "
-              f"{analyzed[-1].counts['recompiles']} recompile(s) ({time.perf_counter() - started:.1f}s)",
-              file=sys.stderr, flush=True)
+        print(
+            f"[compile-model explain] {subject.name}: {analyzed[-1].summary_line()}, "
+            f"{analyzed[-1].counts['recompiles']} recompile(s) ({time.perf_counter() - started:.1f}s)",
+            file=sys.stderr,
+            flush=True,
+        )
     report = make_report(target, analyzed)
-    render = {"md": render_markdown, "html": render_html,
-              "json": lambda r: json.dumps(r.to_json(), indent=2) + "\n"}[args.format]
+    render = {"md": render_markdown, "html": render_html, "json": lambda r: json.dumps(r.to_json(), indent=2) + "\n"}[
+        args.format
+    ]
     text = render(report)
     if args.out:
         Path(args.out).write_text(text, encoding="utf-8")
@@ -206,11 +264,14 @@ def _check_output_file(path: Path) -> None:
     try:
         fits = not path.is_dir() and path.parent.is_dir()
     except OSError as error:
-        raise OptionError(f"-o {str(path)[:80]!r} cannot be used: {error.strerror or error}. "
-                          "Fix: choose another path.") from None
+        raise OptionError(
+            f"-o {str(path)[:80]!r} cannot be used: {error.strerror or error}. Fix: choose another path."
+        ) from None
     if not fits:
-        raise OptionError(f"-o {path}: {'is a directory' if path.is_dir() else f'{path.parent} is not a directory'}. "
-                          "Fix: give a file path in an existing directory.")
+        raise OptionError(
+            f"-o {path}: {'is a directory' if path.is_dir() else f'{path.parent} is not a directory'}. "
+            "Fix: give a file path in an existing directory."
+        )
 
 
 # -- kiln generate / kiln chat -----------------------------------------------------------------
@@ -249,8 +310,11 @@ def kiln_parser() -> argparse.ArgumentParser:
     _pin_argument(chat)
     _sampling_arguments(chat)
     show = commands.add_parser("ir", help="print the IR of a model (captured), an artifact or a .kir file")
-    show.add_argument("target", nargs="?", help="HF directory, .gguf, artifact directory or .kir file "
-                      "(default: the bundled SmolLM2-135M-Instruct)")
+    show.add_argument(
+        "target",
+        nargs="?",
+        help="HF directory, .gguf, artifact directory or .kir file (default: the bundled SmolLM2-135M-Instruct)",
+    )
     show.add_argument("--stateful", action="store_true", help="for a model: run the pass pipeline first")
     show.add_argument("--max-seq-len", type=int, default=1024)
     show.add_argument("--max-batch", type=int, default=1)
@@ -301,8 +365,10 @@ def _kiln(argv) -> int:
         print(f"[{result.stats.summary()}]", file=sys.stderr)
         return 0
     if llm.manifest.get("tensor_parallel", 1) > 1:
-        print("error: kiln chat does not run a tensor-parallel artifact yet; use kiln generate under torchrun",
-              file=sys.stderr)
+        print(
+            "error: kiln chat does not run a tensor-parallel artifact yet; use kiln generate under torchrun",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     return _chat_loop(llm, args.system, sampling)
 
@@ -312,13 +378,22 @@ def _checked_sampling(args) -> dict:
     from kiln.runtime.generate import SEED_LIMIT
     from kiln.runtime.sampler import SamplingParams
 
-    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-                    typical_p=args.typical_p, eta=args.eta, repetition_penalty=args.repetition_penalty,
-                    presence_penalty=args.presence_penalty, frequency_penalty=args.frequency_penalty)
+    sampling = dict(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        typical_p=args.typical_p,
+        eta=args.eta,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+    )
     SamplingParams(**sampling)  # GenerationError naming the setting and its range
     if args.max_new_tokens < 0:
-        raise OptionError(f"--max-new-tokens must be 0 or more, got {args.max_new_tokens}. "
-                          "Fix: e.g. --max-new-tokens 128.")
+        raise OptionError(
+            f"--max-new-tokens must be 0 or more, got {args.max_new_tokens}. Fix: e.g. --max-new-tokens 128."
+        )
     if not 0 <= args.seed < SEED_LIMIT:
         raise OptionError(f"--seed must be in [0, 2**63), got {args.seed}. Fix: e.g. --seed 0.")
     return dict(max_new_tokens=args.max_new_tokens, seed=args.seed, **sampling)
@@ -329,28 +404,52 @@ def _serve_arguments(commands) -> None:
     serve.add_argument("artifact")
     serve.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--max-queue", type=int, default=256,
-                       help="requests that may wait for a KV slot; more are answered 429 (default 256)")
+    serve.add_argument(
+        "--max-queue",
+        type=int,
+        default=256,
+        help="requests that may wait for a KV slot; more are answered 429 (default 256)",
+    )
     serve.add_argument("--model-name", help="the model id clients send (default: the artifact's directory name)")
-    serve.add_argument("--max-body-bytes", type=int, default=4 * 1024 * 1024,
-                       help="largest request body accepted; larger ones are answered 413 (default 4 MiB)")
-    serve.add_argument("--allowed-hosts", type=lambda text: [h for h in text.split(",") if h.strip()],
-                       help="comma-separated Host header names the server answers, others get a 400 "
-                            "(default: the --host address, localhost, 127.0.0.1, [::1]; '*': any)")
-    serve.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
-                       help="uvicorn's log level (info logs every request)")
-    serve.add_argument("--api-key", help="require `Authorization: Bearer KEY` on every endpoint but /health "
-                       "(default: $KILN_API_KEY; unset: no key)")
-    serve.add_argument("--speculative", choices=["prompt_lookup"],
-                       help="draft every request's tokens by prompt lookup inside the engine (n-grams of its own "
-                            "context, verified in the decode step: greedy output unchanged)")
+    serve.add_argument(
+        "--max-body-bytes",
+        type=int,
+        default=4 * 1024 * 1024,
+        help="largest request body accepted; larger ones are answered 413 (default 4 MiB)",
+    )
+    serve.add_argument(
+        "--allowed-hosts",
+        type=lambda text: [h for h in text.split(",") if h.strip()],
+        help="comma-separated Host header names the server answers, others get a 400 "
+        "(default: the --host address, localhost, 127.0.0.1, [::1]; '*': any)",
+    )
+    serve.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="uvicorn's log level (info logs every request)",
+    )
+    serve.add_argument(
+        "--api-key",
+        help="require `Authorization: Bearer KEY` on every endpoint but /health "
+        "(default: $KILN_API_KEY; unset: no key)",
+    )
+    serve.add_argument(
+        "--speculative",
+        choices=["prompt_lookup"],
+        help="draft every request's tokens by prompt lookup inside the engine (n-grams of its own "
+        "context, verified in the decode step: greedy output unchanged)",
+    )
     _pin_argument(serve)
 
 
 def _pin_argument(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--expect-sha256", metavar="HEX",
-                        help="refuse the artifact unless its manifest.json has this sha256 (sha256sum "
-                             "ARTIFACT/manifest.json): an artifact is code, pin any you did not compile")
+    parser.add_argument(
+        "--expect-sha256",
+        metavar="HEX",
+        help="refuse the artifact unless its manifest.json has this sha256 (sha256sum "
+        "ARTIFACT/manifest.json): an artifact is code, pin any you did not compile",
+    )
 
 
 def _serve(args) -> int:
@@ -358,19 +457,23 @@ def _serve(args) -> int:
     if not 0 < args.port < 65536:
         raise OptionError(f"--port must be in [1, 65535], got {args.port}. Fix: e.g. --port 8000.")
     if args.allowed_hosts is not None and not args.allowed_hosts:
-        raise OptionError("--allowed-hosts names no host. Fix: a comma-separated list (e.g. localhost,127.0.0.1), "
-                          "'*' for any, or leave it out for the default.")
+        raise OptionError(
+            "--allowed-hosts names no host. Fix: a comma-separated list (e.g. localhost,127.0.0.1), "
+            "'*' for any, or leave it out for the default."
+        )
     if args.model_name is not None and not args.model_name.strip():
-        raise OptionError("--model-name is empty. Fix: give the id clients send, or leave it out for the "
-                          "artifact's directory name.")
+        raise OptionError(
+            "--model-name is empty. Fix: give the id clients send, or leave it out for the artifact's directory name."
+        )
     api_key = _api_key(args)
     try:
         import fastapi  # noqa: F401
         import prometheus_client  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as error:
-        raise KilnError(f"`kiln serve` needs FastAPI, uvicorn and prometheus-client ({error}). "
-                        "Fix: pip install 'kiln[serve]'.") from None
+        raise KilnError(
+            f"`kiln serve` needs FastAPI, uvicorn and prometheus-client ({error}). Fix: pip install 'kiln[serve]'."
+        ) from None
     import json
 
     import kiln
@@ -381,15 +484,30 @@ def _serve(args) -> int:
     except (OSError, ValueError):
         ranks = 1  # kiln.load says what is wrong with the artifact
     if ranks > 1:
-        raise KilnError(f"{args.artifact} is sharded over {ranks} ranks, and kiln serve runs one process. "
-                        "Fix: serve an unsharded artifact (compile without --tensor-parallel).")
+        raise KilnError(
+            f"{args.artifact} is sharded over {ranks} ranks, and kiln serve runs one process. "
+            "Fix: serve an unsharded artifact (compile without --tensor-parallel)."
+        )
     llm = kiln.load(args.artifact, expected_sha256=args.expect_sha256)
     llm.engine.max_queue = args.max_queue
     name = args.model_name or Path(args.artifact).resolve().name.removesuffix(".kiln")
-    print(f"[kiln serve] {name} on http://{args.host}:{args.port}/v1 (max_batch={llm.max_batch}, "
-          f"max_seq_len={llm.max_seq_len})", file=sys.stderr, flush=True)
-    serve(llm, args.host, args.port, name, args.max_body_bytes, args.log_level, args.allowed_hosts, api_key,
-          args.speculative)
+    print(
+        f"[kiln serve] {name} on http://{args.host}:{args.port}/v1 (max_batch={llm.max_batch}, "
+        f"max_seq_len={llm.max_seq_len})",
+        file=sys.stderr,
+        flush=True,
+    )
+    serve(
+        llm,
+        args.host,
+        args.port,
+        name,
+        args.max_body_bytes,
+        args.log_level,
+        args.allowed_hosts,
+        api_key,
+        args.speculative,
+    )
     return 0
 
 
@@ -410,16 +528,24 @@ def _api_key(args) -> str | None:
 
 
 def _quality_arguments(commands) -> None:
-    quality = commands.add_parser("quality", help="compare an artifact's next-token distributions with a reference's "
-                                  "(KL divergence, delta p, same top token, perplexity ratio)")
+    quality = commands.add_parser(
+        "quality",
+        help="compare an artifact's next-token distributions with a reference's "
+        "(KL divergence, delta p, same top token, perplexity ratio)",
+    )
     quality.add_argument("artifact")
-    quality.add_argument("--reference", required=True, help="the reference artifact (e.g. compiled without "
-                         "--quantize), or a reference-logits file written by --save-reference")
+    quality.add_argument(
+        "--reference",
+        required=True,
+        help="the reference artifact (e.g. compiled without "
+        "--quantize), or a reference-logits file written by --save-reference",
+    )
     quality.add_argument("--text", help="text file to score (needed with a reference artifact)")
     quality.add_argument("--window", type=int, default=512, help="tokens per window (default 512)")
     quality.add_argument("--windows", type=int, help="how many windows (default: all the text holds)")
-    quality.add_argument("--first", type=int, help="first scored position of a window (default: window // 2, "
-                         "as llama-perplexity)")
+    quality.add_argument(
+        "--first", type=int, help="first scored position of a window (default: window // 2, as llama-perplexity)"
+    )
     quality.add_argument("--top-k", type=int, default=256, help="reference tokens kept per position (default 256)")
     quality.add_argument("--save-reference", metavar="FILE", help="also write the reference's logits to FILE")
     quality.add_argument("--json", action="store_true", help="print the measures as JSON")
@@ -432,9 +558,19 @@ def _quality(args) -> int:
 
     _check_positive(args, "window", "top_k", *(["windows"] if args.windows is not None else []))
     if args.first is not None and args.first < 0:
-        raise OptionError(f"--first must be 0 or more, got {args.first}. Fix: a position in the window, or leave it out.")
-    result = quality(args.artifact, args.reference, Path(args.text) if args.text else None, length=args.window,
-                     windows=args.windows, first=args.first, top_k=args.top_k, save_reference=args.save_reference)
+        raise OptionError(
+            f"--first must be 0 or more, got {args.first}. Fix: a position in the window, or leave it out."
+        )
+    result = quality(
+        args.artifact,
+        args.reference,
+        Path(args.text) if args.text else None,
+        length=args.window,
+        windows=args.windows,
+        first=args.first,
+        top_k=args.top_k,
+        save_reference=args.save_reference,
+    )
     print(json.dumps(result.to_dict(), indent=1) if args.json else result.summary())
     return 0
 

@@ -15,6 +15,7 @@ recently used entries are deleted beyond `$KILN_COMPILE_CACHE_MAX_GB` (default 8
 Files are hard-linked between the cache and artifacts where the file system allows (copied
 otherwise); manifest.json is always copied, since Kiln rewrites an artifact's manifest in place.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -85,13 +86,25 @@ def compile_key(checkpoint_dir: Path, options, backend_version: str, memo_dir: P
     inputs = {
         "format": CACHE_FORMAT,
         "checkpoint": checkpoint_digest(checkpoint_dir, memo),
-        "options": {**asdict(options.backend_options()), "backend": options.backend,
-                    "tensor_parallel": options.tensor_parallel, "calibration": calibration},
-        "versions": {"kiln": _version("kiln"), "kiln_source": source_digest(memo), "torch": torch.__version__,
-                     "transformers": _version("transformers"), "backend": backend_version},
+        "options": {
+            **asdict(options.backend_options()),
+            "backend": options.backend,
+            "tensor_parallel": options.tensor_parallel,
+            "calibration": calibration,
+        },
+        "versions": {
+            "kiln": _version("kiln"),
+            "kiln_source": source_digest(memo),
+            "torch": torch.__version__,
+            "transformers": _version("transformers"),
+            "backend": backend_version,
+        },
         "host": {"machine": platform.machine(), "cpu_flags": _cpu_flags_digest(), "threads": torch.get_num_threads()},
-        "env": {name: value for name, value in sorted(os.environ.items())
-                if (name.startswith(ENV_PREFIXES) or name in ENV_NAMES) and name not in ENV_IGNORED},
+        "env": {
+            name: value
+            for name, value in sorted(os.environ.items())
+            if (name.startswith(ENV_PREFIXES) or name in ENV_NAMES) and name not in ENV_IGNORED
+        },
     }
     memo.save()
     text = json.dumps(inputs, sort_keys=True, separators=(",", ":"))

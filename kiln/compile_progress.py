@@ -10,6 +10,7 @@ seconds the phase took in the previous compile of a similar size, or None when t
 left per phase, or a spinner with the elapsed time when nothing estimates the phase) and as
 `ProgressLines` otherwise (CI, logs: one line per finished phase).
 """
+
 from __future__ import annotations
 
 import os
@@ -41,8 +42,15 @@ class ProgressEvent(str):
     elapsed_s: float | None
     estimate_s: float | None
 
-    def __new__(cls, text: str, kind: str, phase: str | None = None, title: str | None = None,
-                elapsed_s: float | None = None, estimate_s: float | None = None):
+    def __new__(
+        cls,
+        text: str,
+        kind: str,
+        phase: str | None = None,
+        title: str | None = None,
+        elapsed_s: float | None = None,
+        estimate_s: float | None = None,
+    ):
         event = super().__new__(cls, text)
         event.kind, event.phase, event.title = kind, phase, title
         event.elapsed_s, event.estimate_s = elapsed_s, estimate_s
@@ -108,9 +116,16 @@ class ProgressBars:
         estimate = event.estimate_s if event.estimate_s and event.estimate_s > 0 else None
         stream = self.stream or sys.stderr
         sized = _columns(stream) > 0  # a terminal that reports no width gets 80 columns, not an empty bar
-        self._bar = tqdm(total=estimate, file=stream, leave=False, dynamic_ncols=sized, ncols=None if sized else 80,
-                         nrows=None if sized else 24,
-                         desc=f"{self.prefix} {event.title}", bar_format=self._format(estimate))
+        self._bar = tqdm(
+            total=estimate,
+            file=stream,
+            leave=False,
+            dynamic_ncols=sized,
+            ncols=None if sized else 80,
+            nrows=None if sized else 24,
+            desc=f"{self.prefix} {event.title}",
+            bar_format=self._format(estimate),
+        )
         self._stop.clear()
         self._ticker = threading.Thread(target=self._tick, args=(self._bar, estimate), daemon=True)
         self._ticker.start()

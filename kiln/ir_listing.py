@@ -3,6 +3,7 @@
 The listing is the IR's own text form (one node per line, types inline) followed by a
 summary: node counts per op and parameter bytes, so a reader sees the graph's shape at a glance.
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -36,8 +37,10 @@ def load_graph(target: str | None, stateful: bool, max_batch: int, max_seq_len: 
 def summary(graph: Graph) -> str:
     ops = Counter(n.op for n in graph.nodes)
     weights = sum(t.numel() * t.element_size() for t in graph.weights.values())
-    lines = [f"# {len(graph.nodes)} nodes, {len(graph.params)} params ({weights / 1e6:.1f} MB)",
-             "# ops: " + ", ".join(f"{op} {n}" for op, n in ops.most_common())]
+    lines = [
+        f"# {len(graph.nodes)} nodes, {len(graph.params)} params ({weights / 1e6:.1f} MB)",
+        "# ops: " + ", ".join(f"{op} {n}" for op, n in ops.most_common()),
+    ]
     return "\n".join(lines)
 
 

@@ -10,6 +10,7 @@ Scoring runs each context+continuation as one prefill from position 0 (`executab
 logits for every position), several rows per call up to the artifact's max_batch; generation runs
 through `LLM.generate`.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -35,19 +36,30 @@ GENERATION_KEYWORDS = {"temperature", "top_p", "top_k", "min_p", "typical_p", "r
 class KilnLM(TemplateLM):
     """lm-eval's LM interface over a Kiln artifact (`path=`) or an already loaded `LLM` (`llm=`)."""
 
-    def __init__(self, path: str | None = None, llm=None, batch_size: int | str | None = None,
-                 max_length: int | None = None, max_gen_toks: int = 256, check_hashes: bool = True, **ignored):
+    def __init__(
+        self,
+        path: str | None = None,
+        llm=None,
+        batch_size: int | str | None = None,
+        max_length: int | None = None,
+        max_gen_toks: int = 256,
+        check_hashes: bool = True,
+        **ignored,
+    ):
         super().__init__()
         if (path is None) == (llm is None):
-            raise GenerationError("The kiln lm-eval model needs exactly one artifact. "
-                                  "Fix: pass --model_args path=PATH/TO/model.kiln.")
+            raise GenerationError(
+                "The kiln lm-eval model needs exactly one artifact. Fix: pass --model_args path=PATH/TO/model.kiln."
+            )
         if llm is None:
             import kiln
 
             llm = kiln.load(path, check_hashes=_as_bool(check_hashes))
         if llm.tokenizer is None:
-            raise GenerationError("This artifact has no tokenizer, and lm-eval tasks are text. "
-                                  "Fix: recompile from a model directory with tokenizer.json.")
+            raise GenerationError(
+                "This artifact has no tokenizer, and lm-eval tasks are text. "
+                "Fix: recompile from a model directory with tokenizer.json."
+            )
         for name in sorted(set(ignored) - {"device", "max_batch_size"}):
             log.warning("kiln lm-eval model: ignoring model argument %s=%r", name, ignored[name])
         self.llm = llm
@@ -92,10 +104,12 @@ class KilnLM(TemplateLM):
         rows = []
         for _, context, continuation in requests:
             if not continuation or len(continuation) > self._max_length:
-                raise GenerationError(f"A continuation of {len(continuation)} tokens cannot be scored in max_length="
-                                      f"{self._max_length}. Fix: compile the artifact with a longer --max-seq-len.")
-            whole = (list(context) + list(continuation))[-(self._max_length + 1):]
-            rows.append((whole[:-1], whole[-len(continuation):]))
+                raise GenerationError(
+                    f"A continuation of {len(continuation)} tokens cannot be scored in max_length="
+                    f"{self._max_length}. Fix: compile the artifact with a longer --max-seq-len."
+                )
+            whole = (list(context) + list(continuation))[-(self._max_length + 1) :]
+            rows.append((whole[:-1], whole[-len(continuation) :]))
         order = sorted(range(len(rows)), key=lambda i: -len(rows[i][0]))
         results: list[tuple[float, bool] | None] = [None] * len(rows)
         progress = tqdm(total=len(rows), disable=disable_tqdm, desc="kiln: scoring")
@@ -114,9 +128,15 @@ class KilnLM(TemplateLM):
         the first window starts after the prefix token, later ones condition on what came before)."""
         totals = []
         for (text,) in tqdm([r.args for r in requests], disable=disable_tqdm, desc="kiln: rolling windows"):
-            windows = [make_disjoint_window(w) for w in get_rolling_token_windows(
-                token_list=self.tok_encode(text), prefix_token=self.prefix_token_id,
-                max_seq_len=self._max_length, context_len=1)]
+            windows = [
+                make_disjoint_window(w)
+                for w in get_rolling_token_windows(
+                    token_list=self.tok_encode(text),
+                    prefix_token=self.prefix_token_id,
+                    max_seq_len=self._max_length,
+                    context_len=1,
+                )
+            ]
             scored = self._loglikelihood_tokens([(None, ctx, cont) for ctx, cont in windows], disable_tqdm=True)
             totals.append(sum(logprob for logprob, _ in scored))
             self.cache_hook.add_partial("loglikelihood_rolling", (text,), totals[-1])
@@ -138,11 +158,14 @@ class KilnLM(TemplateLM):
             max_new = int(kwargs.pop("max_gen_toks"))
             context_room = self._max_length - max_new
             if context_room <= 0:
-                raise GenerationError(f"max_gen_toks={max_new} leaves no room for a context in max_length="
-                                      f"{self._max_length}. Fix: lower max_gen_toks or compile a longer context.")
+                raise GenerationError(
+                    f"max_gen_toks={max_new} leaves no room for a context in max_length="
+                    f"{self._max_length}. Fix: lower max_gen_toks or compile a longer context."
+                )
             prompts = [self.tok_encode(args[i][0])[-context_room:] or [self.prefix_token_id] for i in indices]
-            outputs = self.llm.generate(prompts, max_new_tokens=max_new, stop=[s for s in until if s],
-                                        **_generation_settings(kwargs))
+            outputs = self.llm.generate(
+                prompts, max_new_tokens=max_new, stop=[s for s in until if s], **_generation_settings(kwargs)
+            )
             for i, output in zip(indices, outputs):
                 results[i] = postprocess_generated_text(output.text, until, None)
                 self.cache_hook.add_partial("generate_until", args[i], results[i])
@@ -178,13 +201,13 @@ class KilnLM(TemplateLM):
         width = max(len(inputs) for inputs, _ in rows)
         tokens = torch.zeros(len(rows), width, dtype=torch.int64)
         for b, (inputs, _) in enumerate(rows):
-            tokens[b, :len(inputs)] = torch.tensor(inputs)
+            tokens[b, : len(inputs)] = torch.tensor(inputs)
         positions = torch.arange(width).expand(len(rows), width).contiguous()
         with torch.no_grad(), self._executable() as executable:
             logits = executable.run(tokens, positions)
         scored = []
         for b, (inputs, continuation) in enumerate(rows):
-            tail = logits[b, len(inputs) - len(continuation):len(inputs)].float()
+            tail = logits[b, len(inputs) - len(continuation) : len(inputs)].float()
             log_probs = torch.log_softmax(tail, dim=-1)
             target = torch.tensor(continuation)
             logprob = float(log_probs.gather(-1, target[:, None]).sum())

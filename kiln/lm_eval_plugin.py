@@ -11,6 +11,7 @@ fixed table; it has no entry-point discovery. So Kiln registers itself:
   - `python -m kiln.lm_eval_plugin ARGS...` is `lm_eval ARGS...` with the model registered, for
     an installation without the startup file.
 """
+
 from __future__ import annotations
 
 import importlib.abc

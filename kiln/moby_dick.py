@@ -9,6 +9,7 @@ Calibration (the awq schemes' default) reads chapters 2, 4 and 5, bundled with K
 kiln/data/moby_dick_calibration.txt, so compiling needs no network. Perplexity is measured on
 other chapters (EVALUATION_CHAPTERS), so no text is both calibrated on and evaluated on.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -47,12 +48,16 @@ def fetch_chapters() -> Path:
         with urllib.request.urlopen(TARBALL_URL, timeout=60) as response:
             data = response.read()
     except OSError as error:
-        raise DatasetError(f"cannot download {TARBALL_URL} ({error}); check the network, or put the tarball's "
-                           f"package/data/*.txt files into {target}") from None
+        raise DatasetError(
+            f"cannot download {TARBALL_URL} ({error}); check the network, or put the tarball's "
+            f"package/data/*.txt files into {target}"
+        ) from None
     digest = hashlib.sha256(data).hexdigest()
     if digest != TARBALL_SHA256:
-        raise DatasetError(f"{TARBALL_URL} has sha256 {digest}, expected {TARBALL_SHA256}: the download is "
-                           "damaged or the package changed; retry, or pin another copy")
+        raise DatasetError(
+            f"{TARBALL_URL} has sha256 {digest}, expected {TARBALL_SHA256}: the download is "
+            "damaged or the package changed; retry, or pin another copy"
+        )
     partial = target.with_name(target.name + ".partial")
     partial.mkdir(parents=True, exist_ok=True)
     with tarfile.open(fileobj=io.BytesIO(data), mode="r:gz") as archive:

@@ -5,6 +5,7 @@ scheme, with the size of the checkpoint's weights: a phase's estimate is its lat
 the nearest size within a factor of two, scaled by the size ratio. Nothing nearer means no
 estimate (the display shows a spinner with the elapsed time instead).
 """
+
 from __future__ import annotations
 
 import json
@@ -76,5 +77,8 @@ class PhaseTimes:
 
 def _is_record(record) -> bool:
     """[size in bytes, seconds], as `save` writes them (a hand-edited file may hold anything)."""
-    return (isinstance(record, list) and len(record) == 2
-            and all(isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 for x in record))
+    return (
+        isinstance(record, list)
+        and len(record) == 2
+        and all(isinstance(x, (int, float)) and not isinstance(x, bool) and x >= 0 for x in record)
+    )

@@ -10,6 +10,7 @@ every position is solved from its logits (kiln.runtime.last_hidden), exactly as 
 at generation time. The result is cached beside the artifact, keyed by its weights and the
 sources, so training other kinds or resuming skips the collection.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -45,9 +46,11 @@ class Corpus:
     def positions(self, stages: int, replies: bool) -> torch.Tensor:
         """Global indices p with p+1 .. p+stages+1 inside the same sequence, past learn_from."""
         ends = self.starts[1:] + [len(self.tokens)]
-        picked = [torch.arange(start + first, end - stages - 1)
-                  for start, end, first, reply in zip(self.starts, ends, self.learn_from, self.replies)
-                  if reply == replies and end - stages - 1 > start + first]
+        picked = [
+            torch.arange(start + first, end - stages - 1)
+            for start, end, first, reply in zip(self.starts, ends, self.learn_from, self.replies)
+            if reply == replies and end - stages - 1 > start + first
+        ]
         return torch.cat(picked) if picked else torch.zeros(0, dtype=torch.long)
 
 
@@ -58,8 +61,11 @@ def read_prompts(path: Path = PROMPTS_FILE) -> list[str]:
 def source_key(llm, texts: list[str], prompts: list[str], reply_tokens: int) -> str:
     """What identifies a corpus: the artifact's weights and graph, and the sources."""
     files = llm.manifest.get("files", {})
-    parts = [files.get("weights.safetensors", {}).get("sha256", ""), llm.manifest.get("ir_hash", ""),
-             json.dumps([texts, prompts, reply_tokens])]
+    parts = [
+        files.get("weights.safetensors", {}).get("sha256", ""),
+        llm.manifest.get("ir_hash", ""),
+        json.dumps([texts, prompts, reply_tokens]),
+    ]
     return hashlib.sha256("\n".join(parts).encode("utf-8")).hexdigest()
 
 
@@ -73,21 +79,26 @@ def default_texts(extra_files: list[Path], base: list[str] | None = None) -> lis
     return texts
 
 
-def collect(llm, head: OutputHead, texts: list[str], prompts: list[str], reply_tokens: int,
-            report=print) -> Corpus:
+def collect(llm, head: OutputHead, texts: list[str], prompts: list[str], reply_tokens: int, report=print) -> Corpus:
     """Run the artifact over the texts and over its replies to the prompts; return the corpus."""
     tokenizer = llm.tokenizer
     if tokenizer is None:
-        raise SpeculatorError("This artifact has no tokenizer, so it cannot read the training text. "
-                              "Fix: compile from a model directory with tokenizer.json.")
+        raise SpeculatorError(
+            "This artifact has no tokenizer, so it cannot read the training text. "
+            "Fix: compile from a model directory with tokenizer.json."
+        )
     chunk = min(llm.max_seq_len, 512)
-    sequences = [(ids[i:i + chunk], 0, False) for text in texts
-                 for ids in [tokenizer.encode(text, add_special_tokens=False)] for i in range(0, len(ids), chunk)]
+    sequences = [
+        (ids[i : i + chunk], 0, False)
+        for text in texts
+        for ids in [tokenizer.encode(text, add_special_tokens=False)]
+        for i in range(0, len(ids), chunk)
+    ]
     started = time.perf_counter()
     for i, prompt in enumerate(prompts):
         ids = tokenizer.encode_chat([{"role": "user", "content": prompt}])
         reply = llm.generate(ids, max_new_tokens=max(1, min(reply_tokens, llm.max_seq_len - len(ids) - 1)))
-        sequences.append(((ids + reply.token_ids)[:llm.max_seq_len], len(ids) - 1, True))
+        sequences.append(((ids + reply.token_ids)[: llm.max_seq_len], len(ids) - 1, True))
         if (i + 1) % REPORT_EVERY == 0 or i + 1 == len(prompts):
             elapsed = time.perf_counter() - started
             report(f"replies {i + 1}/{len(prompts)}, ETA {_clock(elapsed / (i + 1) * (len(prompts) - i - 1))}")
@@ -101,15 +112,24 @@ def collect(llm, head: OutputHead, texts: list[str], prompts: list[str], reply_t
             if i == 0:
                 error = to_hidden.relative_error(head, logits)
                 if error > MAX_LINEAR_ERROR:
-                    raise SpeculatorError(f"The artifact's logits are not its lm_head applied to one hidden state "
-                                          f"(relative error {error:.1e}). Fix: use prompt lookup or a draft model.")
+                    raise SpeculatorError(
+                        f"The artifact's logits are not its lm_head applied to one hidden state "
+                        f"(relative error {error:.1e}). Fix: use prompt lookup or a draft model."
+                    )
             starts.append(sum(len(t) for t in tokens))
             tokens.append(torch.tensor(ids))
             hidden.append(to_hidden(logits))
             if (i + 1) % REPORT_EVERY == 0 or i + 1 == len(sequences):
                 report(f"hidden states {i + 1}/{len(sequences)}")
-    return Corpus(torch.cat(tokens), torch.cat(hidden), starts, [s[1] for s in sequences], [s[2] for s in sequences],
-                  ranking, to_hidden.rows)
+    return Corpus(
+        torch.cat(tokens),
+        torch.cat(hidden),
+        starts,
+        [s[1] for s in sequences],
+        [s[2] for s in sequences],
+        ranking,
+        to_hidden.rows,
+    )
 
 
 def frequency_ranking(sequences: list[list[int]], vocab: int) -> torch.Tensor:

@@ -7,6 +7,7 @@ draw positions from text, the rest from the model's replies; a tenth of the repl
 for the accuracy report. The learning rate warms up over the first 5% of steps, then decays
 along a cosine to a tenth.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,19 +35,22 @@ def vocab_index(vocab_ids: torch.Tensor, vocab: int) -> torch.Tensor:
 class Trainer:
     def __init__(self, heads: DraftHeads, corpus: data.Corpus, targets: torch.Tensor, config):
         self.heads, self.corpus, self.targets, self.config = heads, corpus, targets, config
-        self.optimizer = torch.optim.AdamW([p for p in heads.parameters() if p.requires_grad], lr=config.lr,
-                                           weight_decay=0.01)
+        self.optimizer = torch.optim.AdamW(
+            [p for p in heads.parameters() if p.requires_grad], lr=config.lr, weight_decay=0.01
+        )
         self.generator = torch.Generator().manual_seed(config.seed)
         text = corpus.positions(config.stages, replies=False)
         replies = corpus.positions(config.stages, replies=True)
         # the replies' last tenth is held out for the accuracy report
         held = max(1, len(replies) // 10) if len(replies) > 10 else 0
-        self.held_out = replies[len(replies) - held:] if held else text[-max(1, len(text) // 10):]
-        replies = replies[:len(replies) - held] if held else replies
+        self.held_out = replies[len(replies) - held :] if held else text[-max(1, len(text) // 10) :]
+        replies = replies[: len(replies) - held] if held else replies
         self.pools = (text if len(text) else replies, replies if len(replies) else text)
         if not len(self.pools[0]):
-            raise data.SpeculatorError(f"The corpus has no sequence longer than {config.stages + 1} tokens. "
-                                       "Fix: give more text (--data FILE) or fewer --stages.")
+            raise data.SpeculatorError(
+                f"The corpus has no sequence longer than {config.stages + 1} tokens. "
+                "Fix: give more text (--data FILE) or fewer --stages."
+            )
         self.step, self.last_loss = 0, float("nan")
 
     def _lr(self, step: int) -> float:
@@ -66,8 +70,10 @@ class Trainer:
         hidden, fed, wanted = self.batch(positions)
         logits = self.heads(hidden, fed)
         losses = [F.cross_entropy(out, wanted[:, i], ignore_index=IGNORE) for i, out in enumerate(logits)]
-        accuracy = [float(((out.argmax(-1) == wanted[:, i]) & (wanted[:, i] != IGNORE)).float().mean())
-                    for i, out in enumerate(logits)]
+        accuracy = [
+            float(((out.argmax(-1) == wanted[:, i]) & (wanted[:, i] != IGNORE)).float().mean())
+            for i, out in enumerate(logits)
+        ]
         total = sum(torch.nan_to_num(loss) for loss in losses)  # a batch with no target in the vocabulary
         return total, accuracy
 
@@ -91,9 +97,11 @@ class Trainer:
                 if self.step % log_every == 0 or self.step == config.steps:
                     rate = (time.perf_counter() - started) / (self.step - first)
                     phase = "text" if self.step <= phase_change else "replies"
-                    report(f"step {self.step}/{config.steps} ({phase}) loss {self.last_loss:.3f} accuracy "
-                           f"{' '.join(f'{a:.2f}' for a in accuracy)} | {rate:.2f} s/step, "
-                           f"ETA {data._clock(rate * (config.steps - self.step))}")
+                    report(
+                        f"step {self.step}/{config.steps} ({phase}) loss {self.last_loss:.3f} accuracy "
+                        f"{' '.join(f'{a:.2f}' for a in accuracy)} | {rate:.2f} s/step, "
+                        f"ETA {data._clock(rate * (config.steps - self.step))}"
+                    )
                 if self.step % checkpoint_every == 0:
                     save()
         except KeyboardInterrupt:
@@ -109,15 +117,22 @@ class Trainer:
         would accept per draft)."""
         positions = self.held_out[:4096]
         hidden, fed, wanted = self.batch(positions)
-        accuracy = [float(((out.argmax(-1) == wanted[:, i]) & (wanted[:, i] != IGNORE)).float().mean())
-                    for i, out in enumerate(self.heads(hidden, fed))]
+        accuracy = [
+            float(((out.argmax(-1) == wanted[:, i]) & (wanted[:, i] != IGNORE)).float().mean())
+            for i, out in enumerate(self.heads(hidden, fed))
+        ]
         truth = self.corpus.tokens[positions[:, None] + torch.arange(2, self.config.stages + 2)]
         right = (self.heads.chains(hidden, fed[:, 0]) == truth).long()
         return accuracy, float(right.cumprod(dim=1).sum(dim=1).float().mean())
 
     def save(self, path: Path) -> None:
-        state = {"config": dataclasses.asdict(self.config), "step": self.step, "heads": self.heads.state_dict(),
-                 "optimizer": self.optimizer.state_dict(), "generator": self.generator.get_state()}
+        state = {
+            "config": dataclasses.asdict(self.config),
+            "step": self.step,
+            "heads": self.heads.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "generator": self.generator.get_state(),
+        }
         temporary = path.with_name(path.name + ".tmp")
         torch.save(state, temporary)
         os.replace(temporary, path)

@@ -12,6 +12,7 @@ checkpoint live in ARTIFACT.speculator/ beside the artifact until training ends.
 
 Then `llm.generate(prompt, speculative="heads")` drafts with them.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -46,20 +47,31 @@ class TrainConfig:
         for name in ("stages", "steps", "batch", "reply_tokens"):
             if getattr(self, name) < 1:
                 flag = f"--{name.replace('_', '-')}"
-                raise OptionError(f"{flag} must be at least 1, got {getattr(self, name)}. Fix: pass a positive "
-                                  f"number ({flag} N).")
+                raise OptionError(
+                    f"{flag} must be at least 1, got {getattr(self, name)}. Fix: pass a positive number ({flag} N)."
+                )
         if self.draft_vocab < 0 or not 0 <= self.text_fraction <= 1 or not self.lr > 0:
-            raise OptionError("--draft-vocab must be >= 0 (0: all tokens), --text-fraction within [0, 1] and "
-                              "--lr positive. Fix: e.g. --draft-vocab 8192 --text-fraction 0.4 --lr 1e-3.")
+            raise OptionError(
+                "--draft-vocab must be >= 0 (0: all tokens), --text-fraction within [0, 1] and "
+                "--lr positive. Fix: e.g. --draft-vocab 8192 --text-fraction 0.4 --lr 1e-3."
+            )
 
 
 def work_dir(artifact: Path) -> Path:
     return artifact.with_name(artifact.name + ".speculator")
 
 
-def train_speculator(llm, artifact: Path, config: TrainConfig, data_files=(), prompts: list[str] | None = None,
-                     texts: list[str] | None = None, report=print, log_every: int = 50,
-                     checkpoint_every: int = 100) -> dict:
+def train_speculator(
+    llm,
+    artifact: Path,
+    config: TrainConfig,
+    data_files=(),
+    prompts: list[str] | None = None,
+    texts: list[str] | None = None,
+    report=print,
+    log_every: int = 50,
+    checkpoint_every: int = 100,
+) -> dict:
     """Train heads of `config.kind` for the loaded `llm` (from `artifact`) and store them there;
     returns the training summary recorded in the manifest. `prompts` and `texts` replace the
     bundled chat prompts and text; `data_files` add text."""
@@ -73,7 +85,7 @@ def train_speculator(llm, artifact: Path, config: TrainConfig, data_files=(), pr
     started, cpu_started = time.perf_counter(), time.process_time()
     head = output_head(llm.graph)
     corpus = _corpus(llm, head, artifact, config, data_files, prompts, texts, report)
-    vocab_ids = corpus.ranking[:config.draft_vocab] if config.draft_vocab else corpus.ranking
+    vocab_ids = corpus.ranking[: config.draft_vocab] if config.draft_vocab else corpus.ranking
     torch.manual_seed(config.seed)
     heads = build_heads(config.kind, head, config.stages, vocab_ids, config.head)
     targets = vocab_index(vocab_ids, head.weight.shape[0])
@@ -82,15 +94,21 @@ def train_speculator(llm, artifact: Path, config: TrainConfig, data_files=(), pr
     trainer.resume(checkpoint, report)
     trainer.run(report, log_every, lambda: trainer.save(checkpoint), checkpoint_every)
     accuracy, accepted = trainer.evaluate()
-    summary = {"steps": config.steps, "loss": round(trainer.last_loss, 4),
-               "stage_accuracy": [round(a, 3) for a in accuracy], "accepted_per_draft": round(accepted, 3),
-               "minutes": round((time.perf_counter() - started) / 60, 1),
-               "cpu_minutes": round((time.process_time() - cpu_started) / 60, 1),
-               "config": dataclasses.asdict(config)}
+    summary = {
+        "steps": config.steps,
+        "loss": round(trainer.last_loss, 4),
+        "stage_accuracy": [round(a, 3) for a in accuracy],
+        "accepted_per_draft": round(accepted, 3),
+        "minutes": round((time.perf_counter() - started) / 60, 1),
+        "cpu_minutes": round((time.process_time() - cpu_started) / 60, 1),
+        "config": dataclasses.asdict(config),
+    }
     save_heads(heads, corpus.inverse_rows, artifact, llm.manifest.get("source_hash"), summary)
     checkpoint.unlink(missing_ok=True)
-    report(f"wrote {artifact}/speculator.{config.kind}.safetensors: held out, accuracy per stage "
-           f"{summary['stage_accuracy']}, {accepted:.2f} of {config.stages} drafts accepted; {summary['minutes']} min")
+    report(
+        f"wrote {artifact}/speculator.{config.kind}.safetensors: held out, accuracy per stage "
+        f"{summary['stage_accuracy']}, {accepted:.2f} of {config.stages} drafts accepted; {summary['minutes']} min"
+    )
     return summary
 
 
@@ -106,8 +124,7 @@ def _corpus(llm, head, artifact: Path, config: TrainConfig, data_files, prompts,
         path.parent.mkdir(parents=True, exist_ok=True)
         corpus = data.collect(llm, head, texts, prompts, config.reply_tokens, report)
         data.save_corpus(corpus, path, key)
-    report(f"corpus: {len(corpus.tokens)} tokens in {len(corpus.starts)} sequences "
-           f"({sum(corpus.replies)} replies)")
+    report(f"corpus: {len(corpus.tokens)} tokens in {len(corpus.starts)} sequences ({sum(corpus.replies)} replies)")
     return corpus
 
 
@@ -119,32 +136,60 @@ def add_arguments(commands) -> None:
     parser.add_argument("artifact")
     parser.add_argument("--kind", default=defaults.kind, help=f"one of {', '.join(KINDS)}")
     parser.add_argument("--stages", type=int, default=defaults.stages, help="tokens drafted per step")
-    parser.add_argument("--head", default=defaults.head, help="own: trained vocabulary heads; tied: the model's "
-                        "lm_head rows")
-    parser.add_argument("--draft-vocab", type=int, default=defaults.draft_vocab,
-                        help="how many of the most frequent tokens the heads can draft (0: all)")
+    parser.add_argument(
+        "--head", default=defaults.head, help="own: trained vocabulary heads; tied: the model's lm_head rows"
+    )
+    parser.add_argument(
+        "--draft-vocab",
+        type=int,
+        default=defaults.draft_vocab,
+        help="how many of the most frequent tokens the heads can draft (0: all)",
+    )
     parser.add_argument("--steps", type=int, default=defaults.steps)
     parser.add_argument("--batch", type=int, default=defaults.batch)
     parser.add_argument("--lr", type=float, default=defaults.lr)
-    parser.add_argument("--text-fraction", type=float, default=defaults.text_fraction,
-                        help="the share of steps on text before the model's own replies")
-    parser.add_argument("--reply-tokens", type=int, default=defaults.reply_tokens,
-                        help="tokens of each reply to the bundled chat prompts")
+    parser.add_argument(
+        "--text-fraction",
+        type=float,
+        default=defaults.text_fraction,
+        help="the share of steps on text before the model's own replies",
+    )
+    parser.add_argument(
+        "--reply-tokens",
+        type=int,
+        default=defaults.reply_tokens,
+        help="tokens of each reply to the bundled chat prompts",
+    )
     parser.add_argument("--data", action="append", default=[], help="more training text (a UTF-8 file; repeatable)")
     parser.add_argument("--log-every", type=int, default=50)
     parser.add_argument("--seed", type=int, default=defaults.seed)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: one per core; on a "
-                        "machine others keep busy, 1 is often faster)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="torch threads (default: one per core; on a machine others keep busy, 1 is often faster)",
+    )
 
 
 def run_command(args) -> int:
-    config = TrainConfig(kind=args.kind, stages=args.stages, head=args.head, draft_vocab=args.draft_vocab,
-                         steps=args.steps, batch=args.batch, lr=args.lr, text_fraction=args.text_fraction,
-                         reply_tokens=args.reply_tokens, seed=args.seed)
+    config = TrainConfig(
+        kind=args.kind,
+        stages=args.stages,
+        head=args.head,
+        draft_vocab=args.draft_vocab,
+        steps=args.steps,
+        batch=args.batch,
+        lr=args.lr,
+        text_fraction=args.text_fraction,
+        reply_tokens=args.reply_tokens,
+        seed=args.seed,
+    )
     config.check()
     if args.log_every < 1 or (args.threads is not None and args.threads < 1):
-        raise OptionError(f"--log-every and --threads must be at least 1, got {args.log_every} and {args.threads}. "
-                          "Fix: pass positive numbers (or leave them out).")
+        raise OptionError(
+            f"--log-every and --threads must be at least 1, got {args.log_every} and {args.threads}. "
+            "Fix: pass positive numbers (or leave them out)."
+        )
     import torch
 
     import kiln
@@ -154,6 +199,7 @@ def run_command(args) -> int:
 
     artifact = Path(args.artifact)
     llm = kiln.load(artifact)
-    train_speculator(llm, artifact, config, args.data, report=lambda line: print(line, flush=True),
-                     log_every=args.log_every)
+    train_speculator(
+        llm, artifact, config, args.data, report=lambda line: print(line, flush=True), log_every=args.log_every
+    )
     return 0

@@ -6,6 +6,7 @@ names a factory returning `(module, inputs)` (the form `compile-model explain fi
 takes; inputs that calls mutate come as a function making fresh ones) and whether Kiln's
 remedies must bring it to a single graph.
 """
+
 from __future__ import annotations
 
 import logging

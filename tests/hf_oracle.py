@@ -1,4 +1,5 @@
 """The oracle: Hugging Face's greedy continuation, and the prompts the end-to-end tests feed."""
+
 import torch
 
 from tiny_models import VOCAB_SIZE
@@ -8,11 +9,12 @@ def hf_greedy(model, prompt: list[int], new_tokens: int, eos_ids) -> list[int]:
     """Hugging Face's greedy continuation, cut after the first end-of-sequence token."""
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                             do_sample=False, pad_token_id=0)[0, len(prompt):].tolist()
+        out = model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False, pad_token_id=0
+        )[0, len(prompt) :].tolist()
     for i, t in enumerate(out):
         if t in eos_ids:
-            return out[:i + 1]
+            return out[: i + 1]
     return out
 
 

@@ -1,4 +1,5 @@
 """Serving an app on a loopback port for the `openai` client: uvicorn in a daemon thread."""
+
 from __future__ import annotations
 
 import contextlib
@@ -16,9 +17,13 @@ def tiny_llama_artifact(tiny_model_dirs, tmp_path_factory):
     """The tiny Llama compiled once per session for the server tests (reference backend, context
     128, max_batch 4: concurrent requests share the KV rows); each module loads its own LLM."""
     if "llama" not in _ARTIFACTS:
-        _ARTIFACTS["llama"] = kiln.compile(str(tiny_model_dirs("llama")),
-                                           out=tmp_path_factory.mktemp("served") / "tiny-llama.kiln",
-                                           backend="reference", max_seq_len=128, max_batch=4)
+        _ARTIFACTS["llama"] = kiln.compile(
+            str(tiny_model_dirs("llama")),
+            out=tmp_path_factory.mktemp("served") / "tiny-llama.kiln",
+            backend="reference",
+            max_seq_len=128,
+            max_batch=4,
+        )
     return _ARTIFACTS["llama"]
 
 

@@ -8,6 +8,7 @@ stacked weights are gathered by the chosen ids. Each tiny seeded model must give
 interpreter's logits within 1e-4 of Hugging Face's, and on each backend greedy tokens identical
 to Hugging Face's for one prompt and for a batch of two prompts of different lengths.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -29,8 +30,11 @@ NEW_TOKENS = 32
 OPTIONS = BackendOptions(max_batch=2, max_seq_len=128)
 BATCHES = {"one": prompts([9]), "two": prompts([5, 12], seed=1)}
 # tinygrad's first steps of each shape and Inductor's compiles take 20-60 s per model on two cores.
-BACKENDS = ["onnxruntime", pytest.param("tinygrad", marks=pytest.mark.slow),
-            pytest.param("inductor", marks=pytest.mark.slow)]
+BACKENDS = [
+    "onnxruntime",
+    pytest.param("tinygrad", marks=pytest.mark.slow),
+    pytest.param("inductor", marks=pytest.mark.slow),
+]
 ALIBI = {"bloom", "mpt"}
 MOE = {"mixtral", "olmoe"}
 
@@ -44,8 +48,10 @@ def compiled(tiny_model_dirs):
         if family not in cache:
             model = load_model(tiny_model_dirs(family)).model
             graph = run_pipeline(capture_causal_lm(model, OPTIONS.max_batch, OPTIONS.max_seq_len), OPTIONS)
-            expected = {name: [hf_greedy(model, p, NEW_TOKENS, {EOS_TOKEN_ID}) for p in batch]
-                        for name, batch in BATCHES.items()}
+            expected = {
+                name: [hf_greedy(model, p, NEW_TOKENS, {EOS_TOKEN_ID}) for p in batch]
+                for name, batch in BATCHES.items()
+            }
             cache[family] = graph, model, expected
         return cache[family]
 

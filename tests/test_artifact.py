@@ -1,4 +1,5 @@
 """The artifact directory: a round trip, and a clear ArtifactError for each way it can be wrong."""
+
 from __future__ import annotations
 
 import hashlib
@@ -47,8 +48,12 @@ def tokenizer_dir(tmp_path):
 @pytest.fixture
 def artifact(tmp_path, tokenizer_dir):
     graph = tiny_graph()
-    fields = {"backend": "reference", "backend_version": torch.__version__, "source_hash": "0" * 64,
-              "options": {"max_batch": 1, "max_seq_len": 16, "dtype": "f32", "quantize": None}}
+    fields = {
+        "backend": "reference",
+        "backend_version": torch.__version__,
+        "source_hash": "0" * 64,
+        "options": {"max_batch": 1, "max_seq_len": 16, "dtype": "f32", "quantize": None},
+    }
     return save_artifact(tmp_path / "model.kiln", graph, ReferenceExecutable(graph, OPTIONS), tokenizer_dir, fields)
 
 
@@ -78,14 +83,22 @@ def test_round_trip_keeps_graph_weights_and_manifest(artifact):
     m = contents.manifest
     assert (m["format"], m["format_version"], m["backend"]) == ("kiln-artifact", FORMAT_VERSION, "reference")
     assert m["ir_hash"] == hashlib.sha256((artifact / "graph.kir").read_bytes()).hexdigest()
-    assert set(m["files"]) == {"graph.kir", "weights.safetensors", "tokenizer.json", "tokenizer_config.json",
-                               "generation_config.json"}
+    assert set(m["files"]) == {
+        "graph.kir",
+        "weights.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "generation_config.json",
+    }
 
 
 def test_loaded_artifact_generates_like_the_graph_it_came_from(artifact, tokenizer_dir):
     llm = kiln.load(artifact)
     expected = LLM(ReferenceExecutable(tiny_graph(), OPTIONS), Tokenizer.from_dir(tokenizer_dir))
-    assert llm.generate("Once upon", max_new_tokens=4).token_ids == expected.generate("Once upon", max_new_tokens=4).token_ids
+    assert (
+        llm.generate("Once upon", max_new_tokens=4).token_ids
+        == expected.generate("Once upon", max_new_tokens=4).token_ids
+    )
 
 
 def test_saving_replaces_an_artifact_but_refuses_other_directories(artifact, tmp_path):
@@ -101,7 +114,9 @@ def test_saving_replaces_an_artifact_but_refuses_other_directories(artifact, tmp
 def test_tied_weights_sharing_storage_are_saved(tmp_path):
     graph = tiny_graph()
     graph.add_param("embed_copy", graph.weights["embed"])
-    save_artifact(tmp_path / "a", graph, ReferenceExecutable(graph, OPTIONS), None, {"backend": "reference", "options": {}})
+    save_artifact(
+        tmp_path / "a", graph, ReferenceExecutable(graph, OPTIONS), None, {"backend": "reference", "options": {}}
+    )
     assert set(read_artifact(tmp_path / "a").graph.weights) == {"embed", "embed_copy"}
 
 
@@ -170,7 +185,9 @@ def test_graph_that_does_not_verify(artifact):
 def test_weights_missing_a_parameter(artifact, tmp_path):
     save_file({"other": torch.zeros(2)}, str(tmp_path / "w.safetensors"))
     replace_file(artifact, "weights.safetensors", (tmp_path / "w.safetensors").read_bytes())
-    with pytest.raises(ArtifactError, match=r"weights.safetensors does not match graph.kir's parameters \(missing \['embed'\]"):
+    with pytest.raises(
+        ArtifactError, match=r"weights.safetensors does not match graph.kir's parameters \(missing \['embed'\]"
+    ):
         read_artifact(artifact)
 
 
@@ -218,8 +235,14 @@ def test_a_dtype_the_target_cannot_run_is_refused_before_any_work(tmp_path):
     with pytest.raises(ValueError, match=r"device 'cuda': the inductor backend runs on the CPU only"):
         kiln.compile(str(tmp_path / "missing-model"), out=tmp_path / "m.kiln", device="cuda")
     with pytest.raises(ValueError, match=r"quantize='int8' with dtype 'f16' is not supported yet"):
-        kiln.compile(str(tmp_path / "missing-model"), out=tmp_path / "m.kiln", dtype="f16", device="cuda",
-                     backend="onnxruntime", quantize="int8")
+        kiln.compile(
+            str(tmp_path / "missing-model"),
+            out=tmp_path / "m.kiln",
+            dtype="f16",
+            device="cuda",
+            backend="onnxruntime",
+            quantize="int8",
+        )
 
 
 # -- the manifest's own integrity, and pinning an artifact ----------------------------------------
@@ -262,8 +285,9 @@ def test_cli_expect_sha256_pins_the_artifact_for_generate_and_serve(artifact, ca
     from kiln.runtime.artifact import manifest_sha256
 
     pin = manifest_sha256(artifact)
-    assert kiln_main(["generate", str(artifact), "--prompt", "Once", "--max-new-tokens", "2",
-                      "--expect-sha256", pin]) == 0
+    assert (
+        kiln_main(["generate", str(artifact), "--prompt", "Once", "--max-new-tokens", "2", "--expect-sha256", pin]) == 0
+    )
     capsys.readouterr()
     for command in (["generate", str(artifact), "--prompt", "Once"], ["serve", str(artifact)]):
         assert kiln_main([*command, "--expect-sha256", "0" * 64]) == 2
@@ -271,8 +295,9 @@ def test_cli_expect_sha256_pins_the_artifact_for_generate_and_serve(artifact, ca
         assert err.startswith("error: ") and err.count("\n") == 1 and f"not the expected {'0' * 64}" in err
 
 
-@pytest.mark.parametrize("option, value", [("threads", -5), ("max_batch", 0), ("max_seq_len", "1024"),
-                                           ("quantize_embeddings", "yes")])
+@pytest.mark.parametrize(
+    "option, value", [("threads", -5), ("max_batch", 0), ("max_seq_len", "1024"), ("quantize_embeddings", "yes")]
+)
 def test_options_no_backend_can_run_with_are_refused_even_in_a_resealed_manifest(artifact, option, value):
     import dataclasses
 
@@ -292,8 +317,12 @@ def test_an_artifact_compiled_before_an_op_gained_an_attribute_loads_with_its_de
     graph = tiny_graph()
     bias = graph.call("mean", graph.params["embed"], axes=(1,), keepdim=False)  # [vocab]
     graph.outputs = [graph.call("add", graph.outputs[0], bias, name="biased_logits")]
-    fields = {"backend": "reference", "backend_version": torch.__version__, "source_hash": "0" * 64,
-              "options": {"max_batch": 1, "max_seq_len": 16, "dtype": "f32", "quantize": None}}
+    fields = {
+        "backend": "reference",
+        "backend_version": torch.__version__,
+        "source_hash": "0" * 64,
+        "options": {"max_batch": 1, "max_seq_len": 16, "dtype": "f32", "quantize": None},
+    }
     path = save_artifact(tmp_path / "m.kiln", graph, ReferenceExecutable(graph, OPTIONS), tokenizer_dir, fields)
     text = (path / "graph.kir").read_text()
     older = text.replace(", keepdim=false", "")

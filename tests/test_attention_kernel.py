@@ -1,4 +1,5 @@
 """Attention over a static KV cache lowered to Kiln's kernel (backends/inductor/fast_attention.py)."""
+
 from __future__ import annotations
 
 import math
@@ -10,8 +11,9 @@ from kiln.backends.inductor import composite_ops, fast_attention, graph_to_fx
 from kiln.ir import Graph, TensorType, run_graph
 from kiln.ir.ops.attention import attention_reference
 
-pytestmark = pytest.mark.skipif(not fast_attention.kernel_available(),
-                                reason="the attention kernel cannot be built here")
+pytestmark = pytest.mark.skipif(
+    not fast_attention.kernel_available(), reason="the attention kernel cannot be built here"
+)
 
 
 def cached_attention(q, k, v, positions, window=0):
@@ -26,13 +28,16 @@ def positions_for(batch: int, seq: int, slots: int, generator: torch.Generator) 
     return starts[:, None] + torch.arange(seq)
 
 
-@pytest.mark.parametrize("batch,heads,kv_heads,seq,head_dim,window", [
-    (1, 9, 3, 1, 64, 0),    # SmolLM2 decode
-    (2, 4, 2, 3, 20, 0),    # a few queries (speculative verification), head dim not a multiple of 8
-    (3, 8, 2, 8, 64, 7),    # sliding window, the most queries the kernel takes
-    (2, 6, 3, 24, 32, 0),   # a prefill chunk: ATen's attention over the used slots
-    (2, 4, 4, 16, 16, 5),   # prefill with a window, no grouping
-])
+@pytest.mark.parametrize(
+    "batch,heads,kv_heads,seq,head_dim,window",
+    [
+        (1, 9, 3, 1, 64, 0),  # SmolLM2 decode
+        (2, 4, 2, 3, 20, 0),  # a few queries (speculative verification), head dim not a multiple of 8
+        (3, 8, 2, 8, 64, 7),  # sliding window, the most queries the kernel takes
+        (2, 6, 3, 24, 32, 0),  # a prefill chunk: ATen's attention over the used slots
+        (2, 4, 4, 16, 16, 5),  # prefill with a window, no grouping
+    ],
+)
 def test_the_kernel_matches_the_irs_attention(batch, heads, kv_heads, seq, head_dim, window):
     generator = torch.Generator().manual_seed(seq * 31 + heads)
     slots = 48
@@ -80,8 +85,12 @@ def test_stateful_attention_lowers_to_the_kernel_and_matches_the_interpreter(win
     module = graph_to_fx(graph)
     assert torch.ops.kiln.cached_attention in called_functions(module)
     generator = torch.Generator().manual_seed(window)
-    feeds = [torch.randn(2, 6, 3, 16, generator=generator), torch.randn(2, 2, 24, 16, generator=generator),
-             torch.randn(2, 2, 24, 16, generator=generator), torch.tensor([[4, 5, 6], [20, 21, 22]])]
+    feeds = [
+        torch.randn(2, 6, 3, 16, generator=generator),
+        torch.randn(2, 2, 24, 16, generator=generator),
+        torch.randn(2, 2, 24, 16, generator=generator),
+        torch.tensor([[4, 5, 6], [20, 21, 22]]),
+    ]
     torch.testing.assert_close(module(*feeds)[0], run_graph(graph, feeds)[0], atol=1e-5, rtol=1e-5)
 
 

@@ -1,5 +1,6 @@
 """The graph-break corpus: every model breaks for its own reason, and the report must name the
 right category at the right line; the eliminable ones must come out as one graph."""
+
 from __future__ import annotations
 
 import pytest

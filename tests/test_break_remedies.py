@@ -1,5 +1,6 @@
 """Each automatic remedy, alone: the break is gone (Dynamo captures one graph with
 `fullgraph=True`) and the output is what the code as written computes."""
+
 from __future__ import annotations
 
 import warnings

@@ -1,5 +1,6 @@
 """The graph-break report in its three forms (JSON against its schema, Markdown, HTML opened
 by headless Chromium), the `compile-model explain` command, and the recompile explanations."""
+
 from __future__ import annotations
 
 import json
@@ -70,9 +71,21 @@ def test_html_report_opens_in_headless_chromium_without_errors(report, tmp_path)
     page = tmp_path / "report.html"
     page.write_text(render_html(report), encoding="utf-8")
     run = subprocess.run(
-        [chromium, "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0",
-         f"--user-data-dir={tmp_path / 'profile'}", "--dump-dom", page.as_uri()],
-        capture_output=True, text=True, timeout=120)
+        [
+            chromium,
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--enable-logging=stderr",
+            "--v=0",
+            f"--user-data-dir={tmp_path / 'profile'}",
+            "--dump-dom",
+            page.as_uri(),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert run.returncode == 0, run.stderr[-2000:]
     console = [line for line in run.stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line]
     assert console == []
@@ -102,14 +115,28 @@ def test_compile_model_still_takes_the_model_as_its_first_argument(tmp_path, cap
     assert "No such file or directory" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("guard,category,value", [
-    ("0/0: tensor 'kwargs['input_ids']' size mismatch at index 1. expected 7, actual 1", "dynamic_shape", "dim 1: 7 -> 1"),
-    ("0/1: tensor 'kwargs['past_key_values'].layers[0].keys' size mismatch at index 2. expected 7, actual 8",
-     "dynamic_shape", "dim 2: 7 -> 8"),
-    ("18/1: 2 <= input_ids.size()[1] <= 9  # is_done = torch.full(...)", "dynamic_shape", "outside the range"),
-    ("3/0: L['n'] == 4", "value_specialization", "was 4"),
-    ("1/0: tensor 'x' dtype mismatch. expected Float, actual Half", "tensor_property", "dtype expected Float, actual Half"),
-])
+@pytest.mark.parametrize(
+    "guard,category,value",
+    [
+        (
+            "0/0: tensor 'kwargs['input_ids']' size mismatch at index 1. expected 7, actual 1",
+            "dynamic_shape",
+            "dim 1: 7 -> 1",
+        ),
+        (
+            "0/1: tensor 'kwargs['past_key_values'].layers[0].keys' size mismatch at index 2. expected 7, actual 8",
+            "dynamic_shape",
+            "dim 2: 7 -> 8",
+        ),
+        ("18/1: 2 <= input_ids.size()[1] <= 9  # is_done = torch.full(...)", "dynamic_shape", "outside the range"),
+        ("3/0: L['n'] == 4", "value_specialization", "was 4"),
+        (
+            "1/0: tensor 'x' dtype mismatch. expected Float, actual Half",
+            "tensor_property",
+            "dtype expected Float, actual Half",
+        ),
+    ],
+)
 def test_each_failed_guard_is_explained(guard, category, value):
     diagnosis = diagnose_guard(guard)
     assert (diagnosis.category, diagnosis.value) == (category, value)
@@ -117,6 +144,7 @@ def test_each_failed_guard_is_explained(guard, category, value):
 
 
 def test_a_growing_cache_is_named_as_such():
-    diagnosis = diagnose_guard("0/1: tensor 'kwargs['past_key_values'].layers[0].keys' size mismatch at index 2. "
-                               "expected 7, actual 8")
+    diagnosis = diagnose_guard(
+        "0/1: tensor 'kwargs['past_key_values'].layers[0].keys' size mismatch at index 2. expected 7, actual 8"
+    )
     assert "KV cache grew" in diagnosis.plain and "static KV cache" in diagnosis.kiln

@@ -1,4 +1,5 @@
 """Capture: every architecture's IR computes Hugging Face's logits; unmapped ops are reported."""
+
 import pytest
 import torch
 

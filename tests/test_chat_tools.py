@@ -4,6 +4,7 @@ An assistant message's `tool_calls` and a `tool` message once vanished from the 
 a word. Now a template that renders them gets them (arguments as objects, as Hugging Face
 templates expect), and one that does not is a 400 naming the message, never a silent drop.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,15 +23,21 @@ MODEL = "tiny"
 TOOL_TEMPLATE = (
     "{% for message in messages %}"
     "{% if message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant\n"
-    "{% for call in message.tool_calls %}<tool_call>{\"name\": \"{{ call.function.name }}\", "
-    "\"arguments\": {{ call.function.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>\n"
+    '{% for call in message.tool_calls %}<tool_call>{"name": "{{ call.function.name }}", '
+    '"arguments": {{ call.function.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>\n'
     "{% elif message.role == 'tool' %}<|im_start|>user\n<tool_response>{{ message.content }}</tool_response><|im_end|>\n"
     "{% else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 HISTORY = [
     {"role": "user", "content": "Weather?"},
-    {"role": "assistant", "content": None, "tool_calls": [
-        {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": "{\"city\": \"Oslo\"}"}}]},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": '{"city": "Oslo"}'}}
+        ],
+    },
     {"role": "tool", "tool_call_id": "call_1", "content": "4C"},
 ]
 
@@ -38,8 +45,15 @@ HISTORY = [
 @pytest.fixture(scope="module")
 def loaded(tiny_model_dirs, tmp_path_factory) -> LLM:
     """The tiny Llama (context 128: room for a rendered history), on the reference backend."""
-    return kiln.load(kiln.compile(str(tiny_model_dirs("llama")), out=tmp_path_factory.mktemp("tools") / "m.kiln",
-                                  backend="reference", max_seq_len=128, max_batch=2))
+    return kiln.load(
+        kiln.compile(
+            str(tiny_model_dirs("llama")),
+            out=tmp_path_factory.mktemp("tools") / "m.kiln",
+            backend="reference",
+            max_seq_len=128,
+            max_batch=2,
+        )
+    )
 
 
 @pytest.fixture
@@ -74,8 +88,10 @@ def test_a_template_that_renders_tools_gets_the_calls_and_results(llm_with_templ
     with TestClient(create_app(llm, MODEL)) as client:
         status, body = chat(client, HISTORY)
     assert status == 200, body
-    assert ('<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call>' in sent[0]
-            and "<tool_response>4C</tool_response>" in sent[0])
+    assert (
+        '<tool_call>{"name": "weather", "arguments": {"city": "Oslo"}}</tool_call>' in sent[0]
+        and "<tool_response>4C</tool_response>" in sent[0]
+    )
 
 
 def test_a_template_that_drops_tool_calls_is_a_400_naming_the_message(llm_with_template):

@@ -151,9 +151,7 @@ def test_smollm2_says_paris_is_the_capital_of_france(smollm2_dir):
     loaded = load_model(smollm2_dir)
     tokenizer = AutoTokenizer.from_pretrained(loaded.checkpoint_dir, local_files_only=True)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    prompt = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, return_tensors="pt", return_dict=False
-    )
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt", return_dict=False)
     with torch.no_grad():
         output = loaded.model.generate(prompt, max_new_tokens=20, do_sample=False)
     answer = tokenizer.decode(output[0, prompt.shape[1] :], skip_special_tokens=True)

@@ -1,6 +1,7 @@
 """Bad options on the command line: one line naming the problem and the fix, exit status 2, no
 traceback, and nothing slow started. The slow steps (loading a model or an artifact) are replaced
 by a sentinel that records being reached, so every test here runs in milliseconds."""
+
 from __future__ import annotations
 
 import argparse
@@ -93,9 +94,11 @@ def test_a_bad_compile_option_is_one_line_before_the_model_loads(flags, message,
 def test_output_paths_that_cannot_be_written_are_refused_first(tmp_path, capsys, no_slow_steps):
     a_file = tmp_path / "a-file"
     a_file.write_text("not an artifact")
-    for flags, message in [(["-o", str(a_file)], "is not a Kiln artifact"),
-                           (["-o", str(a_file / "m.kiln")], "is a file"),
-                           (["-o", str(tmp_path / "m.kiln"), "--dump-ir", str(a_file)], "is not a directory")]:
+    for flags, message in [
+        (["-o", str(a_file)], "is not a Kiln artifact"),
+        (["-o", str(a_file / "m.kiln")], "is a file"),
+        (["-o", str(tmp_path / "m.kiln"), "--dump-ir", str(a_file)], "is not a directory"),
+    ]:
         assert cli.compile_model_main([str(tmp_path), *flags]) == 2
         err = capsys.readouterr().err
         assert message in err and err.count("\n") == 1
@@ -131,8 +134,12 @@ def test_the_memory_check_runs_between_load_and_capture(tiny_model_dirs, tmp_pat
     import kiln.frontend.capture
 
     monkeypatch.setattr(kiln.frontend.capture, "capture_causal_lm", _reached)
-    assert cli.compile_model_main([str(tiny_model_dirs("llama")), "-o", str(tmp_path / "m.kiln"),
-                                   "--max-seq-len", str(10**14)]) == 2
+    assert (
+        cli.compile_model_main(
+            [str(tiny_model_dirs("llama")), "-o", str(tmp_path / "m.kiln"), "--max-seq-len", str(10**14)]
+        )
+        == 2
+    )
     err = capsys.readouterr().err.splitlines()
     assert err[-1].startswith("error: max_batch=1 x max_seq_len=100000000000000 needs a KV cache")
 
@@ -163,8 +170,10 @@ def test_a_bad_kiln_option_is_one_line_before_the_artifact_loads(argv, message, 
 
 
 def test_compile_model_explain_checks_its_options_before_capturing(tmp_path, capsys, no_slow_steps):
-    assert run_cli(cli.compile_model_main, ["explain", str(tmp_path), "--sections", "forward,backward"],
-                   capsys) == ("exit", 2)
+    assert run_cli(cli.compile_model_main, ["explain", str(tmp_path), "--sections", "forward,backward"], capsys) == (
+        "exit",
+        2,
+    )
     assert run_cli(cli.compile_model_main, ["explain", str(tmp_path), "-o", str(tmp_path)], capsys) == ("exit", 2)
     assert run_cli(cli.compile_model_main, ["explain", str(tmp_path), "--format", "pdf"], capsys) == ("exit", 2)
 
@@ -174,7 +183,15 @@ JUNK = ["", "abc", "-", "1e3", "0x10", "nan", "inf", "-inf", "None", "---", " 7"
 INTS = [-(2**63), -(10**12), -5, -1, 0, 1, 2, 3, 7, 64, 1024, 2**31, 2**63, 10**30]
 FLOATS = ["nan", "inf", "-inf", "-1", "0", "1e-320", "0.5", "1", "1.5", "99", "1e308", "-0.0"]
 # Flags whose values the checks must refuse when below 1 (counts of something).
-COUNTS = {"--max-seq-len", "--max-batch", "--tensor-parallel", "--max-queue", "--max-body-bytes", "--window", "--windows"}
+COUNTS = {
+    "--max-seq-len",
+    "--max-batch",
+    "--tensor-parallel",
+    "--max-queue",
+    "--max-body-bytes",
+    "--window",
+    "--windows",
+}
 
 
 def _value(action: argparse.Action, rng: random.Random, paths: list[str]) -> tuple[str, bool]:
@@ -182,7 +199,7 @@ def _value(action: argparse.Action, rng: random.Random, paths: list[str]) -> tup
     if action.choices and rng.random() < 0.7:
         return str(rng.choice(list(action.choices))), False
     if action.type is int and rng.random() < 0.8:
-        number = rng.choice(INTS + [rng.randint(-10**6, 10**6)])
+        number = rng.choice(INTS + [rng.randint(-(10**6), 10**6)])
         return str(number), action.option_strings[-1] in COUNTS and number < 1
     if action.type is float and rng.random() < 0.8:
         text = rng.choice(FLOATS + [str(rng.uniform(-10, 10))])
@@ -200,8 +217,9 @@ def _parses(kind, text: str) -> bool:
         return False
 
 
-def _random_argv(parser: argparse.ArgumentParser, positional: list[str], rng: random.Random,
-                 paths: list[str]) -> tuple[list[str], bool]:
+def _random_argv(
+    parser: argparse.ArgumentParser, positional: list[str], rng: random.Random, paths: list[str]
+) -> tuple[list[str], bool]:
     """A command line of `parser` with a random subset of its flags (each required one always),
     and whether it must be refused."""
     argv, must_refuse = list(positional), False
@@ -237,14 +255,17 @@ def test_random_values_of_every_flag_give_one_line_errors_and_no_traceback(tmp_p
     (tmp_path / "model").mkdir()
     paths = [str(tmp_path / "a-file"), str(tmp_path / "model"), str(tmp_path / "new" / "x"), "cuda", "cpu:1"]
     kiln_commands = _subparsers(cli.kiln_parser())
-    mains = [(cli.compile_model_main, cli.compile_parser(), []),
-             (cli.compile_model_main, cli.explain_parser(), ["explain"])]
+    mains = [
+        (cli.compile_model_main, cli.compile_parser(), []),
+        (cli.compile_model_main, cli.explain_parser(), ["explain"]),
+    ]
     mains += [(cli.kiln_main, parser, [name]) for name, parser in sorted(kiln_commands.items())]
     outcomes = {"slow": 0, "exit": 0}
     for round_ in range(120):
         for main, parser, prefix in mains:
-            positional = [str(tmp_path / "model")] * sum(1 for a in parser._actions if not a.option_strings
-                                                         and not isinstance(a, argparse._HelpAction))
+            positional = [str(tmp_path / "model")] * sum(
+                1 for a in parser._actions if not a.option_strings and not isinstance(a, argparse._HelpAction)
+            )
             argv, must_refuse = _random_argv(parser, positional, rng, paths)
             outcome, _ = run_cli(main, prefix + argv, capsys)
             assert not (must_refuse and outcome == "slow"), f"{prefix + argv} was not refused"

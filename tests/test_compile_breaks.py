@@ -1,6 +1,7 @@
 """Graph breaks in real models: every compile writes the report into the artifact and fails on
 a break Kiln cannot remove; `explain` reports a Hugging Face model's forward (one graph, the
 recompiles as the cache grows) and `model.generate` (its breaks, each with a fix)."""
+
 from __future__ import annotations
 
 import json
@@ -29,8 +30,13 @@ def test_compile_writes_the_break_report_into_the_artifact(tiny_model_dirs, tmp_
     """Inline, or in a child process beside the capture (what large models get on 2+ cores)."""
     monkeypatch.setenv("KILN_BREAK_CHECK", mode)
     lines = []
-    path = kiln.compile(str(tiny_model_dirs("llama")), out=tmp_path / "m.kiln", backend="reference", max_seq_len=64,
-                        progress=lines.append)
+    path = kiln.compile(
+        str(tiny_model_dirs("llama")),
+        out=tmp_path / "m.kiln",
+        backend="reference",
+        max_seq_len=64,
+        progress=lines.append,
+    )
     contents = read_artifact(path)  # the report files are listed and hashed like the rest
     assert {"report.md", "report.json"} <= set(contents.manifest["files"])
     assert contents.manifest["graph_breaks"] == {"breaks_found": 0, "eliminated": 0, "left": 0, "recompiles": 0}

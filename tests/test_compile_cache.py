@@ -1,6 +1,7 @@
 """The compile cache and a compile's progress: a repeated compile reuses the artifact (checked
 against its hashes first), other options or a damaged entry compile afresh, and every phase is
 reported to the callback and, outside a terminal, as one line each."""
+
 from __future__ import annotations
 
 import io
@@ -91,8 +92,9 @@ def test_a_second_compile_hits_the_cache_and_generates_the_same_tokens(first, mo
 
 
 @pytest.mark.slow
-def test_an_inductor_artifact_from_the_cache_loads_its_package_and_generates_the_same_tokens(cache_root, model_dir,
-                                                                                           tmp_path):
+def test_an_inductor_artifact_from_the_cache_loads_its_package_and_generates_the_same_tokens(
+    cache_root, model_dir, tmp_path
+):
     first_path, _ = compile_tiny(model_dir, tmp_path / "first.kiln", backend="inductor")
     path, events = compile_tiny(model_dir, tmp_path / "again.kiln", backend="inductor")
     assert phases(events) == ["locate", "cache", "reuse"]
@@ -160,17 +162,32 @@ def test_a_malformed_size_bound_fails_before_the_compile(cache_root, model_dir, 
 def test_compile_model_prints_a_line_per_phase_outside_a_terminal(model_dir, tmp_path):
     """No bars, no start lines, and no library warnings in a clean compile's output."""
     env = {**os.environ, "KILN_COMPILE_CACHE": str(tmp_path / "cache"), "KILN_BREAK_CHECK": "inline"}
-    command = [str(Path(sys.executable).parent / "compile-model"), str(model_dir), "-o", str(tmp_path / "m.kiln"),
-               "--backend", "reference", "--max-seq-len", "64"]
+    command = [
+        str(Path(sys.executable).parent / "compile-model"),
+        str(model_dir),
+        "-o",
+        str(tmp_path / "m.kiln"),
+        "--backend",
+        "reference",
+        "--max-seq-len",
+        "64",
+    ]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr
     lines = result.stderr.splitlines()
     assert all(line.startswith("[compile-model] ") for line in lines), lines
     done = [line.removeprefix("[compile-model] ").split(": done in ")[0] for line in lines if ": done in " in line]
-    assert done == [f"locate {model_dir}", "look up the compile cache", f"load {model_dir}",
-                    "check graph breaks (Dynamo)", "capture the forward into IR", "run the pass pipeline",
-                    "lower with the reference backend", f"save the artifact to {tmp_path / 'm.kiln'}",
-                    "store the artifact in the compile cache"]
+    assert done == [
+        f"locate {model_dir}",
+        "look up the compile cache",
+        f"load {model_dir}",
+        "check graph breaks (Dynamo)",
+        "capture the forward into IR",
+        "run the pass pipeline",
+        "lower with the reference backend",
+        f"save the artifact to {tmp_path / 'm.kiln'}",
+        "store the artifact in the compile cache",
+    ]
     assert len(lines) == len(done) + 1  # and the graph-break summary
     assert not any("Warning" in line or "%|" in line for line in lines)
 

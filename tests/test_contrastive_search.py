@@ -1,6 +1,7 @@
 """Contrastive search equals a plain implementation of Su et al.'s rule (2022) over the Hugging
 Face model's own hidden states, on every tiny architecture (transformers no longer ships the
 method itself); its candidates run in one decode call per token."""
+
 import pytest
 import torch
 
@@ -32,7 +33,7 @@ def reference_contrastive(model, prompt, alpha, k, new_tokens):
             similarity = max(torch.nn.functional.cosine_similarity(state, past, dim=0).item() for past in context)
             scores.append((1 - alpha) * probability - alpha * similarity)
         ids.append(top.indices[max(range(k), key=scores.__getitem__)].item())
-    return ids[len(prompt):]
+    return ids[len(prompt) :]
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES + [pytest.param(f, marks=pytest.mark.slow) for f in FAMILIES])
@@ -46,8 +47,9 @@ def test_contrastive_search_equals_the_papers_rule(tiny_model_dirs, arch):
         assert got.token_ids == reference_contrastive(model, prompt, alpha, k, NEW_TOKENS), (alpha, k)
         differs |= got.token_ids != greedy
     assert differs  # the penalty changed something
-    assert llm.generate(prompt, max_new_tokens=NEW_TOKENS, penalty_alpha=0.0, top_k=4,
-                        ignore_eos=True).token_ids == greedy
+    assert (
+        llm.generate(prompt, max_new_tokens=NEW_TOKENS, penalty_alpha=0.0, top_k=4, ignore_eos=True).token_ids == greedy
+    )
 
 
 def test_candidates_run_in_one_call_per_token(tiny_model_dirs):
@@ -58,19 +60,24 @@ def test_candidates_run_in_one_call_per_token(tiny_model_dirs):
     result = logged.generate(prompt, max_new_tokens=6, penalty_alpha=0.5, top_k=3, ignore_eos=True, logprobs=1)
     assert log.calls == [(1, len(prompt), 0)] + [(3, 1, 0)] * 6
     assert result.stats.model_steps == len(log.calls)
-    assert [c.logprob for c in result.logprobs] == pytest.approx(llm.score(prompt, result.token_ids).token_logprobs,
-                                                                 abs=1e-4)
+    assert [c.logprob for c in result.logprobs] == pytest.approx(
+        llm.score(prompt, result.token_ids).token_logprobs, abs=1e-4
+    )
 
 
 def test_a_prompt_prefilled_in_chunks_gives_the_same_tokens(tiny_model_dirs, monkeypatch):
     llm, _ = searchable(tiny_model_dirs("mistral"))
     (prompt,) = prompts([11], seed=9)
     options = dict(max_new_tokens=5, ignore_eos=True)
-    whole = [llm.generate(prompt, penalty_alpha=0.5, top_k=3, **options).token_ids,
-             llm.generate(prompt, num_beams=3, **options).token_ids]
+    whole = [
+        llm.generate(prompt, penalty_alpha=0.5, top_k=3, **options).token_ids,
+        llm.generate(prompt, num_beams=3, **options).token_ids,
+    ]
     monkeypatch.setattr(row_prefill, "CHUNK", 4)  # the prompt's hidden states come from three calls
-    assert [llm.generate(prompt, penalty_alpha=0.5, top_k=3, **options).token_ids,
-            llm.generate(prompt, num_beams=3, **options).token_ids] == whole
+    assert [
+        llm.generate(prompt, penalty_alpha=0.5, top_k=3, **options).token_ids,
+        llm.generate(prompt, num_beams=3, **options).token_ids,
+    ] == whole
 
 
 def test_every_chosen_token_is_fed_so_the_context_holds_one_fewer(tiny_model_dirs):
@@ -80,13 +87,16 @@ def test_every_chosen_token_is_fed_so_the_context_holds_one_fewer(tiny_model_dir
     assert len(result.token_ids) == 3 and result.finish_reason == "context"
 
 
-@pytest.mark.parametrize("options, message", [
-    (dict(penalty_alpha=0.5, top_k=8), "max_batch=4"),
-    (dict(penalty_alpha=0.5), "needs top_k"),
-    (dict(penalty_alpha=1.5, top_k=2), "penalty_alpha must be"),
-    (dict(penalty_alpha=0.5, top_k=2, temperature=0.8), "temperature 0"),
-    (dict(penalty_alpha=0.5, top_k=2, speculative="prompt_lookup"), "does not take speculative"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        (dict(penalty_alpha=0.5, top_k=8), "max_batch=4"),
+        (dict(penalty_alpha=0.5), "needs top_k"),
+        (dict(penalty_alpha=1.5, top_k=2), "penalty_alpha must be"),
+        (dict(penalty_alpha=0.5, top_k=2, temperature=0.8), "temperature 0"),
+        (dict(penalty_alpha=0.5, top_k=2, speculative="prompt_lookup"), "does not take speculative"),
+    ],
+)
 def test_bad_contrastive_requests_are_clear_errors(tiny_model_dirs, options, message):
     llm, _ = searchable(tiny_model_dirs("llama"))
     with pytest.raises(GenerationError, match=message):

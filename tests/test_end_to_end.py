@@ -1,4 +1,5 @@
 """End to end: compile, load, generate; greedy tokens must equal Hugging Face's, token for token."""
+
 import json
 import os
 import subprocess
@@ -25,8 +26,13 @@ def compiled(tiny_model_dirs, tmp_path_factory):
     def get(arch):
         if arch not in cache:
             source = tiny_model_dirs(arch)
-            out = kiln.compile(str(source), out=tmp_path_factory.mktemp(arch) / "model.kiln", backend=BACKEND,
-                               max_seq_len=128, max_batch=2)
+            out = kiln.compile(
+                str(source),
+                out=tmp_path_factory.mktemp(arch) / "model.kiln",
+                backend=BACKEND,
+                max_seq_len=128,
+                max_batch=2,
+            )
             cache[arch] = out, load_model(source).model
         return cache[arch]
 
@@ -72,8 +78,7 @@ def test_loaded_artifact_generates_in_a_fresh_process_without_the_frontend(compi
 
 @pytest.mark.slow
 def test_real_smollm2_greedy_equals_hugging_face_and_knows_paris(smollm2_dir, tmp_path):
-    path = kiln.compile(str(smollm2_dir), out=tmp_path / "smollm2.kiln", backend=BACKEND, max_seq_len=256,
-                        max_batch=2)
+    path = kiln.compile(str(smollm2_dir), out=tmp_path / "smollm2.kiln", backend=BACKEND, max_seq_len=256, max_batch=2)
     llm = kiln.load(path)
     model = load_model(smollm2_dir).model
     question = llm.encode_chat([{"role": "user", "content": "What is the capital of France?"}])

@@ -4,6 +4,7 @@ bound, async iteration; every request's output equal to the same request run alo
 Most tests use the hand-built one-layer graph of test_generate_loop on the reference backend;
 the last ones run a tiny Llama through each compiling backend.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -39,8 +40,9 @@ class CallLog:
 
 
 def executable(max_batch: int = ROWS):
-    return ReferenceExecutable(tiny_stateful_graph(0, max_batch), BackendOptions(max_batch=max_batch,
-                                                                                  max_seq_len=MAX_SEQ_LEN))
+    return ReferenceExecutable(
+        tiny_stateful_graph(0, max_batch), BackendOptions(max_batch=max_batch, max_seq_len=MAX_SEQ_LEN)
+    )
 
 
 def alone(prompt, **kwargs):
@@ -153,8 +155,9 @@ def test_requests_behind_a_prompt_in_prefill_wait_and_copy_it_instead_of_prefill
     samples = llm.generate([prompt] * 3, max_new_tokens=4, temperature=0.9, seed=[1, 2, 3])
     assert sum(seq for batch, seq, row in log.calls if seq > 1) == len(prompt)  # prefilled once, not 3 times
     assert [s.stats.cached_tokens for s in samples] == [0, len(prompt) - 1, len(prompt) - 1]
-    assert [s.token_ids for s in samples] == [alone(prompt, max_new_tokens=4, temperature=0.9, seed=seed).token_ids
-                                              for seed in (1, 2, 3)]
+    assert [s.token_ids for s in samples] == [
+        alone(prompt, max_new_tokens=4, temperature=0.9, seed=seed).token_ids for seed in (1, 2, 3)
+    ]
 
 
 def test_without_row_copies_a_shared_prefix_is_fed_again_and_the_output_is_unchanged():
@@ -221,7 +224,8 @@ def test_prompt_lookup_in_the_engine_gives_each_request_its_output_alone(samplin
     if not sampling:
         assert [r.token_ids for r in together] == [alone(p, max_new_tokens=8).token_ids for p in prompts]
     assert [r.token_ids for r in together] == [
-        alone(p, max_new_tokens=8, speculative="prompt_lookup", **sampling).token_ids for p in prompts]
+        alone(p, max_new_tokens=8, speculative="prompt_lookup", **sampling).token_ids for p in prompts
+    ]
     assert sum(r.stats.drafted_tokens for r in together) > 0
 
 
@@ -235,14 +239,16 @@ def test_drafts_that_are_right_are_accepted_several_per_engine_step():
 
         def propose(self, context, max_tokens):
             done = len(context) - len(self.prompt)
-            return self.answer[done:done + min(3, max_tokens)]
+            return self.answer[done : done + min(3, max_tokens)]
 
         def feedback(self, drafted, accepted):
             pass
 
     engine = LLM(executable()).engine
-    handles = [engine.submit(p, GenerationSettings(max_new_tokens=10, drafter_factory=lambda p=p, a=a: Knows(p, a)),
-                             seed=0) for p, a in zip(prompts, plain)]
+    handles = [
+        engine.submit(p, GenerationSettings(max_new_tokens=10, drafter_factory=lambda p=p, a=a: Knows(p, a)), seed=0)
+        for p, a in zip(prompts, plain)
+    ]
     results = [h.result(timeout=60) for h in handles]
     assert [r.token_ids for r in results] == plain
     assert all(r.stats.accepted_tokens == r.stats.drafted_tokens > 0 for r in results)
@@ -338,8 +344,10 @@ def test_a_failure_while_admitting_a_request_fails_it_alone_and_the_engine_threa
     failing = llm.submit([13, 14], max_new_tokens=3)  # the engine thread steps these
     with pytest.raises(RuntimeError, match="admission failed"):
         failing.result(timeout=60)
-    assert llm.submit([20, 21], max_new_tokens=3).result(timeout=60).token_ids == \
-        alone([20, 21], max_new_tokens=3).token_ids
+    assert (
+        llm.submit([20, 21], max_new_tokens=3).result(timeout=60).token_ids
+        == alone([20, 21], max_new_tokens=3).token_ids
+    )
     assert llm.engine.threaded and llm.engine.queue_depth == 0
 
 

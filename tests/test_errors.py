@@ -1,4 +1,5 @@
 """Kiln's error tree: every error class Kiln defines is a KilnError, one class per kind."""
+
 from __future__ import annotations
 
 import importlib
@@ -8,8 +9,18 @@ import pkgutil
 import kiln
 from kiln.ir.errors import KilnError
 
-PACKAGES = ["kiln", "kiln.frontend", "kiln.ir", "kiln.ir.ops", "kiln.passes", "kiln.backends",
-            "kiln.backends.inductor", "kiln.backends.onnxruntime", "kiln.backends.tinygrad", "kiln.runtime"]
+PACKAGES = [
+    "kiln",
+    "kiln.frontend",
+    "kiln.ir",
+    "kiln.ir.ops",
+    "kiln.passes",
+    "kiln.backends",
+    "kiln.backends.inductor",
+    "kiln.backends.onnxruntime",
+    "kiln.backends.tinygrad",
+    "kiln.runtime",
+]
 
 
 def kiln_modules():
@@ -25,8 +36,12 @@ def kiln_modules():
 
 
 def test_every_error_class_kiln_defines_is_a_kiln_error():
-    errors = {value for module in kiln_modules() for value in vars(module).values()
-              if inspect.isclass(value) and issubclass(value, BaseException) and value.__module__.startswith("kiln.")}
+    errors = {
+        value
+        for module in kiln_modules()
+        for value in vars(module).values()
+        if inspect.isclass(value) and issubclass(value, BaseException) and value.__module__.startswith("kiln.")
+    }
     assert len(errors) > 30
     assert [e.__qualname__ for e in errors if not issubclass(e, KilnError)] == []
 
@@ -38,8 +53,13 @@ def test_each_kind_of_failure_is_one_class_under_every_name_it_had():
     from kiln.runtime import errors as runtime_errors
 
     assert inductor.FeedError is onnxruntime.FeedError is tinygrad.FeedError is errors.FeedError
-    assert (inductor.UnsupportedOpError is tinygrad.UnsupportedOpError is frontend_errors.UnsupportedOpError
-            is kiln.UnsupportedOpError is ir_errors.UnsupportedOpError)
+    assert (
+        inductor.UnsupportedOpError
+        is tinygrad.UnsupportedOpError
+        is frontend_errors.UnsupportedOpError
+        is kiln.UnsupportedOpError
+        is ir_errors.UnsupportedOpError
+    )
     assert inductor.LoweringError is onnxruntime.OnnxLoweringError is errors.LoweringError
     assert inductor.PackageError is tinygrad.TinygradArtifactError is runtime_errors.ArtifactError
     # code that caught the builtin each used to be keeps working

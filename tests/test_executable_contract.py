@@ -1,5 +1,6 @@
 """The backend contract: every backend module is a `Backend`, every executable an `Executable`
 holding its caches and the limits they set, with the optional capabilities declared."""
+
 from __future__ import annotations
 
 import pytest
@@ -24,14 +25,21 @@ def test_every_executable_class_is_an_executable():
     from kiln.backends.onnxruntime.executable import OrtModelForAnotherMachine
     from kiln.backends.tinygrad import TinygradExecutable
 
-    for cls in (ReferenceExecutable, InductorExecutable, AOTIExecutable, OrtExecutable, OrtModelForAnotherMachine,
-                TinygradExecutable):
+    for cls in (
+        ReferenceExecutable,
+        InductorExecutable,
+        AOTIExecutable,
+        OrtExecutable,
+        OrtModelForAnotherMachine,
+        TinygradExecutable,
+    ):
         assert issubclass(cls, Executable), cls
 
 
 def test_the_limits_come_from_the_caches_at_most_what_the_options_ask():
-    executable = ReferenceExecutable(tiny_stateful_graph(0, max_batch=3), BackendOptions(max_batch=2,
-                                                                                         max_seq_len=MAX_SEQ_LEN * 2))
+    executable = ReferenceExecutable(
+        tiny_stateful_graph(0, max_batch=3), BackendOptions(max_batch=2, max_seq_len=MAX_SEQ_LEN * 2)
+    )
     assert (executable.max_batch, executable.max_seq_len) == (2, MAX_SEQ_LEN)
     assert [tuple(c.shape[::2]) for c in executable.caches] == [(3, MAX_SEQ_LEN)] * 2
     executable.caches[0].fill_(1.0)

@@ -1,4 +1,5 @@
 """fp32 linears lowered to Kiln's GEMV kernel (backends/inductor/fast_linear.py)."""
+
 from __future__ import annotations
 
 import pytest

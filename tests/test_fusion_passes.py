@@ -4,6 +4,7 @@ Every pass runs on each tiny architecture (and GPT-2 / Llama captured with eager
 the graph the passes before it in the `fuse` phase left; the test compares the interpreter's
 logits before and after it on random tokens, and counts what the pass rewrote.
 """
+
 from __future__ import annotations
 
 import pytest
@@ -40,8 +41,9 @@ def flat_linears(graph: Graph) -> int:
 REWRITTEN = {
     "fuse_attention_pattern": lambda a, b: count(b, "attention") - count(a, "attention"),
     "fold_transposes": lambda a, b: count(a, "matmul") - count(b, "matmul"),
-    "fuse_bias_activation": lambda a, b: (biased_linears(b) - biased_linears(a)
-                                          + count(b, "silu", "gelu") - count(a, "silu", "gelu")),
+    "fuse_bias_activation": lambda a, b: (
+        biased_linears(b) - biased_linears(a) + count(b, "silu", "gelu") - count(a, "silu", "gelu")
+    ),
     "fold_linear_reshapes": lambda a, b: flat_linears(a) - flat_linears(b),
     "fuse_rope": lambda a, b: count(b, "rope"),
     "fuse_layer_norm": lambda a, b: count(b, "layer_norm") - count(a, "layer_norm"),
@@ -77,7 +79,9 @@ def copy_graph(graph: Graph) -> Graph:
     new.update({id(v): clone.add_param(name, type=v.type) for name, v in graph.params.items()})
     for node in graph.nodes:
         inputs = [None if v is None else new[id(v)] for v in node.inputs]
-        copy = clone.make_node(node.op, inputs, node.attrs, [v.type for v in node.outputs], [v.name for v in node.outputs])
+        copy = clone.make_node(
+            node.op, inputs, node.attrs, [v.type for v in node.outputs], [v.name for v in node.outputs]
+        )
         clone.append(copy)
         new.update({id(v): c for v, c in zip(node.outputs, copy.outputs)})
     clone.outputs = [new[id(v)] for v in graph.outputs]
@@ -148,12 +152,14 @@ def test_fusion_pass_keeps_results_and_rewrites_its_pattern(before_pass, model, 
 
 
 @pytest.mark.parametrize("arch, norms, residual_adds", [("llama", 5, 4), ("gemma3", 25, 8)])
-def test_half_precision_norms_lose_their_f32_casts_and_then_take_the_residual_add(tiny_model_dirs, arch, norms,
-                                                                                   residual_adds):
+def test_half_precision_norms_lose_their_f32_casts_and_then_take_the_residual_add(
+    tiny_model_dirs, arch, norms, residual_adds
+):
     """An f16 capture computes each norm between casts to f32 and back (Llama: weight multiplied
     after; Gemma: weight cast to f32 inside): fold_norm_casts makes each one f16 rms_norm."""
-    graph = capture_causal_lm(load_model(tiny_model_dirs(arch)).model, max_batch=2, max_seq_len=MAX_SEQ,
-                              dtype=torch.float16)
+    graph = capture_causal_lm(
+        load_model(tiny_model_dirs(arch)).model, max_batch=2, max_seq_len=MAX_SEQ, dtype=torch.float16
+    )
     for cleanup in (canonicalize, fold_constants, eliminate_dead_code):
         graph = cleanup(graph)
     passes = {p.name: p for p in fusion_passes()}
@@ -229,8 +235,15 @@ def test_partial_rotary_becomes_one_rope_over_the_whole_head():
     from transformers import AutoModelForCausalLM, PhiConfig
 
     torch.manual_seed(0)
-    config = PhiConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                       num_attention_heads=4, partial_rotary_factor=0.5, max_position_embeddings=64)
+    config = PhiConfig(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        partial_rotary_factor=0.5,
+        max_position_embeddings=64,
+    )
     graph = capture_causal_lm(AutoModelForCausalLM.from_config(config).eval(), max_batch=2, max_seq_len=MAX_SEQ)
     graph = eliminate_dead_code(fold_constants(canonicalize(graph)))
     expected = run_graph(graph, sample_feeds())
@@ -278,7 +291,10 @@ def linears_sharing_an_input(tied: bool) -> Graph:
     graph = Graph()
     graph.add_symbol("batch", 1, 4)
     ids = graph.add_input("ids", TensorType("i64", (symbol("batch"),)))
-    first, second = graph.add_param("a.q_proj.weight", torch.randn(4, 4)), graph.add_param("a.k_proj.weight", torch.randn(2, 4))
+    first, second = (
+        graph.add_param("a.q_proj.weight", torch.randn(4, 4)),
+        graph.add_param("a.k_proj.weight", torch.randn(2, 4)),
+    )
     x = graph.call("embedding", first if tied else graph.add_param("embed", torch.randn(9, 4)), ids)
     graph.outputs = [graph.call("linear", x, first), graph.call("linear", x, second)]
     return graph
@@ -300,7 +316,9 @@ def test_projections_with_a_weight_shared_elsewhere_stay_apart():
 
 
 def test_merged_parameter_names_keep_prefix_and_suffix():
-    assert merged_name(["m.l.0.mlp.gate_proj.weight", "m.l.0.mlp.up_proj.weight"]) == "m.l.0.mlp.gate_proj-up_proj.weight"
+    assert (
+        merged_name(["m.l.0.mlp.gate_proj.weight", "m.l.0.mlp.up_proj.weight"]) == "m.l.0.mlp.gate_proj-up_proj.weight"
+    )
 
 
 def test_attention_whose_probabilities_are_also_returned_is_left_alone(captured):

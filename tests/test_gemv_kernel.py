@@ -5,6 +5,7 @@ at decode (M = 1), small batches (M = 2..8), many rows (M = 9..64: verification,
 with the AVX-512 and the AVX2 kernel) and prefill (M <= 128 the same kernel, M > 128 the MKL path), with and without bias,
 any leading dims, 1 or 2 threads, and inside `torch.compile(fullgraph=True)`.
 """
+
 from __future__ import annotations
 
 import os
@@ -141,7 +142,7 @@ def test_every_row_count_up_to_64(isa, n, k):
     16-row steps), odd N and K: f32 and int8 against float64."""
     w, b = _weights(n, k, seed=n)
     wt, (wq, scales) = gk.pack_linear_weight(w), gk.pack_linear_weight_int8(w)
-    w_deq = (wq.t().double() * scales[:, None].double())
+    w_deq = wq.t().double() * scales[:, None].double()
     g = torch.Generator().manual_seed(k)
     for m in range(1, 65):
         x = torch.randn(m, k, generator=g)
@@ -221,7 +222,8 @@ class _Mlp(torch.nn.Module):
         gate, up = gu.split(self.ffn, dim=-1)
         h = F.silu(gate) * up
         return torch.ops.kiln.linear_f32(h, self.down, self.down_bias) + torch.ops.kiln.linear_i8(
-            h, self.down_q, self.down_s, None)
+            h, self.down_q, self.down_s, None
+        )
 
     def reference(self, x):
         g, u, d, bd = self.ref

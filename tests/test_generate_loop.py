@@ -4,6 +4,7 @@ The graph is a one-layer attention model written directly in Kiln IR (embedding 
 embedding -> q/k/v -> kv_write into the cache inputs -> attention under the position mask ->
 output projection -> logits), so these tests need neither the frontend nor the passes.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,8 +42,11 @@ def tiny_stateful_graph(seed: int = 0, max_batch: int = MAX_BATCH) -> Graph:
     cache_type = TensorType("f32", (max_batch, KV_HEADS, MAX_SEQ_LEN, HEAD_DIM))
     cache_k, cache_v = g.add_input("cache.k.0", cache_type), g.add_input("cache.v.0", cache_type)
     embed = g.add_param("embed", weight(VOCAB_SIZE, HIDDEN))
-    x = g.call("add", g.call("embedding", embed, tokens),
-               g.call("embedding", g.add_param("pos_embed", weight(MAX_SEQ_LEN, HIDDEN)), positions))
+    x = g.call(
+        "add",
+        g.call("embedding", embed, tokens),
+        g.call("embedding", g.add_param("pos_embed", weight(MAX_SEQ_LEN, HIDDEN)), positions),
+    )
 
     def heads(name, n):
         y = g.call("linear", x, g.add_param(name, weight(n * HEAD_DIM, HIDDEN)))
@@ -86,7 +90,7 @@ def test_padded_prefill_gives_each_row_the_logits_it_gets_alone():
     positions = torch.arange(len(LONG)).expand(2, -1)
     batched = executable().run(tokens, positions)
     short_alone = executable().run(torch.tensor([SHORT]), torch.arange(len(SHORT))[None])
-    torch.testing.assert_close(batched[1, :len(SHORT)], short_alone[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(batched[1, : len(SHORT)], short_alone[0], rtol=1e-5, atol=1e-5)
 
 
 def test_sampled_batch_matches_each_prompt_alone_with_the_same_seed():
@@ -109,7 +113,9 @@ def test_no_cache_reset_is_needed_between_requests():
 def test_more_prompts_than_max_batch_run_in_chunks():
     prompts = [LONG, SHORT, [3], [400, 401, 402], SHORT[::-1]]
     results = LLM(executable()).generate(prompts, max_new_tokens=4)
-    assert [r.token_ids for r in results] == [LLM(executable()).generate(p, max_new_tokens=4).token_ids for p in prompts]
+    assert [r.token_ids for r in results] == [
+        LLM(executable()).generate(p, max_new_tokens=4).token_ids for p in prompts
+    ]
 
 
 def test_prompt_longer_than_max_seq_len_raises_context_length_error():
@@ -131,10 +137,12 @@ def test_a_full_context_prompt_still_gets_one_token():
 def test_generation_stops_at_eos_and_keeps_it_in_the_token_ids():
     free = LLM(executable()).generate(LONG, max_new_tokens=8).token_ids
     eos = free[3]
-    run = EngineBatch(LLM(executable()).engine, [LONG], GenerationSettings(max_new_tokens=8, eos_ids=frozenset({eos})), [0])
+    run = EngineBatch(
+        LLM(executable()).engine, [LONG], GenerationSettings(max_new_tokens=8, eos_ids=frozenset({eos})), [0]
+    )
     list(run)
     (result,) = run.results()
-    assert result.token_ids == free[:free.index(eos) + 1] and result.finish_reason == "eos"
+    assert result.token_ids == free[: free.index(eos) + 1] and result.finish_reason == "eos"
 
 
 def test_stats_count_tokens_and_record_every_phase():
@@ -163,9 +171,9 @@ def test_stream_of_a_list_yields_prompt_indices(tokenizer):
 def test_stop_string_ends_the_text_before_it(tokenizer):
     llm = LLM(executable(), tokenizer)
     full = llm.generate("Once upon a time", max_new_tokens=16).text
-    stop = full[len(full) // 2:len(full) // 2 + 2]
+    stop = full[len(full) // 2 : len(full) // 2 + 2]
     result = llm.generate("Once upon a time", max_new_tokens=16, stop=[stop])
-    assert result.text == full[:full.index(stop)] and result.finish_reason == "stop"
+    assert result.text == full[: full.index(stop)] and result.finish_reason == "stop"
 
 
 def test_stop_matcher_holds_back_a_possible_stop_string_start():

@@ -1,4 +1,5 @@
 """The Graph's edits keep `users` current and refuse what would break the graph; op traits."""
+
 import pytest
 
 from kiln.ir import Graph, GraphEditError, OpError, TensorType, ops_with, print_graph, verify

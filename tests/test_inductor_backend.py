@@ -4,14 +4,24 @@ Graphs are built by hand with kiln.ir and kept tiny (the machine is shared): a 2
 transformer in the stateful form (tokens, positions, caches) -> (logits, caches'), and small
 graphs that send every elementwise, reduction and shape op through the lowering.
 """
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 from kiln.backends.executable import BackendOptions
-from kiln.backends.inductor import (FX_LOWERINGS, AOTIExecutable, FeedError, LoweringError, UnsupportedOpError,
-                                    check_lowering_table, graph_to_fx, load, lower)
+from kiln.backends.inductor import (
+    FX_LOWERINGS,
+    AOTIExecutable,
+    FeedError,
+    LoweringError,
+    UnsupportedOpError,
+    check_lowering_table,
+    graph_to_fx,
+    load,
+    lower,
+)
 from kiln.ir import Graph, TensorType, all_ops, run_graph, symbol, to_torch
 
 VOCAB, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, FFN = 48, 32, 4, 2, 8, 40
@@ -43,7 +53,9 @@ def build_toy_transformer(layers: int = 2, window: int = 0, softcap: float = 0.0
         return g.add_param(name, torch.randn(*shape) * scale)
 
     inv_freq = g.add_param("rope.inv_freq", 1.0 / 10000 ** (torch.arange(0, HEAD_DIM, 2).float() / HEAD_DIM))
-    angles = g.call("mul", g.call("reshape", g.call("cast", positions, dtype="f32"), shape=[batch, 1, seq, 1]), inv_freq)
+    angles = g.call(
+        "mul", g.call("reshape", g.call("cast", positions, dtype="f32"), shape=[batch, 1, seq, 1]), inv_freq
+    )
     angles = g.call("concat", angles, angles, axis=-1)
     cos, sin = g.call("cos", angles), g.call("sin", angles)
 
@@ -91,15 +103,24 @@ class InterpreterOracle:
 # A case is (inputs, build): inputs are "name: dtype[dims]" where dtype `f32+` means positive
 # floats and `i64<N` integers in [0, N); build(g, *values) appends the op and returns its output.
 OP_CASES = {
-    **{op: (["a: f32[batch, 3]", "b: f32[3]"], lambda g, a, b, op=op: g.call(op, a, b))
-       for op in ("add", "sub", "mul", "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge")},
+    **{
+        op: (["a: f32[batch, 3]", "b: f32[3]"], lambda g, a, b, op=op: g.call(op, a, b))
+        for op in ("add", "sub", "mul", "maximum", "minimum", "eq", "ne", "lt", "le", "gt", "ge")
+    },
     "div": (["a: f32[batch, 3]", "b: f32+[batch, 3]"], lambda g, a, b: g.call("div", a, b)),
     "pow": (["a: f32+[batch, 3]", "b: f32[3]"], lambda g, a, b: g.call("pow", a, b)),
-    **{op: (["a: bool[batch, 3]", "b: bool[batch, 3]"], lambda g, a, b, op=op: g.call(op, a, b))
-       for op in ("logical_and", "logical_or")},
-    **{op: (["x: f32[batch, seq]"], lambda g, x, op=op: g.call(op, x))
-       for op in ("neg", "exp", "abs", "tanh", "sin", "cos", "erf", "sigmoid", "relu", "silu")},
-    **{op: (["x: f32+[batch, seq]"], lambda g, x, op=op: g.call(op, x)) for op in ("log", "sqrt", "rsqrt", "reciprocal")},
+    **{
+        op: (["a: bool[batch, 3]", "b: bool[batch, 3]"], lambda g, a, b, op=op: g.call(op, a, b))
+        for op in ("logical_and", "logical_or")
+    },
+    **{
+        op: (["x: f32[batch, seq]"], lambda g, x, op=op: g.call(op, x))
+        for op in ("neg", "exp", "abs", "tanh", "sin", "cos", "erf", "sigmoid", "relu", "silu")
+    },
+    **{
+        op: (["x: f32+[batch, seq]"], lambda g, x, op=op: g.call(op, x))
+        for op in ("log", "sqrt", "rsqrt", "reciprocal")
+    },
     "gelu": (["x: f32[batch, seq]"], lambda g, x: g.call("gelu", x, approximate="tanh")),
     "logical_not": (["x: bool[batch, 3]"], lambda g, x: g.call("logical_not", x)),
     "where": (["c: bool[batch, 3]", "a: f32[batch, 3]", "b: f32[3]"], lambda g, c, a, b: g.call("where", c, a, b)),
@@ -114,8 +135,7 @@ OP_CASES = {
     "permute": (["x: f32[batch, seq, 3]"], lambda g, x: g.call("permute", x, perm=[2, 0, 1])),
     "slice": (["x: f32[batch, seq, 3]"], lambda g, x: g.call("slice", x, axis=-2, start=1, end=seq_ - 1)),
     "concat": (["a: f32[batch, seq]", "b: f32[batch, 2]"], lambda g, a, b: g.call("concat", a, b, axis=1)),
-    "expand": (["x: f32[batch, 1, 3]", "y: f32[seq]"],
-               lambda g, x, y: g.call("expand", x, shape=[batch_, seq_, 3])),
+    "expand": (["x: f32[batch, 1, 3]", "y: f32[seq]"], lambda g, x, y: g.call("expand", x, shape=[batch_, seq_, 3])),
     "index": (["x: f32[5, 3]", "i: i64<5[batch, seq]"], lambda g, x, i: g.call("index", x, i)),
     "arange": (["x: f32[batch, seq]"], lambda g, x: g.call("arange", start=1, end=seq_ + 2, step=2)),
     "full": (["x: f32[batch, seq]"], lambda g, x: g.call("full", shape=[batch_, seq_ * 2], value=1.5)),
@@ -123,39 +143,73 @@ OP_CASES = {
     "matmul": (["a: f32[batch, seq, 4]", "b: f32[4, 3]"], lambda g, a, b: g.call("matmul", a, b)),
     "embedding": (["w: f32[6, 4]", "i: i64<6[batch, seq]"], lambda g, w, i: g.call("embedding", w, i)),
     # K = 32 is below Kiln's int4 kernel's minimum (64): the dequantizing form, exact like the reference.
-    "linear_q": (["x: f32[batch, seq, 32]", "q: u8<256[3, 16]", "s: f32[3, 2]", "z: u8<16[3, 2]", "b: f32[3]"],
-                 lambda g, x, q, s, z, b: g.call("linear_q", x, q, s, z, b, bits=4, group_size=16)),
-    "embedding_q": (["q: i8<100[6, 4]", "s: f32[6, 1]", "i: i64<6[batch, seq]"],
-                    lambda g, q, s, i: g.call("embedding_q", q, s, i, bits=8, group_size=4)),
-    "layer_norm": (["x: f32[batch, seq, 4]", "w: f32[4]", "b: f32[4]"],
-                   lambda g, x, w, b: g.call("layer_norm", x, w, b, eps=1e-5)),
-    "rms_norm": (["x: f32[batch, seq, 4]", "w: f32[4]"], lambda g, x, w: g.call("rms_norm", x, w, eps=1e-6, offset=1.0)),
-    "add_rms_norm": (["x: f32[batch, seq, 4]", "r: f32[batch, seq, 4]", "w: f32[4]"],  # both outputs used
-                     lambda g, x, r, w: g.call("add", *g.call("add_rms_norm", x, r, w, eps=1e-6, offset=1.0))),
-    "rope": (["x: f32[batch, 4, seq, 8]", "p: i64<16[batch, seq]", "c: f32[16, 3]", "s: f32[16, 3]"],
-             lambda g, x, p, c, s: g.call("rope", x, p, c, s)),  # partial: 6 of 8 dims rotate
-    "attention": (["q: f32[batch, 4, seq, 8]", "k: f32[batch, 2, seq, 8]", "v: f32[batch, 2, seq, 8]"],
-                  lambda g, q, k, v: g.call("attention", q, k, v, None, None, causal=True)),
+    "linear_q": (
+        ["x: f32[batch, seq, 32]", "q: u8<256[3, 16]", "s: f32[3, 2]", "z: u8<16[3, 2]", "b: f32[3]"],
+        lambda g, x, q, s, z, b: g.call("linear_q", x, q, s, z, b, bits=4, group_size=16),
+    ),
+    "embedding_q": (
+        ["q: i8<100[6, 4]", "s: f32[6, 1]", "i: i64<6[batch, seq]"],
+        lambda g, q, s, i: g.call("embedding_q", q, s, i, bits=8, group_size=4),
+    ),
+    "layer_norm": (
+        ["x: f32[batch, seq, 4]", "w: f32[4]", "b: f32[4]"],
+        lambda g, x, w, b: g.call("layer_norm", x, w, b, eps=1e-5),
+    ),
+    "rms_norm": (
+        ["x: f32[batch, seq, 4]", "w: f32[4]"],
+        lambda g, x, w: g.call("rms_norm", x, w, eps=1e-6, offset=1.0),
+    ),
+    "add_rms_norm": (
+        ["x: f32[batch, seq, 4]", "r: f32[batch, seq, 4]", "w: f32[4]"],  # both outputs used
+        lambda g, x, r, w: g.call("add", *g.call("add_rms_norm", x, r, w, eps=1e-6, offset=1.0)),
+    ),
+    "rope": (
+        ["x: f32[batch, 4, seq, 8]", "p: i64<16[batch, seq]", "c: f32[16, 3]", "s: f32[16, 3]"],
+        lambda g, x, p, c, s: g.call("rope", x, p, c, s),
+    ),  # partial: 6 of 8 dims rotate
+    "attention": (
+        ["q: f32[batch, 4, seq, 8]", "k: f32[batch, 2, seq, 8]", "v: f32[batch, 2, seq, 8]"],
+        lambda g, q, k, v: g.call("attention", q, k, v, None, None, causal=True),
+    ),
     "attention_window_positions": (
         ["q: f32[batch, 4, seq, 8]", "k: f32[3, 2, 6, 8]", "v: f32[3, 2, 6, 8]", "p: i64<6[batch, seq]"],
-        lambda g, q, k, v, p: g.call("attention", q, k, v, None, p, window=2, scale=0.3)),
+        lambda g, q, k, v, p: g.call("attention", q, k, v, None, p, window=2, scale=0.3),
+    ),
     "attention_softcap_bool_mask": (
-        ["q: f32[batch, 2, seq, 8]", "k: f32[batch, 2, 5, 8]", "v: f32[batch, 2, 5, 8]", "m: bool[batch, 1, seq, 5]",
-         "p: i64<5[batch, seq]"],
-        lambda g, q, k, v, m, p: g.call("attention", q, k, v, m, p, softcap=2.0)),
+        [
+            "q: f32[batch, 2, seq, 8]",
+            "k: f32[batch, 2, 5, 8]",
+            "v: f32[batch, 2, 5, 8]",
+            "m: bool[batch, 1, seq, 5]",
+            "p: i64<5[batch, seq]",
+        ],
+        lambda g, q, k, v, m, p: g.call("attention", q, k, v, m, p, softcap=2.0),
+    ),
     "attention_float_mask": (
         ["q: f32[batch, 4, seq, 8]", "k: f32[batch, 2, seq, 8]", "v: f32[batch, 2, seq, 8]", "m: f32[seq, seq]"],
-        lambda g, q, k, v, m: g.call("attention", q, k, v, m, None, causal=True, window=2)),
+        lambda g, q, k, v, m: g.call("attention", q, k, v, m, None, causal=True, window=2),
+    ),
     "attention_alibi_positions": (
         ["q: f32[batch, 4, seq, 8]", "k: f32[3, 2, 6, 8]", "v: f32[3, 2, 6, 8]", "p: i64<6[batch, seq]"],
-        lambda g, q, k, v, p: g.call("attention", q, k, v, None, p, alibi=(0.5, 0.25, 0.125, 0.0625))),
+        lambda g, q, k, v, p: g.call("attention", q, k, v, None, p, alibi=(0.5, 0.25, 0.125, 0.0625)),
+    ),
     "attention_alibi_causal_bool_mask": (
-        ["q: f32[batch, 2, seq, 8]", "k: f32[batch, 1, seq, 8]", "v: f32[batch, 1, seq, 8]", "m: bool[batch, 1, seq, seq]"],
-        lambda g, q, k, v, m: g.call("attention", q, k, v, m, None, causal=True, alibi=(0.5, 0.125))),
-    "topk": (["x: f32[batch, seq, 6]"],  # both outputs used: values + indices
-             lambda g, x: g.call("add", *(lambda v, i: (v, g.call("cast", i, dtype="f32")))(*g.call("topk", x, k=2)))),
-    "kv_write": (["c: f32[3, 2, 6, 8]", "n: f32[batch, 2, seq, 8]", "p: i64<6[batch, seq]"],
-                 lambda g, c, n, p: g.call("kv_write", c, n, p)),
+        [
+            "q: f32[batch, 2, seq, 8]",
+            "k: f32[batch, 1, seq, 8]",
+            "v: f32[batch, 1, seq, 8]",
+            "m: bool[batch, 1, seq, seq]",
+        ],
+        lambda g, q, k, v, m: g.call("attention", q, k, v, m, None, causal=True, alibi=(0.5, 0.125)),
+    ),
+    "topk": (
+        ["x: f32[batch, seq, 6]"],  # both outputs used: values + indices
+        lambda g, x: g.call("add", *(lambda v, i: (v, g.call("cast", i, dtype="f32")))(*g.call("topk", x, k=2))),
+    ),
+    "kv_write": (
+        ["c: f32[3, 2, 6, 8]", "n: f32[batch, 2, seq, 8]", "p: i64<6[batch, seq]"],
+        lambda g, c, n, p: g.call("kv_write", c, n, p),
+    ),
     # A world of one rank (the identity); several ranks are tested by test_tensor_parallel.py.
     "all_reduce": (["x: f32[batch, seq, 3]"], lambda g, x: g.call("all_reduce", x, world_size=1)),
     "all_gather": (["x: f32[batch, seq, 3]"], lambda g, x: g.call("all_gather", x, axis=-1, world_size=1)),
@@ -197,8 +251,9 @@ def build_op_graph(cases: dict) -> Graph:
 def random_feeds(graph: Graph, cases: dict, batch: int, seq: int) -> list[torch.Tensor]:
     specs = [_parse_input(spec) for inputs, _ in cases.values() for spec in inputs]
     sizes = {"batch": batch, "seq": seq}
-    return [_random_feed(dtype, [sizes[str(d)] if not isinstance(d, int) else d for d in dims])
-            for _, dtype, dims in specs]
+    return [
+        _random_feed(dtype, [sizes[str(d)] if not isinstance(d, int) else d for d in dims]) for _, dtype, dims in specs
+    ]
 
 
 def test_every_registered_op_has_a_lowering_and_a_case():

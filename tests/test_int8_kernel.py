@@ -6,6 +6,7 @@ each instruction set this CPU has (AVX-512 VNNI and the AVX2 baseline), with and
 above 64 rows the op runs the f32 GEMM on the unrounded x. One slow test runs SmolLM2-135M int8
 through the lowering (eagerly) and compares its greedy tokens with the interpreter's (~60 s).
 """
+
 from __future__ import annotations
 
 import pytest
@@ -100,8 +101,9 @@ def test_opcheck_and_compile():
     q, scales, bias = _weights(40, 64)
     packed = ik.pack_int8_weight(q)
     x = torch.randn(3, 64)
-    torch.library.opcheck(torch.ops.kiln.linear_q8.default, (x, packed, scales, bias),
-                          test_utils=("test_schema", "test_faketensor"))
+    torch.library.opcheck(
+        torch.ops.kiln.linear_q8.default, (x, packed, scales, bias), test_utils=("test_schema", "test_faketensor")
+    )
     compiled = torch.compile(lambda a: torch.ops.kiln.linear_q8(a, packed, scales, bias), fullgraph=True)
     assert torch.equal(compiled(x), torch.ops.kiln.linear_q8(x, packed, scales, bias))
 
@@ -135,8 +137,9 @@ def test_int8_smollm2_greedy_tokens_match_f32_activations(smollm2_dir):
     module = graph_to_fx(graph, state=allocate_caches(graph))
     assert "linear_q8" in module.code
     oracle = reference.lower(graph, options)
-    prompt = torch.tensor(Tokenizer.from_dir(smollm2_dir).encode("The whale swam slowly toward the ship, and",
-                                                                 add_special_tokens=False))
+    prompt = torch.tensor(
+        Tokenizer.from_dir(smollm2_dir).encode("The whale swam slowly toward the ship, and", add_special_tokens=False)
+    )
     with torch.no_grad():
         got = _greedy(lambda t, p: module(t, p)[0], prompt, 24)
     want = _greedy(oracle.run, prompt, 24)

@@ -1,9 +1,20 @@
 """The IR: types, printer/parser round trip, verifier, interpreter."""
+
 import pytest
 import torch
 
-from kiln.ir import (Graph, ParseError, TensorType, VerificationError, all_ops, parse_graph,
-                     print_graph, run_graph, symbol, verify)
+from kiln.ir import (
+    Graph,
+    ParseError,
+    TensorType,
+    VerificationError,
+    all_ops,
+    parse_graph,
+    print_graph,
+    run_graph,
+    symbol,
+    verify,
+)
 from kiln.ir.graph import Value
 
 B, S = symbol("batch"), symbol("seq")
@@ -114,7 +125,8 @@ def test_attention_positions_mask_matches_causal_prefill():
     feeds = [torch.randn(1, 4, 6, 8), torch.randn(1, 2, 6, 8), torch.randn(1, 2, 6, 8), torch.arange(6)[None]]
     by_position, causal = run_graph(g, feeds)
     expected = torch.nn.functional.scaled_dot_product_attention(
-        feeds[0], feeds[1], feeds[2], is_causal=True, enable_gqa=True)
+        feeds[0], feeds[1], feeds[2], is_causal=True, enable_gqa=True
+    )
     torch.testing.assert_close(by_position, expected)
     torch.testing.assert_close(causal, expected)
 
@@ -125,6 +137,7 @@ def test_kv_write_writes_rows_at_their_own_positions():
     new = g.add_input("new", TensorType("f32", (2, 1, 2, 1)))
     pos = g.add_input("pos", TensorType("i64", (2, 2)))
     g.outputs = [g.call("kv_write", cache, new, pos)]
-    out = run_graph(g, [torch.zeros(2, 1, 6, 1), torch.tensor([1.0, 2, 3, 4]).reshape(2, 1, 2, 1),
-                        torch.tensor([[0, 1], [3, 4]])])[0]
+    out = run_graph(
+        g, [torch.zeros(2, 1, 6, 1), torch.tensor([1.0, 2, 3, 4]).reshape(2, 1, 2, 1), torch.tensor([[0, 1], [3, 4]])]
+    )[0]
     assert out.flatten().tolist() == [1, 2, 0, 0, 0, 0, 0, 0, 0, 3, 4, 0]

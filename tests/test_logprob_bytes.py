@@ -6,6 +6,7 @@ here) as `<0xE6>`-style byte tokens; decoding such a token alone gives U+FFFD. F
 tokenizer: the bytes of the tokens in the text, joined, are the text's UTF-8, and each offset is
 the index of the character holding the token's first byte.
 """
+
 from __future__ import annotations
 
 import codecs
@@ -13,8 +14,13 @@ import json
 
 import pytest
 from fastapi.testclient import TestClient
-from tiny_models import (BYTE_FALLBACK_SPECIAL_TOKENS, EOS_TOKEN_ID, byte_fallback_tokenizer_json, tokenizer_config,
-                         tokenizer_json)
+from tiny_models import (
+    BYTE_FALLBACK_SPECIAL_TOKENS,
+    EOS_TOKEN_ID,
+    byte_fallback_tokenizer_json,
+    tokenizer_config,
+    tokenizer_json,
+)
 
 from kiln.backends.executable import BackendOptions
 from kiln.backends.reference import ReferenceExecutable
@@ -44,8 +50,11 @@ def byte_level(tmp_path_factory) -> Tokenizer:
 @pytest.fixture(scope="module")
 def byte_fallback(tmp_path_factory) -> Tokenizer:
     unk, bos, eos = BYTE_FALLBACK_SPECIAL_TOKENS
-    return write_tokenizer(tmp_path_factory.mktemp("byte_fallback"), byte_fallback_tokenizer_json(),
-                           {"bos_token": bos, "eos_token": eos, "unk_token": unk, "chat_template": SHORT_TEMPLATE})
+    return write_tokenizer(
+        tmp_path_factory.mktemp("byte_fallback"),
+        byte_fallback_tokenizer_json(),
+        {"bos_token": bos, "eos_token": eos, "unk_token": unk, "chat_template": SHORT_TEMPLATE},
+    )
 
 
 @pytest.fixture(scope="module", params=["byte_level", "byte_fallback", "smollm2"])
@@ -63,7 +72,7 @@ def characters_before(encoded: bytes, position: int) -> int:
 def string_bytes(token: str) -> bytes:
     """The bytes a logprobs token string names (its `bytes:\\xe6` form undone)."""
     if token.startswith("bytes:"):
-        return codecs.escape_decode(token[len("bytes:"):].encode())[0]
+        return codecs.escape_decode(token[len("bytes:") :].encode())[0]
     return token.encode()
 
 
@@ -117,15 +126,18 @@ def test_special_tokens_and_a_cut_tail_sit_at_the_end_of_the_text(byte_level):
 def test_bytes_that_are_no_utf8_do_not_derail_the_offsets_after_them(any_tokenizer):
     names = TokenBytes(any_tokenizer)
     stray = next(t for t in range(any_tokenizer.vocab_size) if names.of(t) == b"\x97")  # a lone continuation byte
-    ids = [*any_tokenizer.encode("ab", add_special_tokens=False), stray,
-           *any_tokenizer.encode("cd 日本", add_special_tokens=False)]
+    ids = [
+        *any_tokenizer.encode("ab", add_special_tokens=False),
+        stray,
+        *any_tokenizer.encode("cd 日本", add_special_tokens=False),
+    ]
     text = any_tokenizer.decode(ids)
     assert "\ufffd" in text
     spans = token_spans(names, ids, text)
     tail = any_tokenizer.encode("cd 日本", add_special_tokens=False)
     first = spans[-len(tail)]  # "cd" (or " cd": sentencepiece marks a word's start)
     assert first.text_offset == text.index("cd") - (first.bytes[:1] == b" ")
-    assert text[first.text_offset:].encode().startswith(first.bytes)
+    assert text[first.text_offset :].encode().startswith(first.bytes)
     assert spans[-1].text_offset == len(text) - 1  # the last byte of 本
 
 
@@ -138,8 +150,9 @@ def test_a_token_that_is_whole_characters_is_named_by_its_text():
 @pytest.fixture(scope="module", params=["byte_level", "byte_fallback"])
 def served(request):
     tokenizer = request.getfixturevalue(request.param)
-    llm = LLM(ReferenceExecutable(tiny_stateful_graph(0, 2), BackendOptions(max_batch=2, max_seq_len=MAX_SEQ_LEN)),
-              tokenizer)
+    llm = LLM(
+        ReferenceExecutable(tiny_stateful_graph(0, 2), BackendOptions(max_batch=2, max_seq_len=MAX_SEQ_LEN)), tokenizer
+    )
     with TestClient(create_app(llm, MODEL)) as client:
         yield client, tokenizer
 
@@ -147,8 +160,9 @@ def served(request):
 def test_completion_logprobs_of_cjk_tokens(served):
     client, tokenizer = served
     # the regex makes the random model write CJK; with logprobs every forced token is scored
-    response = client.post("/v1/completions", json={
-        "model": MODEL, "prompt": "Hi", "max_tokens": 20, "logprobs": 2, "regex": "東京😀"})
+    response = client.post(
+        "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 20, "logprobs": 2, "regex": "東京😀"}
+    )
     assert response.status_code == 200, response.text
     choice = response.json()["choices"][0]
     text, logprobs = choice["text"], choice["logprobs"]
@@ -165,9 +179,17 @@ def test_completion_logprobs_of_cjk_tokens(served):
 
 def test_chat_logprob_bytes_join_to_the_message(served):
     client, tokenizer = served
-    response = client.post("/v1/chat/completions", json={
-        "model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 9,
-        "logprobs": True, "top_logprobs": 3, "regex": "京😀"})
+    response = client.post(
+        "/v1/chat/completions",
+        json={
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "Hi"}],
+            "max_tokens": 9,
+            "logprobs": True,
+            "top_logprobs": 3,
+            "regex": "京😀",
+        },
+    )
     assert response.status_code == 200, response.text
     choice = response.json()["choices"][0]
     content = choice["logprobs"]["content"]

@@ -1,4 +1,5 @@
 """Mixed precision from sensitivity (passes/mixed_precision.py) on the tiny seeded llama."""
+
 from __future__ import annotations
 
 from dataclasses import replace
@@ -9,8 +10,7 @@ from tiny_models import TRAINING_TEXT
 
 from kiln.backends import reference
 from kiln.backends.executable import BackendOptions
-from kiln.passes.mixed_precision import (choose_int8_layers, layer_of, layer_sensitivity, layer_weights,
-                                         quantize_mixed)
+from kiln.passes.mixed_precision import choose_int8_layers, layer_of, layer_sensitivity, layer_weights, quantize_mixed
 from kiln.passes.quant_schemes import get_scheme
 from kiln.runtime.quality import compare_executables
 
@@ -30,7 +30,7 @@ def tiny(tiny_model_dirs):
     manager = default_pipeline(BackendOptions(max_seq_len=LENGTH))
     manager.phases = [p for p in manager.phases if p[0] in ("canonicalize", "fuse")]
     ids = Tokenizer.from_dir(directory).encode(TRAINING_TEXT * 2, add_special_tokens=False)
-    return manager.run(captured), torch.tensor(ids[:4 * LENGTH]).view(4, LENGTH)
+    return manager.run(captured), torch.tensor(ids[: 4 * LENGTH]).view(4, LENGTH)
 
 
 def copy_graph(graph):

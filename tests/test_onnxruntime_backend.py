@@ -1,4 +1,5 @@
 """The onnxruntime backend: what it emits, how it runs, and that it generates what Hugging Face does."""
+
 import json
 
 import onnx
@@ -83,8 +84,18 @@ def test_smollm2_shaped_graph_uses_group_query_attention_and_fused_norms(statefu
     # genai's layer: packed qkv, o, gate, up, down (the fused gate/up projection is split back, no
     # Slice copies); between the matmuls only the kernels above, SwiGLU's math and GQA's lengths
     assert ops.count("MatMul") == 5 * layers + 1
-    assert set(ops) <= {"MatMul", "GroupQueryAttention", "SkipSimplifiedLayerNormalization", "RMSNormalization",
-                        "Gather", "Sigmoid", "Mul", "ReduceMax", "Add", "Cast"}
+    assert set(ops) <= {
+        "MatMul",
+        "GroupQueryAttention",
+        "SkipSimplifiedLayerNormalization",
+        "RMSNormalization",
+        "Gather",
+        "Sigmoid",
+        "Mul",
+        "ReduceMax",
+        "Add",
+        "Cast",
+    }
 
 
 def test_group_query_attention_reads_packed_qkv_and_applies_rope(stateful_graph):
@@ -107,13 +118,16 @@ def test_weights_are_external_data_next_to_the_model(stateful_graph, tmp_path):
     assert files == ["model.onnx", "model.onnx.data"]
     model = onnx.load(str(tmp_path / "model.onnx"), load_external_data=False)
     external = [t for t in model.graph.initializer if t.data_location == onnx.TensorProto.EXTERNAL]
-    assert external and all(e.value == "model.onnx.data" for t in external for e in t.external_data if e.key == "location")
+    assert external and all(
+        e.value == "model.onnx.data" for t in external for e in t.external_data if e.key == "location"
+    )
     assert (tmp_path / "model.onnx").stat().st_size < (tmp_path / "model.onnx.data").stat().st_size
 
 
 # -- running it -----------------------------------------------------------------------------
-@pytest.mark.parametrize("arch, contrib_ops", [(arch, True) for arch in ARCHITECTURES] + [
-    ("gpt2", False), ("gemma3", False)])  # plain ONNX: layer norm, GELU; windows, softcap, q/k norms
+@pytest.mark.parametrize(
+    "arch, contrib_ops", [(arch, True) for arch in ARCHITECTURES] + [("gpt2", False), ("gemma3", False)]
+)  # plain ONNX: layer norm, GELU; windows, softcap, q/k norms
 def test_logits_equal_the_reference_interpreter_across_prefill_and_decode(stateful_graph, arch, contrib_ops):
     graph, _ = stateful_graph(arch)
     executable = ort_backend.lower(graph, OPTIONS, contrib_ops=contrib_ops)
@@ -183,8 +197,9 @@ def test_f32_attention_for_cuda_stays_in_plain_ops_updated_in_place(stateful_gra
     assert "SkipSimplifiedLayerNormalization" in ops
     assert all(c["in_place"] for c in program.info["caches"]) and not program.info["contiguous_positions"]
     if "CUDAExecutionProvider" not in __import__("onnxruntime").get_available_providers():
-        compiled = ort_backend.lower(stateful_graph("llama")[0], BackendOptions(max_batch=2, max_seq_len=128,
-                                                                                device="cuda"))
+        compiled = ort_backend.lower(
+            stateful_graph("llama")[0], BackendOptions(max_batch=2, max_seq_len=128, device="cuda")
+        )
         assert isinstance(compiled, ort_backend.OrtModelForAnotherMachine)
 
 
@@ -198,8 +213,9 @@ def test_plain_scatter_caches_are_updated_in_place_without_a_copy(stateful_graph
     buffers = [c.data_ptr() for c in executable.caches]
     oracle = reference.lower(graph, OPTIONS)
     for tokens, positions in feeds_in_steps():
-        torch.testing.assert_close(executable.run(tokens, positions), oracle.run(tokens, positions),
-                                   atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(
+            executable.run(tokens, positions), oracle.run(tokens, positions), atol=1e-4, rtol=1e-4
+        )
     assert [c.data_ptr() for c in executable.caches] == buffers
     for mine, expected in zip(executable.caches, oracle.caches):
         torch.testing.assert_close(mine[:, :, :23], expected[:, :, :23], atol=1e-5, rtol=1e-5)
@@ -221,14 +237,23 @@ def test_without_a_readable_registry_f32_group_query_attention_is_refused_on_cud
 def test_an_f16_model_for_cuda_compiles_on_a_machine_without_one(tiny_model_dirs, tmp_path):
     """f16 is the GPU path: the artifact compiles here (checked against what is known of CUDA's
     kernels), loads where onnxruntime-gpu is, and is refused on this CPU with the reason."""
-    path = kiln.compile(str(tiny_model_dirs("llama")), out=tmp_path / "f16.kiln", backend="onnxruntime",
-                        max_seq_len=OPTIONS.max_seq_len, max_batch=OPTIONS.max_batch, dtype="f16", device="cuda")
+    path = kiln.compile(
+        str(tiny_model_dirs("llama")),
+        out=tmp_path / "f16.kiln",
+        backend="onnxruntime",
+        max_seq_len=OPTIONS.max_seq_len,
+        max_batch=OPTIONS.max_batch,
+        dtype="f16",
+        device="cuda",
+    )
     options = json.loads((path / "manifest.json").read_text())["options"]
     assert (options["dtype"], options["device"]) == ("f16", "cuda")
     model = onnx.load(str(path / "model.onnx"), load_external_data=False)
     inferred = onnx.shape_inference.infer_shapes(model)
-    types = {v.name: v.type.tensor_type.elem_type for v in [*inferred.graph.input, *inferred.graph.output,
-                                                            *inferred.graph.value_info]}
+    types = {
+        v.name: v.type.tensor_type.elem_type
+        for v in [*inferred.graph.input, *inferred.graph.output, *inferred.graph.value_info]
+    }
     types.update({t.name: t.data_type for t in model.graph.initializer})
     f16, f32 = onnx.TensorProto.FLOAT16, onnx.TensorProto.FLOAT
     attention = [n for n in model.graph.node if n.op_type == "GroupQueryAttention"]
@@ -249,8 +274,12 @@ def test_the_f16_graph_follows_hugging_face_in_f16_through_the_kv_cache(tiny_mod
     """What an f16 artifact computes (its stateful graph, run by the reference interpreter) against
     Hugging Face running the same checkpoint in f16: prompt, then decode steps teacher-forced."""
     options = BackendOptions(max_batch=1, max_seq_len=OPTIONS.max_seq_len, dtype="f16")
-    graph = run_pipeline(capture_causal_lm(load_model(tiny_model_dirs(arch)).model, max_batch=1,
-                                           max_seq_len=options.max_seq_len, dtype=torch.float16), options)
+    graph = run_pipeline(
+        capture_causal_lm(
+            load_model(tiny_model_dirs(arch)).model, max_batch=1, max_seq_len=options.max_seq_len, dtype=torch.float16
+        ),
+        options,
+    )
     hf = load_model(tiny_model_dirs(arch)).model.to(torch.float16)
     sequence = prompts([20])[0]
     with torch.no_grad():
@@ -265,8 +294,13 @@ def test_the_f16_graph_follows_hugging_face_in_f16_through_the_kv_cache(tiny_mod
 
 # -- artifacts and generation ---------------------------------------------------------------
 def test_compiled_artifact_lists_the_model_and_its_data_with_hashes_and_loads_back(tiny_model_dirs, tmp_path):
-    path = kiln.compile(str(tiny_model_dirs("llama")), out=tmp_path / "model.kiln", backend="onnxruntime",
-                        max_seq_len=OPTIONS.max_seq_len, max_batch=OPTIONS.max_batch)
+    path = kiln.compile(
+        str(tiny_model_dirs("llama")),
+        out=tmp_path / "model.kiln",
+        backend="onnxruntime",
+        max_seq_len=OPTIONS.max_seq_len,
+        max_batch=OPTIONS.max_batch,
+    )
     manifest = json.loads((path / "manifest.json").read_text())
     assert manifest["backend"] == "onnxruntime"
     assert all(len(manifest["files"][f]["sha256"]) == 64 for f in ("model.onnx", "model.onnx.data"))
@@ -282,7 +316,9 @@ def test_compiled_artifact_lists_the_model_and_its_data_with_hashes_and_loads_ba
 def test_greedy_batch_of_one_equals_hugging_face(llms, arch):
     llm, model = llms(arch)
     (prompt,) = prompts([9])
-    assert llm.generate(prompt, max_new_tokens=NEW_TOKENS).token_ids == hf_greedy(model, prompt, NEW_TOKENS, eos_ids(llm))
+    assert llm.generate(prompt, max_new_tokens=NEW_TOKENS).token_ids == hf_greedy(
+        model, prompt, NEW_TOKENS, eos_ids(llm)
+    )
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -295,8 +331,9 @@ def test_greedy_batch_of_two_prompt_lengths_equals_hugging_face(llms, arch):
 
 @pytest.mark.slow
 def test_real_smollm2_greedy_equals_hugging_face_batch_one_and_two(smollm2_dir, tmp_path):
-    path = kiln.compile(str(smollm2_dir), out=tmp_path / "smollm2.kiln", backend="onnxruntime", max_seq_len=256,
-                        max_batch=2)
+    path = kiln.compile(
+        str(smollm2_dir), out=tmp_path / "smollm2.kiln", backend="onnxruntime", max_seq_len=256, max_batch=2
+    )
     llm = kiln.load(path)
     model = load_model(smollm2_dir).model
     question = llm.encode_chat([{"role": "user", "content": "What is the capital of France?"}])
@@ -330,19 +367,27 @@ def quantized_graph(bits: int, group_size: int, with_zeros: bool) -> Graph:
     tokens = graph.add_input("tokens", TensorType.parse("i64[batch, seq]"))
     graph.add_input("positions", TensorType.parse("i64[batch, seq]"))
     attrs = {"bits": bits, "group_size": group_size}
-    params = [[graph.add_param(f"{name}.{part}", t) if t is not None else None
-               for part, t in zip(("q", "scales", "zeros"), weight(rows))] for name, rows in (("embed", vocab), ("head", n))]
+    params = [
+        [
+            graph.add_param(f"{name}.{part}", t) if t is not None else None
+            for part, t in zip(("q", "scales", "zeros"), weight(rows))
+        ]
+        for name, rows in (("embed", vocab), ("head", n))
+    ]
     (eq, es, ez), (hq, hs, hz) = params
     x = graph.call("embedding_q", eq, es, tokens, ez, **attrs)
     graph.outputs = [graph.call("linear_q", x, hq, hs, hz, None, name="logits", **attrs)]
     return graph
 
 
-@pytest.mark.parametrize("bits, group_size, with_zeros", [
-    (4, 32, True), (4, 48, False), (8, 96, False), (4, 6, True)], ids=["int4-g32-zeros", "int4-g48", "int8-per-channel",
-                                                                       "int4-g6-dequantized"])
-def test_quantized_weights_run_as_matmulnbits_and_equal_the_interpreter(bits, group_size, with_zeros,
-                                                                        exact_activations):
+@pytest.mark.parametrize(
+    "bits, group_size, with_zeros",
+    [(4, 32, True), (4, 48, False), (8, 96, False), (4, 6, True)],
+    ids=["int4-g32-zeros", "int4-g48", "int8-per-channel", "int4-g6-dequantized"],
+)
+def test_quantized_weights_run_as_matmulnbits_and_equal_the_interpreter(
+    bits, group_size, with_zeros, exact_activations
+):
     graph = quantized_graph(bits, group_size, with_zeros)
     options = BackendOptions(max_batch=2, max_seq_len=8)
     ops = ort_backend.graph_to_onnx(graph).op_types()
@@ -358,8 +403,9 @@ def test_matmulnbits_rounds_activations_to_int8_by_default_and_stays_close_to_th
     graph = quantized_graph(4, 32, False)
     options = BackendOptions(max_batch=2, max_seq_len=8)
     model = ort_backend.graph_to_onnx(graph).model
-    levels = {a.i for n in model.graph.node if n.op_type == "MatMulNBits" for a in n.attribute
-              if a.name == "accuracy_level"}
+    levels = {
+        a.i for n in model.graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "accuracy_level"
+    }
     assert levels == {4}
     tokens, positions = torch.randint(0, 32, (2, 5)), torch.arange(5).expand(2, 5)
     expected = reference.lower(graph, options).run(tokens, positions)

@@ -1,12 +1,21 @@
 """The pass manager and the generic passes: each rewrites its pattern and keeps the results."""
+
 from __future__ import annotations
 
 import pytest
 import torch
 
 from kiln.ir import Graph, TensorType, parse_graph, print_graph, run_graph, symbol, verify
-from kiln.passes import (Pass, PassError, PassManager, canonicalize, default_pipeline,
-                         eliminate_common_subexpressions, eliminate_dead_code, fold_constants)
+from kiln.passes import (
+    Pass,
+    PassError,
+    PassManager,
+    canonicalize,
+    default_pipeline,
+    eliminate_common_subexpressions,
+    eliminate_dead_code,
+    fold_constants,
+)
 
 BATCH = symbol("batch")
 
@@ -193,8 +202,10 @@ def test_constant_fold_skips_params_symbolic_and_large_shapes():
 # -- the pass manager -----------------------------------------------------------------------
 def test_manager_runs_phases_in_order_and_reports_node_counts():
     seen = []
-    manager = PassManager([("clean", [Pass("dce", eliminate_dead_code)]),
-                           ("merge", [Pass("cse", eliminate_common_subexpressions)])], progress=seen.append)
+    manager = PassManager(
+        [("clean", [Pass("dce", eliminate_dead_code)]), ("merge", [Pass("cse", eliminate_common_subexpressions)])],
+        progress=seen.append,
+    )
     manager.run(messy_graph())
     assert [(r.phase, r.name) for r in manager.report] == [("clean", "dce"), ("merge", "cse")]
     assert (manager.report[0].nodes_before, manager.report[0].nodes_after) == (12, 11)
@@ -206,7 +217,9 @@ def test_manager_names_the_pass_that_breaks_the_graph():
         graph.nodes.pop(0)
         return graph
 
-    manager = PassManager([("canonicalize", [Pass("dce", eliminate_dead_code), Pass("drop_first_node", drop_first_node)])])
+    manager = PassManager(
+        [("canonicalize", [Pass("dce", eliminate_dead_code), Pass("drop_first_node", drop_first_node)])]
+    )
     with pytest.raises(PassError, match=r"pass 'drop_first_node'.*dangling"):
         manager.run(messy_graph())
 
@@ -235,8 +248,12 @@ def test_interpreter_check_lets_a_signature_changing_pass_through():
         graph.outputs.append(graph.call("exp", state))
         return graph
 
-    manager = PassManager([("state", [Pass("add_state", add_state, preserves_signature=False)]),
-                           ("cleanup", [Pass("dce", eliminate_dead_code)])])
+    manager = PassManager(
+        [
+            ("state", [Pass("add_state", add_state, preserves_signature=False)]),
+            ("cleanup", [Pass("dce", eliminate_dead_code)]),
+        ]
+    )
     graph = manager.check_with_interpreter(sample_feeds()).run(messy_graph())
     assert [v.name for v in graph.inputs] == ["x", "state"] and len(graph.outputs) == 2
 
@@ -252,8 +269,11 @@ def test_default_pipeline_without_kv_cache_keeps_results_and_cleans_up():
 
 
 def test_dump_dir_writes_one_parsable_file_per_phase(tmp_path):
-    phases = [("canonicalize", [Pass("canonicalize", canonicalize), Pass("dce", eliminate_dead_code)]),
-              ("fuse", []), ("cleanup", [Pass("cse", eliminate_common_subexpressions)])]
+    phases = [
+        ("canonicalize", [Pass("canonicalize", canonicalize), Pass("dce", eliminate_dead_code)]),
+        ("fuse", []),
+        ("cleanup", [Pass("cse", eliminate_common_subexpressions)]),
+    ]
     PassManager(phases, dump_dir=tmp_path / "ir").run(messy_graph())
     files = sorted(p.name for p in (tmp_path / "ir").iterdir())
     assert files == ["00-captured.kir", "01-canonicalize.kir", "02-fuse.kir", "03-cleanup.kir"]

@@ -1,4 +1,5 @@
 """The numerics gate: KL divergence and its companions against a reference model (runtime/quality.py)."""
+
 from __future__ import annotations
 
 import math
@@ -39,7 +40,7 @@ def test_the_measures_on_known_distributions():
     assert exact.mean_kld == pytest.approx(kld, rel=1e-6) and exact.max_kld == pytest.approx(kld, rel=1e-6)
     assert exact.same_top_rate == 0.0  # the reference's top token is 0, the model's is 1
     assert exact.delta_p.tolist() == pytest.approx([0.4 - 0.25, 0.1 - 0.125, 0.3 - 0.125], rel=1e-6)
-    assert exact.delta_p_rms == pytest.approx(math.sqrt((0.15 ** 2 + 0.025 ** 2 + 0.175 ** 2) / 3), rel=1e-6)
+    assert exact.delta_p_rms == pytest.approx(math.sqrt((0.15**2 + 0.025**2 + 0.175**2) / 3), rel=1e-6)
     ratio = (0.25 * 0.125 * 0.125 / (0.4 * 0.1 * 0.3)) ** (1 / 3)
     assert exact.perplexity_ratio == pytest.approx(ratio, rel=1e-6)
     assert exact.perplexity / exact.reference_perplexity == pytest.approx(ratio, rel=1e-6)
@@ -64,7 +65,7 @@ def tiny_llama(tiny_model_dirs):
 
     directory = tiny_model_dirs("llama")
     ids = Tokenizer.from_dir(directory).encode(TRAINING_TEXT * 3, add_special_tokens=False)
-    windows = torch.tensor(ids[:4 * LENGTH]).view(4, LENGTH)
+    windows = torch.tensor(ids[: 4 * LENGTH]).view(4, LENGTH)
     return capture_causal_lm(load_model(directory).model, max_batch=1, max_seq_len=LENGTH), windows
 
 
@@ -158,8 +159,18 @@ def artifacts(tiny_model_dirs, tmp_path_factory):
     root = tmp_path_factory.mktemp("quality")
     text = root / "text.txt"
     text.write_text(TRAINING_TEXT * 3)
-    made = {scheme: Path(kiln.compile(tiny_model_dirs("llama"), out=root / f"{scheme}.kiln", backend="reference",
-                                 max_seq_len=LENGTH, quantize=scheme)) for scheme in ("none", "int8")}
+    made = {
+        scheme: Path(
+            kiln.compile(
+                tiny_model_dirs("llama"),
+                out=root / f"{scheme}.kiln",
+                backend="reference",
+                max_seq_len=LENGTH,
+                quantize=scheme,
+            )
+        )
+        for scheme in ("none", "int8")
+    }
     return made, text
 
 
@@ -185,8 +196,25 @@ def test_kiln_quality_command_prints_the_measures_and_saves_the_reference(artifa
     monkeypatch.setenv("KILN_CACHE", str(tmp_path / "cache"))
     made, text = artifacts
     saved = tmp_path / "f32.logits"
-    assert kiln_main(["quality", str(made["int8"]), "--reference", str(made["none"]), "--text", str(text),
-                      "--window", str(LENGTH), "--windows", "2", "--save-reference", str(saved)]) == 0
+    assert (
+        kiln_main(
+            [
+                "quality",
+                str(made["int8"]),
+                "--reference",
+                str(made["none"]),
+                "--text",
+                str(text),
+                "--window",
+                str(LENGTH),
+                "--windows",
+                "2",
+                "--save-reference",
+                str(saved),
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "KLD               mean" in out and "same top token" in out and "ratio" in out
     assert len(list((tmp_path / "cache" / "quality").glob("*.logits"))) == 1  # the reference's run, cached

@@ -1,5 +1,6 @@
 """Weight quantization: the linear_q layout, the schemes, the quantize passes (round-to-nearest
 and AWQ-style scaling), the Inductor lowering, the compile option and the perplexity measure."""
+
 from __future__ import annotations
 
 import json
@@ -195,13 +196,25 @@ def quantized_linear_graph(bits: int, group_size: int, symmetric: bool, k: int =
     x = g.add_input("x", TensorType("f32", (symbol("rows"), k)))
     q = quantize_weight(torch.randn(80, k), bits, group_size, symmetric)
     zeros = None if q.zeros is None else g.add_param("w.zeros", q.zeros)
-    g.outputs = [g.call("linear_q", x, g.add_param("w.q", q.qweight), g.add_param("w.scales", q.scales), zeros,
-                        g.add_param("b", torch.randn(80)), bits=bits, group_size=group_size)]
+    g.outputs = [
+        g.call(
+            "linear_q",
+            x,
+            g.add_param("w.q", q.qweight),
+            g.add_param("w.scales", q.scales),
+            zeros,
+            g.add_param("b", torch.randn(80)),
+            bits=bits,
+            group_size=group_size,
+        )
+    ]
     return g
 
 
-@pytest.mark.parametrize("bits, group_size, symmetric, k", [
-    (8, 128, True, 128), (4, 32, True, 128), (4, 64, False, 192), (4, 128, True, 192), (4, 16, False, 96)])
+@pytest.mark.parametrize(
+    "bits, group_size, symmetric, k",
+    [(8, 128, True, 128), (4, 32, True, 128), (4, 64, False, 192), (4, 128, True, 192), (4, 16, False, 96)],
+)
 def test_inductor_lowering_of_linear_q_matches_the_interpreter(bits, group_size, symmetric, k):
     from kiln.backends.inductor import graph_to_fx
 
@@ -246,16 +259,24 @@ def test_int4_kernel_over_many_rows_equals_it_row_by_row(vnni):
     torch.ops.kiln.q4_use_vnni(vnni)
     try:
         torch.manual_seed(5)
-        for n, k, group_size, symmetric in [(67, 576, 32, True), (130, 192, 64, True), (40, 1536, 128, True),
-                                            (33, 576, 32, False)]:
+        for n, k, group_size, symmetric in [
+            (67, 576, 32, True),
+            (130, 192, 64, True),
+            (40, 1536, 128, True),
+            (33, 576, 32, False),
+        ]:
             q = quantize_weight(torch.randn(n, k), 4, group_size, symmetric)
             bias = torch.randn(n)
             for rows in (2, 3, 8, 9, 17, 64, 128):
                 x = torch.randn(rows, k)
-                for half in ((None, q.scales.half()) if symmetric else (None,)):
+                for half in (None, q.scales.half()) if symmetric else (None,):
                     got = torch.ops.kiln.linear_q4(x, q.qweight, q.scales, q.zeros, bias, group_size, half)
-                    one_by_one = torch.cat([torch.ops.kiln.linear_q4(x[i:i + 1], q.qweight, q.scales, q.zeros, bias,
-                                                                     group_size, half) for i in range(rows)])
+                    one_by_one = torch.cat(
+                        [
+                            torch.ops.kiln.linear_q4(x[i : i + 1], q.qweight, q.scales, q.zeros, bias, group_size, half)
+                            for i in range(rows)
+                        ]
+                    )
                     assert torch.allclose(got, one_by_one, atol=1e-4, rtol=1e-5), (n, k, group_size, rows)
     finally:
         torch.ops.kiln.q4_use_vnni(True)
@@ -291,8 +312,13 @@ def test_awq_compile_to_an_inductor_artifact_records_the_scheme_and_its_calibrat
     import kiln
     from kiln.backends import reference
 
-    path = kiln.compile(tiny_model_dirs("llama"), out=tmp_path / "q.kiln", backend="inductor", max_seq_len=MAX_SEQ,
-                        quantize="int4-g32-awq")
+    path = kiln.compile(
+        tiny_model_dirs("llama"),
+        out=tmp_path / "q.kiln",
+        backend="inductor",
+        max_seq_len=MAX_SEQ,
+        quantize="int4-g32-awq",
+    )
     options = json.loads((path / "manifest.json").read_text())["options"]
     assert options["quantize"] == "int4-g32-awq" and options["quantize_embeddings"] is False
     assert options["calibration"].startswith("Moby-Dick chapters 2, 4, 5 (bundled")
@@ -324,8 +350,19 @@ def test_onnxruntime_runs_per_channel_int8_of_a_wide_input_as_matmulnbits_blocks
     g.add_input("positions", TensorType.parse("i64[batch, seq]"))
     q = quantize_weight(torch.randn(40, 1536), 8, 1536, symmetric=True)
     x = g.call("embedding", g.add_param("embed", torch.randn(32, 1536)), tokens)
-    g.outputs = [g.call("linear_q", x, g.add_param("w.q", q.qweight), g.add_param("w.scales", q.scales), None, None,
-                        name="logits", bits=8, group_size=1536)]
+    g.outputs = [
+        g.call(
+            "linear_q",
+            x,
+            g.add_param("w.q", q.qweight),
+            g.add_param("w.scales", q.scales),
+            None,
+            None,
+            name="logits",
+            bits=8,
+            group_size=1536,
+        )
+    ]
     options = BackendOptions(max_batch=1, max_seq_len=8)
     assert "MatMulNBits" in ort_backend.graph_to_onnx(g).op_types()
     chunk, positions = torch.randint(0, 32, (1, 5)), torch.arange(5)[None]
@@ -343,8 +380,15 @@ def test_compile_with_an_unknown_scheme_fails_before_loading_the_model(tmp_path,
 def test_a_missing_calibration_file_is_an_error_before_the_model_loads(tmp_path, capsys):
     from kiln.cli import compile_model_main
 
-    argv = [str(tmp_path / "no-model"), "-o", str(tmp_path / "x"), "--quantize", "int4-g64-awq",
-            "--calibration", str(tmp_path / "missing.txt")]
+    argv = [
+        str(tmp_path / "no-model"),
+        "-o",
+        str(tmp_path / "x"),
+        "--quantize",
+        "int4-g64-awq",
+        "--calibration",
+        str(tmp_path / "missing.txt"),
+    ]
     assert compile_model_main(argv) == 2
     assert "calibration file" in capsys.readouterr().err
 

@@ -7,6 +7,7 @@ OpenAI's shape), and the next greedy request must still equal the first. The mod
 one-layer graph of test_generate_loop (vocabulary 512): the reference backend for the library,
 Inductor (where the crash happened) behind the server, ONNX Runtime for negative ids.
 """
+
 from __future__ import annotations
 
 import json
@@ -51,9 +52,12 @@ def test_generate_refuses_a_token_id_outside_the_vocabulary_and_goes_on(prompt, 
 def test_every_entry_point_checks_token_ids_before_any_model_call():
     llm = reference_llm()
     bad = [3, VOCAB_SIZE]
-    for call in (lambda: llm.stream(bad), lambda: llm.submit(bad),
-                 lambda: llm.generate(bad, speculative="prompt_lookup"),
-                 lambda: llm.engine.submit(bad, _request(), seed=0)):
+    for call in (
+        lambda: llm.stream(bad),
+        lambda: llm.submit(bad),
+        lambda: llm.generate(bad, speculative="prompt_lookup"),
+        lambda: llm.engine.submit(bad, _request(), seed=0),
+    ):
         with pytest.raises(TokenIdError, match="at position 1 of the prompt"):
             call()
     with pytest.raises(TokenIdError, match="at position 0 of prompt 1"):
@@ -95,8 +99,15 @@ def test_the_largest_seed_samples():
     assert len(reference_llm().generate([3], max_new_tokens=3, temperature=1.0, seed=2**63 - 1).token_ids) == 3
 
 
-@pytest.mark.parametrize("settings", [dict(temperature=1e-45), dict(temperature=1e-6, top_k=5),
-                                      dict(temperature=1.0, top_p=1e-300), dict(temperature=1.0, top_p=1e-50, seed=9)])
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(temperature=1e-45),
+        dict(temperature=1e-6, top_k=5),
+        dict(temperature=1.0, top_p=1e-300),
+        dict(temperature=1.0, top_p=1e-50, seed=9),
+    ],
+)
 def test_vanishing_temperature_or_top_p_samples_the_greedy_tokens(settings):
     llm = reference_llm()
     greedy = llm.generate([5, 6, 7], max_new_tokens=6).token_ids
@@ -108,13 +119,18 @@ def test_a_vanishing_typical_p_keeps_one_token():
     assert len(result.token_ids) == 4
 
 
-@pytest.mark.parametrize("settings, named", [
-    (dict(repetition_penalty=1e-300), "repetition_penalty must be in"),
-    (dict(repetition_penalty=1e300), "repetition_penalty must be in"),
-    (dict(temperature=float("inf")), "temperature must be a finite"), (dict(temperature=float("nan")), "finite"),
-    (dict(temperature=1e300), "temperature must be in"), (dict(top_p=float("nan")), "top_p must be a finite"),
-    (dict(logit_bias={3: float("inf")}), "logit_bias for token 3"),
-])
+@pytest.mark.parametrize(
+    "settings, named",
+    [
+        (dict(repetition_penalty=1e-300), "repetition_penalty must be in"),
+        (dict(repetition_penalty=1e300), "repetition_penalty must be in"),
+        (dict(temperature=float("inf")), "temperature must be a finite"),
+        (dict(temperature=float("nan")), "finite"),
+        (dict(temperature=1e300), "temperature must be in"),
+        (dict(top_p=float("nan")), "top_p must be a finite"),
+        (dict(logit_bias={3: float("inf")}), "logit_bias for token 3"),
+    ],
+)
 def test_sampling_settings_that_would_make_inf_or_nan_are_refused(settings, named):
     with pytest.raises(GenerationError, match=named):
         reference_llm().generate([3], **settings)
@@ -196,15 +212,18 @@ def test_a_prompt_token_outside_the_vocabulary_is_400_and_the_server_goes_on(ser
     assert greedy(client) == first
 
 
-@pytest.mark.parametrize("fields, param, phrase", [
-    ({"stop_token_ids": [2, VOCAB_SIZE]}, "stop_token_ids", "at position 1 of stop_token_ids"),
-    ({"logit_bias": {str(VOCAB_SIZE): 1}}, "logit_bias", f"Token id {VOCAB_SIZE} in logit_bias"),
-    ({"logit_bias": {"-1": 1}}, "logit_bias", "Token id -1 in logit_bias"),
-    ({"logit_bias": {"1" * 400: 1}}, "logit_bias", "is not a token id"),
-    ({"seed": -1}, "seed", "greater than or equal to 0"),
-    ({"seed": 2**63}, "seed", "less than 9223372036854775808"),
-    ({"repetition_penalty": 1e-300}, "repetition_penalty", "greater than or equal to 0.01"),
-])
+@pytest.mark.parametrize(
+    "fields, param, phrase",
+    [
+        ({"stop_token_ids": [2, VOCAB_SIZE]}, "stop_token_ids", "at position 1 of stop_token_ids"),
+        ({"logit_bias": {str(VOCAB_SIZE): 1}}, "logit_bias", f"Token id {VOCAB_SIZE} in logit_bias"),
+        ({"logit_bias": {"-1": 1}}, "logit_bias", "Token id -1 in logit_bias"),
+        ({"logit_bias": {"1" * 400: 1}}, "logit_bias", "is not a token id"),
+        ({"seed": -1}, "seed", "greater than or equal to 0"),
+        ({"seed": 2**63}, "seed", "less than 9223372036854775808"),
+        ({"repetition_penalty": 1e-300}, "repetition_penalty", "greater than or equal to 0.01"),
+    ],
+)
 def test_other_out_of_range_fields_are_400_naming_the_field(served, fields, param, phrase):
     client, first = served
     status, body = post(client, {"model": MODEL, "prompt": [3, 4], "max_tokens": 4, **fields})
@@ -219,18 +238,38 @@ def test_vanishing_temperature_or_top_p_answers_the_greedy_text(served, fields):
     assert status == 200 and body["choices"][0]["text"] == first
 
 
-@pytest.mark.parametrize("raw, path, param, phrase", [
-    ('{"model": "tiny", "prompt": "hi", "temperature": NaN}', "/v1/completions", "temperature", "finite"),
-    ('{"model": "tiny", "prompt": "hi", "seed": 9223372036854775807, "top_p": Infinity}', "/v1/completions", "top_p",
-     "finite"),
-    ('{"model": "tiny", "prompt": "a\\ud800b"}', "/v1/completions", "prompt",
-     "lone surrogate '\\ud800' at character 1"),
-    ('{"model": "tiny", "messages": [{"role": "user", "content": "\\udc00"}]}', "/v1/chat/completions",
-     "messages.0.content", "lone surrogate"),
-    ('{"model": "tiny", "prompt": "hi", "logit_bias": {"\\ud800": 1}}', "/v1/completions", "logit_bias", "a key of"),
-    ('{"model": "tiny", "prompt": ' + "[" * 100 + "]" * 100 + "}", "/v1/completions", "prompt", "deeper than 64"),
-    ('{"model": "tiny", "prompt": [' + "9" * 5000 + "]}", "/v1/completions", None, "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "raw, path, param, phrase",
+    [
+        ('{"model": "tiny", "prompt": "hi", "temperature": NaN}', "/v1/completions", "temperature", "finite"),
+        (
+            '{"model": "tiny", "prompt": "hi", "seed": 9223372036854775807, "top_p": Infinity}',
+            "/v1/completions",
+            "top_p",
+            "finite",
+        ),
+        (
+            '{"model": "tiny", "prompt": "a\\ud800b"}',
+            "/v1/completions",
+            "prompt",
+            "lone surrogate '\\ud800' at character 1",
+        ),
+        (
+            '{"model": "tiny", "messages": [{"role": "user", "content": "\\udc00"}]}',
+            "/v1/chat/completions",
+            "messages.0.content",
+            "lone surrogate",
+        ),
+        (
+            '{"model": "tiny", "prompt": "hi", "logit_bias": {"\\ud800": 1}}',
+            "/v1/completions",
+            "logit_bias",
+            "a key of",
+        ),
+        ('{"model": "tiny", "prompt": ' + "[" * 100 + "]" * 100 + "}", "/v1/completions", "prompt", "deeper than 64"),
+        ('{"model": "tiny", "prompt": [' + "9" * 5000 + "]}", "/v1/completions", None, "not valid JSON"),
+    ],
+)
 def test_bodies_json_accepts_but_no_field_can_take_are_400(served, raw, path, param, phrase):
     client, first = served
     status, body = post(client, raw, path)
@@ -319,17 +358,25 @@ def test_a_constraint_failing_mid_generation_is_a_logged_400(lacking_llm, caplog
             response = client.post("/v1/completions", json={"model": MODEL, "prompt": "hi", "max_tokens": 8, **fields})
         assert_400(response.status_code, response.json(), param, "cannot spell")
         request_id = response.headers["x-request-id"]
-        assert any(request_id in record.getMessage() and "constraint" in record.getMessage()
-                   for record in caplog.records)
+        assert any(
+            request_id in record.getMessage() and "constraint" in record.getMessage() for record in caplog.records
+        )
         assert greedy(client) == first
 
 
 def test_a_streamed_request_whose_constraint_fails_ends_with_a_400_error_event(lacking_llm):
     with TestClient(create_app(lacking_llm, MODEL), raise_server_exceptions=False) as client:
         first = greedy(client)
-        response = client.post("/v1/chat/completions", json={
-            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"const": RARE}}}})
+        response = client.post(
+            "/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 8,
+                "stream": True,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"const": RARE}}},
+            },
+        )
         events = [json.loads(line[6:]) for line in response.text.splitlines() if line.startswith("data: {")]
         error = events[-1]["error"]
         assert error["type"] == "invalid_request_error" and error["param"] == "response_format", error

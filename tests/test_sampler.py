@@ -1,4 +1,5 @@
 """The sampler: greedy is argmax, seeded sampling is reproducible, top-k/top-p limit the support."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,5 +1,6 @@
 """`n` and `best_of` in `generate`: sample j of a prompt equals that prompt generated alone with
 seed + j, the prompt is prefilled once for all samples, and best_of keeps the likeliest."""
+
 import pytest
 
 from kiln.runtime.errors import GenerationError
@@ -25,7 +26,8 @@ def test_a_list_of_prompts_gives_n_results_per_prompt():
     prompts = [PROMPT, [5, 6, 7]]
     per_prompt = LLM(executable()).generate(prompts, n=2, seed=[1, 100], **SAMPLED)
     assert [[s.token_ids for s in samples] for samples in per_prompt] == [
-        [alone(p, seed=s + j, **SAMPLED).token_ids for j in range(2)] for p, s in zip(prompts, (1, 100))]
+        [alone(p, seed=s + j, **SAMPLED).token_ids for j in range(2)] for p, s in zip(prompts, (1, 100))
+    ]
 
 
 def test_best_of_keeps_the_n_samples_with_the_highest_cumulative_log_probability():

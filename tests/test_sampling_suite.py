@@ -2,6 +2,7 @@
 
 Frequencies come from a few thousand seeded draws; tolerances are several standard errors wide.
 """
+
 from __future__ import annotations
 
 import math

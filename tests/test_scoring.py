@@ -1,5 +1,6 @@
 """Scoring given text (`llm.score`): each continuation token's log-probability equals Hugging
 Face's log-softmax of the same logits within 1e-4 (fp32), across prefill chunks too."""
+
 import pytest
 import torch
 
@@ -15,8 +16,13 @@ MAX_SEQ = 64
 @pytest.fixture(scope="module")
 def llama(tiny_model_dirs, tmp_path_factory):
     source = tiny_model_dirs("llama")
-    path = kiln.compile(str(source), out=tmp_path_factory.mktemp("score") / "m.kiln", backend="reference",
-                        max_seq_len=MAX_SEQ, max_batch=2)
+    path = kiln.compile(
+        str(source),
+        out=tmp_path_factory.mktemp("score") / "m.kiln",
+        backend="reference",
+        max_seq_len=MAX_SEQ,
+        max_batch=2,
+    )
     return kiln.load(path), load_model(source).model
 
 

@@ -4,6 +4,7 @@ One tiny random Llama artifact (max_batch 4, so concurrent requests share the en
 is served by uvicorn in a thread for the whole module; each answer is checked against the same
 request run directly through `LLM.generate`.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,14 +29,27 @@ from kiln.runtime.server import create_app
 MODEL = "tiny-llama"
 MAX_SEQ_LEN = 128
 MAX_BODY = 64 * 1024
-PROMPTS = ["Once upon a time", "The capital of France is", "A compiler translates", "In the winter snow",
-           "The quick brown fox", "Questions and answers:", "Tensors are arrays", "Peter Piper picked"]
+PROMPTS = [
+    "Once upon a time",
+    "The capital of France is",
+    "A compiler translates",
+    "In the winter snow",
+    "The quick brown fox",
+    "Questions and answers:",
+    "Tensors are arrays",
+    "Peter Piper picked",
+]
 
 
 @pytest.fixture(scope="module")
 def artifact(tiny_model_dirs, tmp_path_factory):
-    return kiln.compile(str(tiny_model_dirs("llama")), out=tmp_path_factory.mktemp("served") / "model.kiln",
-                        backend="reference", max_seq_len=MAX_SEQ_LEN, max_batch=4)
+    return kiln.compile(
+        str(tiny_model_dirs("llama")),
+        out=tmp_path_factory.mktemp("served") / "model.kiln",
+        backend="reference",
+        max_seq_len=MAX_SEQ_LEN,
+        max_batch=4,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +59,9 @@ def llm(artifact):
 
 @pytest.fixture(scope="module")
 def base_url(llm):
-    server = uvicorn.Server(uvicorn.Config(create_app(llm, MODEL, max_body_bytes=MAX_BODY), host="127.0.0.1",
-                                           port=0, log_level="warning"))
+    server = uvicorn.Server(
+        uvicorn.Config(create_app(llm, MODEL, max_body_bytes=MAX_BODY), host="127.0.0.1", port=0, log_level="warning")
+    )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -72,8 +87,9 @@ def http(method: str, url: str, body: bytes | None = None) -> tuple[int, bytes]:
 
 def http_with_headers(method: str, url: str, body: bytes | None = None, headers: dict | None = None):
     """(status, response headers, body) of a plain HTTP request, errors included."""
-    request = urllib.request.Request(url, data=body, method=method,
-                                     headers={"content-type": "application/json", **(headers or {})})
+    request = urllib.request.Request(
+        url, data=body, method=method, headers={"content-type": "application/json", **(headers or {})}
+    )
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
             return response.status, response.headers, response.read()
@@ -105,30 +121,54 @@ def test_chat_completion_applies_the_chat_template(client, llm):
 
 
 def test_extra_sampling_fields_and_seed_reproduce_direct_sampling(client, llm):
-    settings = dict(temperature=0.8, top_p=0.9, seed=7, presence_penalty=0.5, frequency_penalty=0.3,
-                    logit_bias={"5": 2.0})
-    response = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=10, **settings,
-                                         extra_body={"top_k": 20, "min_p": 0.05})
-    expected = alone(llm, PROMPTS[1], 10, temperature=0.8, top_p=0.9, seed=7, presence_penalty=0.5,
-                     frequency_penalty=0.3, logit_bias={5: 2.0}, top_k=20, min_p=0.05)
+    settings = dict(
+        temperature=0.8, top_p=0.9, seed=7, presence_penalty=0.5, frequency_penalty=0.3, logit_bias={"5": 2.0}
+    )
+    response = client.completions.create(
+        model=MODEL, prompt=PROMPTS[1], max_tokens=10, **settings, extra_body={"top_k": 20, "min_p": 0.05}
+    )
+    expected = alone(
+        llm,
+        PROMPTS[1],
+        10,
+        temperature=0.8,
+        top_p=0.9,
+        seed=7,
+        presence_penalty=0.5,
+        frequency_penalty=0.3,
+        logit_bias={5: 2.0},
+        top_k=20,
+        min_p=0.05,
+    )
     assert response.choices[0].text == expected.text
 
 
 def test_stop_strings_and_logprobs(client, llm):
     full = alone(llm, PROMPTS[2], 16).text
     stop = full[3:5]
-    response = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=16, temperature=0, stop=[stop],
-                                         logprobs=2)
+    response = client.completions.create(
+        model=MODEL, prompt=PROMPTS[2], max_tokens=16, temperature=0, stop=[stop], logprobs=2
+    )
     assert response.choices[0].text == alone(llm, PROMPTS[2], 16, stop=[stop]).text
     logprobs = response.choices[0].logprobs
     assert len(logprobs.tokens) == len(logprobs.token_logprobs) == response.usage.completion_tokens
-    assert all(len(top) <= 2 and max(top.values()) >= lp - 1e-6 for top, lp in
-               zip(logprobs.top_logprobs, logprobs.token_logprobs))
+    assert all(
+        len(top) <= 2 and max(top.values()) >= lp - 1e-6
+        for top, lp in zip(logprobs.top_logprobs, logprobs.token_logprobs)
+    )
 
 
 def test_streamed_completion_pieces_add_up_to_the_text_and_end_with_usage(client, llm):
-    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[3], max_tokens=20, temperature=0,
-                                            stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=PROMPTS[3],
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     expected = alone(llm, PROMPTS[3], 20)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected.text
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
@@ -137,8 +177,9 @@ def test_streamed_completion_pieces_add_up_to_the_text_and_end_with_usage(client
 
 def test_streamed_chat_sends_role_then_content_deltas(client, llm):
     messages = [{"role": "user", "content": "Tell me a story."}]
-    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=15, temperature=0,
-                                                 stream=True))
+    chunks = list(
+        client.chat.completions.create(model=MODEL, messages=messages, max_tokens=15, temperature=0, stream=True)
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == llm.chat(messages, max_new_tokens=15).text
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
@@ -149,11 +190,22 @@ def test_concurrent_requests_each_equal_the_request_run_alone(client, llm):
 
     def ask(i):
         if i % 2:
-            stream = client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=24, temperature=0,
-                                               stream=True, extra_body={"ignore_eos": True})
+            stream = client.completions.create(
+                model=MODEL,
+                prompt=PROMPTS[i],
+                max_tokens=24,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
+            )
             return "".join(c.choices[0].text for c in stream)
-        return client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=24, temperature=0,
-                                         extra_body={"ignore_eos": True}).choices[0].text
+        return (
+            client.completions.create(
+                model=MODEL, prompt=PROMPTS[i], max_tokens=24, temperature=0, extra_body={"ignore_eos": True}
+            )
+            .choices[0]
+            .text
+        )
 
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         assert list(pool.map(ask, range(len(PROMPTS)))) == expected
@@ -165,9 +217,16 @@ def test_models_health_and_metrics(client, base_url, llm):
     assert status == 200 and json.loads(body)["status"] == "ok"
     client.completions.create(model=MODEL, prompt=PROMPTS[4], max_tokens=4, temperature=0)
     text = http("GET", f"{base_url}/metrics")[1].decode()
-    for name in ("kiln_requests_total", "kiln_prompt_tokens_total", "kiln_generation_tokens_total",
-                 "kiln_time_to_first_token_seconds_bucket", "kiln_inter_token_latency_seconds_bucket",
-                 "kiln_queue_depth", "kiln_kv_slots_in_use", "kiln_kv_slots_total 4.0"):
+    for name in (
+        "kiln_requests_total",
+        "kiln_prompt_tokens_total",
+        "kiln_generation_tokens_total",
+        "kiln_time_to_first_token_seconds_bucket",
+        "kiln_inter_token_latency_seconds_bucket",
+        "kiln_queue_depth",
+        "kiln_kv_slots_in_use",
+        "kiln_kv_slots_total 4.0",
+    ):
         assert name in text
 
 
@@ -184,10 +243,16 @@ def test_prompt_longer_than_the_context_is_400_context_length_exceeded(client):
     assert caught.value.body["param"] == "prompt"
 
 
-@pytest.mark.parametrize("bad, param", [
-    (dict(temperature=-1), "temperature"), (dict(n=0), "n"), (dict(top_p=0), "top_p"),
-    (dict(logit_bias={"999999": 1}), "logit_bias"), (dict(extra_body={"bogus": 1}), "bogus"),
-])
+@pytest.mark.parametrize(
+    "bad, param",
+    [
+        (dict(temperature=-1), "temperature"),
+        (dict(n=0), "n"),
+        (dict(top_p=0), "top_p"),
+        (dict(logit_bias={"999999": 1}), "logit_bias"),
+        (dict(extra_body={"bogus": 1}), "bogus"),
+    ],
+)
 def test_invalid_parameters_are_400_naming_the_parameter(client, bad, param):
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=2, **bad)
@@ -203,11 +268,14 @@ def test_chat_message_carries_a_null_refusal(base_url):
     assert "refusal" in message and message["refusal"] is None
 
 
-@pytest.mark.parametrize("field, value", [("temperature", "0.5"), ("stream", "yes"), ("max_tokens", "4"),
-                                          ("ignore_eos", 1), ("top_p", True), ("seed", 1.0)])
+@pytest.mark.parametrize(
+    "field, value",
+    [("temperature", "0.5"), ("stream", "yes"), ("max_tokens", "4"), ("ignore_eos", 1), ("top_p", True), ("seed", 1.0)],
+)
 def test_values_of_the_wrong_json_type_are_400(base_url, field, value):
-    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2,
-                       field: value}).encode()
+    body = json.dumps(
+        {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, field: value}
+    ).encode()
     status, answer = http("POST", f"{base_url}/v1/chat/completions", body)
     assert status == 400, answer
     assert json.loads(answer)["error"]["param"] == field
@@ -216,11 +284,22 @@ def test_values_of_the_wrong_json_type_are_400(base_url, field, value):
 def test_an_int_fills_a_float_and_fields_clients_send_are_ignored(client, llm):
     messages = [{"role": "user", "content": "Where is Paris?"}]
     response = client.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=6, temperature=0, top_p=1, presence_penalty=0,
-        extra_body={"store": False, "metadata": {"user": "x"}, "service_tier": "auto", "parallel_tool_calls": True})
+        model=MODEL,
+        messages=messages,
+        max_tokens=6,
+        temperature=0,
+        top_p=1,
+        presence_penalty=0,
+        extra_body={"store": False, "metadata": {"user": "x"}, "service_tier": "auto", "parallel_tool_calls": True},
+    )
     assert response.choices[0].message.content == llm.chat(messages, max_new_tokens=6).text
-    completion = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0,
-                                           extra_body={"store": True, "service_tier": "default"})
+    completion = client.completions.create(
+        model=MODEL,
+        prompt=PROMPTS[0],
+        max_tokens=4,
+        temperature=0,
+        extra_body={"store": True, "service_tier": "default"},
+    )
     assert completion.choices[0].text == alone(llm, PROMPTS[0], 4).text
 
 
@@ -233,8 +312,10 @@ def test_openapi_document_describes_the_real_request_and_response_bodies(base_ur
     def resolve(schema: dict) -> dict:
         return schemas[schema["$ref"].rsplit("/", 1)[-1]] if "$ref" in schema else schema
 
-    for path, request, response in (("/v1/completions", "CompletionRequest", "CompletionResponse"),
-                                    ("/v1/chat/completions", "ChatCompletionRequest", "ChatCompletionResponse")):
+    for path, request, response in (
+        ("/v1/completions", "CompletionRequest", "CompletionResponse"),
+        ("/v1/chat/completions", "ChatCompletionRequest", "ChatCompletionResponse"),
+    ):
         operation = document["paths"][path]["post"]
         assert operation["requestBody"]["required"] is True
         assert resolve(operation["requestBody"]["content"]["application/json"]["schema"]) is schemas[request]
@@ -253,7 +334,9 @@ def test_openapi_document_describes_the_real_request_and_response_bodies(base_ur
 def test_malformed_json_is_400_and_oversized_body_is_413(base_url):
     status, body = http("POST", f"{base_url}/v1/completions", b"{not json")
     assert status == 400 and "not valid JSON" in json.loads(body)["error"]["message"]
-    status, body = http("POST", f"{base_url}/v1/completions", json.dumps({"model": MODEL, "prompt": "x" * MAX_BODY}).encode())
+    status, body = http(
+        "POST", f"{base_url}/v1/completions", json.dumps({"model": MODEL, "prompt": "x" * MAX_BODY}).encode()
+    )
     assert status == 413 and json.loads(body)["error"]["code"] == "request_too_large"
 
 
@@ -273,8 +356,9 @@ def test_a_post_that_is_not_application_json_is_415(base_url, content_type):
     error = json.loads(answer)["error"]
     assert error["code"] == "unsupported_media_type" and error["type"] == "invalid_request_error"
     assert content_type in error["message"] and "Fix:" in error["message"]
-    status, _, answer = http_with_headers("POST", f"{base_url}/v1/completions", body,
-                                          {"content-type": "application/json; charset=utf-8"})
+    status, _, answer = http_with_headers(
+        "POST", f"{base_url}/v1/completions", body, {"content-type": "application/json; charset=utf-8"}
+    )
     assert status == 200, answer
 
 
@@ -320,8 +404,10 @@ def test_full_queue_is_429_and_the_server_keeps_serving(client, llm):
         assert caught.value.response.headers["retry-after"] == "1"
     finally:
         llm.engine.max_queue = bound
-    assert client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0).choices[0].text == \
-        alone(llm, "hi", 2).text
+    assert (
+        client.completions.create(model=MODEL, prompt="hi", max_tokens=2, temperature=0).choices[0].text
+        == alone(llm, "hi", 2).text
+    )
 
 
 def test_client_disconnecting_mid_stream_cancels_its_request_and_frees_its_slot(client, base_url, llm, monkeypatch):
@@ -333,8 +419,9 @@ def test_client_disconnecting_mid_stream_cancels_its_request_and_frees_its_slot(
         return handles[-1]
 
     monkeypatch.setattr(llm, "submit", recording_submit)
-    stream = client.completions.create(model=MODEL, prompt="Once", max_tokens=MAX_SEQ_LEN, temperature=0,
-                                       stream=True, extra_body={"ignore_eos": True})
+    stream = client.completions.create(
+        model=MODEL, prompt="Once", max_tokens=MAX_SEQ_LEN, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
     next(iter(stream))
     stream.close()
     result = handles[0].result(timeout=30)
@@ -348,32 +435,46 @@ def test_client_disconnecting_mid_stream_cancels_its_request_and_frees_its_slot(
 
 
 def test_serve_without_fastapi_says_what_to_install():
-    code = ("import sys; sys.modules['fastapi'] = None\n"
-            "from kiln.cli import kiln_main; sys.exit(kiln_main(['serve', 'model.kiln']))")
+    code = (
+        "import sys; sys.modules['fastapi'] = None\n"
+        "from kiln.cli import kiln_main; sys.exit(kiln_main(['serve', 'model.kiln']))"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert done.returncode == 2
     assert "pip install 'kiln[serve]'" in done.stderr
 
 
 def test_response_format_json_schema_constrains_the_output(client):
-    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
-                                               "size": {"enum": ["small", "large"]}},
-              "required": ["name", "size"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 8}, "size": {"enum": ["small", "large"]}},
+        "required": ["name", "size"],
+        "additionalProperties": False,
+    }
     response = client.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Describe a cat."}], max_tokens=60, temperature=0,
-        response_format={"type": "json_schema", "json_schema": {"name": "cat", "schema": schema}})
+        model=MODEL,
+        messages=[{"role": "user", "content": "Describe a cat."}],
+        max_tokens=60,
+        temperature=0,
+        response_format={"type": "json_schema", "json_schema": {"name": "cat", "schema": schema}},
+    )
     import jsonschema
 
     jsonschema.validate(json.loads(response.choices[0].message.content), schema)
 
 
 def test_choices_and_malformed_response_format(client):
-    response = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=0,
-                                         extra_body={"choices": ["Paris", "Rome"]})
+    response = client.completions.create(
+        model=MODEL, prompt=PROMPTS[1], max_tokens=8, temperature=0, extra_body={"choices": ["Paris", "Rome"]}
+    )
     assert response.choices[0].text in ("Paris", "Rome")
     with pytest.raises(openai.BadRequestError, match="json_schema.schema"):
-        client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8,
-                                  extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}})
+        client.completions.create(
+            model=MODEL,
+            prompt=PROMPTS[1],
+            max_tokens=8,
+            extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+        )
 
 
 def test_a_killed_process_leaves_no_unpacked_aoti_package_behind(tiny_model_dirs, tmp_path, monkeypatch):
@@ -382,17 +483,25 @@ def test_a_killed_process_leaves_no_unpacked_aoti_package_behind(tiny_model_dirs
     leaves nothing there."""
     monkeypatch.setenv("KILN_LINEAR_KERNEL", "torch")  # keeps Kiln's own C++ kernels out of the build
     monkeypatch.setenv("KILN_ATTENTION_KERNEL", "torch")
-    artifact = kiln.compile(str(tiny_model_dirs("llama")), out=tmp_path / "aoti.kiln", backend="inductor",
-                            max_seq_len=32, max_batch=1)
+    artifact = kiln.compile(
+        str(tiny_model_dirs("llama")), out=tmp_path / "aoti.kiln", backend="inductor", max_seq_len=32, max_batch=1
+    )
     scratch = tmp_path / "tmp"
     scratch.mkdir()
-    code = ("import os, signal, sys, kiln\n"
-            f"llm = kiln.load({str(artifact)!r})\n"
-            "unpacked = [p for p in os.listdir(sys.argv[1]) if 'aoti' in p]\n"
-            "print(unpacked, len(llm.generate('Once', max_new_tokens=2).token_ids), flush=True)\n"
-            "os.kill(os.getpid(), signal.SIGKILL)\n")
-    done = subprocess.run([sys.executable, "-c", code, str(scratch)], env={**os.environ, "TMPDIR": str(scratch)},
-                          capture_output=True, text=True, timeout=300)
+    code = (
+        "import os, signal, sys, kiln\n"
+        f"llm = kiln.load({str(artifact)!r})\n"
+        "unpacked = [p for p in os.listdir(sys.argv[1]) if 'aoti' in p]\n"
+        "print(unpacked, len(llm.generate('Once', max_new_tokens=2).token_ids), flush=True)\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(scratch)],
+        env={**os.environ, "TMPDIR": str(scratch)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert done.returncode == -signal.SIGKILL, done.stderr
     assert done.stdout.strip() == "[] 2", done.stdout + done.stderr
     assert not [p for p in scratch.rglob("*") if "aoti" in p.name]
@@ -415,15 +524,17 @@ def test_kiln_serve_runs_the_engine_in_the_main_thread_and_stops_on_ctrl_c(artif
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    code = ("import sys, threading, kiln.runtime.engine as e\n"
-            "run = e.Engine.run_in_this_thread\n"
-            "def checked(self, stop):\n"
-            "    assert threading.current_thread() is threading.main_thread()\n"
-            "    print('engine in main thread', flush=True)\n"
-            "    run(self, stop)\n"
-            "e.Engine.run_in_this_thread = checked\n"
-            "from kiln.cli import kiln_main\n"
-            f"sys.exit(kiln_main(['serve', {str(artifact)!r}, '--port', '{port}', '--log-level', 'warning']))")
+    code = (
+        "import sys, threading, kiln.runtime.engine as e\n"
+        "run = e.Engine.run_in_this_thread\n"
+        "def checked(self, stop):\n"
+        "    assert threading.current_thread() is threading.main_thread()\n"
+        "    print('engine in main thread', flush=True)\n"
+        "    run(self, stop)\n"
+        "e.Engine.run_in_this_thread = checked\n"
+        "from kiln.cli import kiln_main\n"
+        f"sys.exit(kiln_main(['serve', {str(artifact)!r}, '--port', '{port}', '--log-level', 'warning']))"
+    )
     server = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60
@@ -439,13 +550,19 @@ def test_kiln_serve_runs_the_engine_in_the_main_thread_and_stops_on_ctrl_c(artif
         status, answer = http("POST", f"http://127.0.0.1:{port}/v1/completions", body)
         assert status == 200, answer
         assert json.loads(answer)["choices"][0]["text"] == alone(llm, PROMPTS[1], 4).text
-        assert http_with_headers("GET", f"http://127.0.0.1:{port}/health", None,
-                                 {"host": f"localhost:{port}"})[0] == 200
-        status, _, answer = http_with_headers("GET", f"http://127.0.0.1:{port}/health", None,
-                                              {"host": f"rebound.example:{port}"})
+        assert (
+            http_with_headers("GET", f"http://127.0.0.1:{port}/health", None, {"host": f"localhost:{port}"})[0] == 200
+        )
+        status, _, answer = http_with_headers(
+            "GET", f"http://127.0.0.1:{port}/health", None, {"host": f"rebound.example:{port}"}
+        )
         assert status == 400 and json.loads(answer)["error"]["code"] == "invalid_host"
-        taken = subprocess.run([sys.executable, "-m", "kiln", "serve", str(artifact), "--port", str(port)],
-                               capture_output=True, text=True, timeout=120)
+        taken = subprocess.run(
+            [sys.executable, "-m", "kiln", "serve", str(artifact), "--port", str(port)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
         assert taken.returncode != 0 and "did not start" in taken.stderr
     finally:
         server.send_signal(signal.SIGINT)

@@ -1,6 +1,7 @@
 """`kiln serve --api-key KEY` (or $KILN_API_KEY): every endpoint but /health needs
 `Authorization: Bearer KEY`; a missing or wrong key is a 401 in OpenAI's error shape, which the
 `openai` client raises as AuthenticationError."""
+
 from __future__ import annotations
 
 import json
@@ -44,16 +45,18 @@ def get(url: str, headers: dict | None = None) -> tuple[int, dict, bytes]:
 
 
 def test_the_right_key_is_served(base_url, llm):
-    response = client(base_url, KEY).completions.create(model=MODEL, prompt="Once upon a time", max_tokens=5,
-                                                        temperature=0)
+    response = client(base_url, KEY).completions.create(
+        model=MODEL, prompt="Once upon a time", max_tokens=5, temperature=0
+    )
     assert response.choices[0].text == llm.generate("Once upon a time", max_new_tokens=5).text
     assert [m.id for m in client(base_url, KEY).models.list().data] == [MODEL]
 
 
 def test_a_wrong_key_is_a_401_in_openai_s_error_shape(base_url):
     with pytest.raises(openai.AuthenticationError) as caught:
-        client(base_url, KEY + "x").chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}],
-                                                            max_tokens=2)
+        client(base_url, KEY + "x").chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2
+        )
     assert caught.value.status_code == 401
     error = caught.value.body
     assert error["code"] == "invalid_api_key" and error["type"] == "invalid_request_error" and error["param"] is None

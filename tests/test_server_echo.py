@@ -1,6 +1,7 @@
 """`echo` + `logprobs` on /v1/completions, driven by the `openai` client: the prompt comes back
 before the text, with every prompt token's log-probability (the first null) equal to Hugging
 Face's log-softmax within 1e-4, in the same format as the generated tokens' log-probabilities."""
+
 from __future__ import annotations
 
 import openai
@@ -60,8 +61,7 @@ def test_echo_scores_the_prompt_as_hugging_face_does(client, llm, hf_model):
 
 def test_echo_with_a_generation_joins_the_prompt_and_the_text_in_one_format(client, llm):
     plain = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=1)
-    echoed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=1,
-                                       echo=True)
+    echoed = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, logprobs=1, echo=True)
     prompt_tokens = echoed.usage.prompt_tokens
     assert echoed.choices[0].text == PROMPT + plain.choices[0].text
     ours, theirs = echoed.choices[0].logprobs, plain.choices[0].logprobs
@@ -73,8 +73,7 @@ def test_echo_with_a_generation_joins_the_prompt_and_the_text_in_one_format(clie
     # scoring the generated text as a prompt gives the log-probabilities generating it did
     ids = llm.tokenizer.encode(PROMPT) + llm.generate(PROMPT, max_new_tokens=6).token_ids
     rescored = client.completions.create(model=MODEL, prompt=ids, max_tokens=0, echo=True, logprobs=0)
-    assert rescored.choices[0].logprobs.token_logprobs[prompt_tokens:] == pytest.approx(theirs.token_logprobs,
-                                                                                        abs=1e-4)
+    assert rescored.choices[0].logprobs.token_logprobs[prompt_tokens:] == pytest.approx(theirs.token_logprobs, abs=1e-4)
 
 
 def test_echo_without_logprobs_and_streamed(client, llm):
@@ -82,8 +81,9 @@ def test_echo_without_logprobs_and_streamed(client, llm):
     response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, echo=True, n=2)
     assert [c.text for c in response.choices] == [PROMPT + expected] * 2
     assert response.choices[0].logprobs is None
-    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, echo=True,
-                                            stream=True))
+    chunks = list(
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, echo=True, stream=True)
+    )
     assert chunks[0].choices[0].text == PROMPT
     assert "".join(c.choices[0].text for c in chunks if c.choices) == PROMPT + expected
 

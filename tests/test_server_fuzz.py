@@ -8,6 +8,7 @@ event either), and afterwards the server must answer the first greedy request th
 with no KV row or queue entry left behind. `model` is pinned to the served name, or nearly
 every request would stop at the 404 before reaching the engine.
 """
+
 from __future__ import annotations
 
 import copy
@@ -51,8 +52,14 @@ def test_generated_requests_get_no_5xx_and_leave_the_server_as_it_was(tokenizer)
         answered = []
         for path in ("/v1/completions", "/v1/chat/completions"):
             for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
-                @settings(max_examples=CASES_PER_MODE, derandomize=True, database=None, deadline=None,
-                          suppress_health_check=list(HealthCheck))
+
+                @settings(
+                    max_examples=CASES_PER_MODE,
+                    derandomize=True,
+                    database=None,
+                    deadline=None,
+                    suppress_health_check=list(HealthCheck),
+                )
                 @given(case=schema[path]["POST"].as_strategy(generation_mode=mode))
                 def no_server_error(case):
                     response = case.call()

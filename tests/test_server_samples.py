@@ -1,6 +1,7 @@
 """`n` and `best_of` in the server, driven by the `openai` client: choice j is the request run
 alone with seed + j, the samples share one prefill of the prompt, best_of answers the likeliest,
 and a stream tags each chunk with its choice's index."""
+
 from __future__ import annotations
 
 import openai
@@ -28,8 +29,9 @@ def client(llm):
 
 
 def alone(llm, prompt, seed, **kwargs):
-    return llm.generate(prompt, max_new_tokens=SAMPLED["max_tokens"], temperature=SAMPLED["temperature"], seed=seed,
-                        **kwargs)
+    return llm.generate(
+        prompt, max_new_tokens=SAMPLED["max_tokens"], temperature=SAMPLED["temperature"], seed=seed, **kwargs
+    )
 
 
 @pytest.fixture
@@ -87,8 +89,15 @@ def test_streamed_samples_carry_their_choice_index(client, llm):
     assert contents == {j: llm.chat(messages, max_new_tokens=8, temperature=0.9, seed=11 + j).text for j in range(2)}
 
 
-@pytest.mark.parametrize("bad, param", [(dict(n=0), "n"), (dict(n=65), "n"), (dict(n=3, best_of=2), "best_of"),
-                                        (dict(n=1, best_of=2, stream=True), "best_of")])
+@pytest.mark.parametrize(
+    "bad, param",
+    [
+        (dict(n=0), "n"),
+        (dict(n=65), "n"),
+        (dict(n=3, best_of=2), "best_of"),
+        (dict(n=1, best_of=2, stream=True), "best_of"),
+    ],
+)
 def test_bad_counts_are_400_naming_the_field(client, bad, param):
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model=MODEL, prompt="hi", max_tokens=2, **bad)

@@ -1,6 +1,7 @@
 """`kiln serve --speculative prompt_lookup`: every request drafts by prompt lookup inside the
 engine, and greedy answers stay identical to plain decoding; constrained requests decode
 without drafts. `kiln serve` with the option and $KILN_API_KEY, end to end."""
+
 from __future__ import annotations
 
 import json
@@ -49,8 +50,9 @@ def submitted(llm, monkeypatch):
 
 
 def test_greedy_answers_are_identical_and_drafted(client, llm, submitted):
-    response = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0,
-                                         extra_body={"ignore_eos": True})
+    response = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=40, temperature=0, extra_body={"ignore_eos": True}
+    )
     plain = llm.generate(PROMPT, max_new_tokens=40, ignore_eos=True)
     assert response.choices[0].text == plain.text
     stats = submitted[0].result().stats
@@ -64,15 +66,18 @@ def test_sampled_and_constrained_requests_still_work(client, llm, submitted):
     sampled = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0.8, seed=4, n=2)
     assert len(sampled.choices) == 2 and all(choice.text for choice in sampled.choices)
     assert submitted[0].result().stats.target_steps > 0  # sampled requests draft too
-    constrained = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
-                                            extra_body={"choices": ["Paris", "Rome"]})
+    constrained = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, extra_body={"choices": ["Paris", "Rome"]}
+    )
     assert constrained.choices[0].text == llm.generate(PROMPT, max_new_tokens=12, choices=["Paris", "Rome"]).text
     assert submitted[-1].result().stats.drafted_tokens == 0  # a grammar's forced tokens need no drafts
 
 
 def test_submit_takes_prompt_lookup_only(llm):
-    assert llm.submit(PROMPT, max_new_tokens=8, speculative="prompt_lookup").result().text == \
-        llm.generate(PROMPT, max_new_tokens=8).text
+    assert (
+        llm.submit(PROMPT, max_new_tokens=8, speculative="prompt_lookup").result().text
+        == llm.generate(PROMPT, max_new_tokens=8).text
+    )
     with pytest.raises(GenerationError, match="prompt lookup only"):
         llm.submit(PROMPT, speculative="heads")
     with pytest.raises(GenerationError, match="does not take"):
@@ -94,10 +99,25 @@ def test_kiln_serve_with_speculative_and_an_api_key_from_the_environment(artifac
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "kiln", "serve", str(artifact), "--port", str(port),
-                               "--speculative", "prompt_lookup", "--log-level", "warning"],
-                              env={**os.environ, "KILN_API_KEY": "sk-env"}, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kiln",
+            "serve",
+            str(artifact),
+            "--port",
+            str(port),
+            "--speculative",
+            "prompt_lookup",
+            "--log-level",
+            "warning",
+        ],
+        env={**os.environ, "KILN_API_KEY": "sk-env"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 120

@@ -1,4 +1,5 @@
 """Draft heads: the hidden state solved from logits, training, drafting, and the heads file's checks."""
+
 import json
 import shutil
 
@@ -14,8 +15,12 @@ from kiln.speculator_data import frequency_ranking
 from kiln.train_speculator import TrainConfig, train_speculator, work_dir
 from tiny_models import TRAINING_TEXT
 
-PROMPTS = ["Tell me about the village.", "What is the capital of France?", "Count from one to ten.",
-           "Describe the seasons."]
+PROMPTS = [
+    "Tell me about the village.",
+    "What is the capital of France?",
+    "Count from one to ten.",
+    "Describe the seasons.",
+]
 TEXTS = [TRAINING_TEXT[:600]]
 CONFIG = TrainConfig(stages=3, draft_vocab=256, steps=240, batch=32, lr=3e-3, text_fraction=0.2, reply_tokens=32)
 
@@ -33,13 +38,15 @@ def one_thread():
 def artifact(tiny_model_dirs, tmp_path_factory):
     """A tiny llama artifact (reference backend) and a copy of it with trained mlp heads."""
     root = tmp_path_factory.mktemp("heads")
-    plain = kiln.compile(str(tiny_model_dirs("llama")), out=root / "plain.kiln", backend="reference",
-                         max_seq_len=128, max_batch=1)
+    plain = kiln.compile(
+        str(tiny_model_dirs("llama")), out=root / "plain.kiln", backend="reference", max_seq_len=128, max_batch=1
+    )
     trained = root / "trained.kiln"
     shutil.copytree(plain, trained)
     lines = []
-    summary = train_speculator(kiln.load(trained), trained, CONFIG, prompts=PROMPTS, texts=TEXTS,
-                               report=lines.append, log_every=40)
+    summary = train_speculator(
+        kiln.load(trained), trained, CONFIG, prompts=PROMPTS, texts=TEXTS, report=lines.append, log_every=40
+    )
     return plain, trained, summary, lines
 
 
@@ -85,8 +92,14 @@ def test_trained_heads_keep_greedy_output_and_beat_untrained_heads(artifact, tmp
     untrained = tmp_path / "untrained.kiln"
     shutil.copytree(plain, untrained)
     shutil.copytree(work_dir(trained), work_dir(untrained))  # the same corpus, collected once
-    train_speculator(kiln.load(untrained), untrained, CONFIG.__class__(**{**CONFIG.__dict__, "steps": 1, "lr": 1e-9}),
-                     prompts=PROMPTS, texts=TEXTS, report=lambda line: None)
+    train_speculator(
+        kiln.load(untrained),
+        untrained,
+        CONFIG.__class__(**{**CONFIG.__dict__, "steps": 1, "lr": 1e-9}),
+        prompts=PROMPTS,
+        texts=TEXTS,
+        report=lambda line: None,
+    )
     baseline = [kiln.load(untrained).generate(p, max_new_tokens=24, speculative="heads") for p in prompts]
     assert [r.token_ids for r in baseline] == expected
     rate = sum(r.stats.accepted_tokens for r in results) / sum(r.stats.drafted_tokens for r in results)
@@ -163,8 +176,16 @@ def test_training_resumes_from_its_checkpoint(artifact, tmp_path):
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        train_speculator(kiln.load(copy), copy, config, prompts=PROMPTS, texts=TEXTS, report=interrupt_after_ten,
-                         log_every=5, checkpoint_every=1000)
+        train_speculator(
+            kiln.load(copy),
+            copy,
+            config,
+            prompts=PROMPTS,
+            texts=TEXTS,
+            report=interrupt_after_ten,
+            log_every=5,
+            checkpoint_every=1000,
+        )
     lines = []
     train_speculator(kiln.load(copy), copy, config, prompts=PROMPTS, texts=TEXTS, report=lines.append, log_every=5)
     assert any("resuming from step 10" in line for line in lines)

@@ -4,6 +4,7 @@ The fast tests run a tiny random-weight Llama (ONNX Runtime backend): its output
 valid answer shows the constraint at work. The slow test runs 200 constrained generations from
 the real SmolLM2.
 """
+
 from __future__ import annotations
 
 import json
@@ -37,8 +38,13 @@ EMAIL = r"[a-z]{2,6}@[a-z]{3,5}\.(com|org)"
 
 @pytest.fixture(scope="module")
 def tiny_llm(tiny_model_dirs, tmp_path_factory):
-    path = kiln.compile(str(tiny_model_dirs("llama")), out=tmp_path_factory.mktemp("tiny") / "m.kiln",
-                        backend="onnxruntime", max_seq_len=128, max_batch=2)
+    path = kiln.compile(
+        str(tiny_model_dirs("llama")),
+        out=tmp_path_factory.mktemp("tiny") / "m.kiln",
+        backend="onnxruntime",
+        max_seq_len=128,
+        max_batch=2,
+    )
     return kiln.load(path)
 
 
@@ -49,8 +55,9 @@ def prompt(llm, text="Once upon a time"):
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_json_schema_output_is_valid_json_under_the_schema(tiny_llm, temperature):
     for seed in range(3):
-        result = tiny_llm.generate(prompt(tiny_llm), max_new_tokens=100, temperature=temperature, seed=seed,
-                                   json_schema=PERSON)
+        result = tiny_llm.generate(
+            prompt(tiny_llm), max_new_tokens=100, temperature=temperature, seed=seed, json_schema=PERSON
+        )
         assert result.finish_reason == "stop", result.text
         jsonschema.validate(json.loads(result.text), PERSON)
 
@@ -58,15 +65,13 @@ def test_json_schema_output_is_valid_json_under_the_schema(tiny_llm, temperature
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_regex_output_matches_the_whole_pattern(tiny_llm, temperature):
     for seed in range(3):
-        result = tiny_llm.generate(prompt(tiny_llm), max_new_tokens=40, temperature=temperature, seed=seed,
-                                   regex=EMAIL)
+        result = tiny_llm.generate(prompt(tiny_llm), max_new_tokens=40, temperature=temperature, seed=seed, regex=EMAIL)
         assert re.fullmatch(EMAIL, result.text), result.text
 
 
 def test_choices_output_is_one_of_the_choices(tiny_llm):
     choices = ["Paris, France", "Paris, Texas", "Rome"]
-    texts = {tiny_llm.generate(prompt(tiny_llm), temperature=1.0, seed=seed, choices=choices).text
-             for seed in range(6)}
+    texts = {tiny_llm.generate(prompt(tiny_llm), temperature=1.0, seed=seed, choices=choices).text for seed in range(6)}
     assert texts <= set(choices)
 
 
@@ -79,8 +84,12 @@ def test_constraint_masks_sampling_but_logprobs_stay_the_models(tiny_llm):
 def batch(llm, prompts, seeds, temperature=0.0, **constraint):
     """Run prompts through the engine to the end; their results."""
     spec = constraint_spec(**constraint)
-    request = GenerationSettings(max_new_tokens=100, sampling=SamplingParams(temperature=temperature),
-                                eos_ids=llm.tokenizer.eos_ids, constraint=compile_constraint(llm.tokenizer, spec))
+    request = GenerationSettings(
+        max_new_tokens=100,
+        sampling=SamplingParams(temperature=temperature),
+        eos_ids=llm.tokenizer.eos_ids,
+        constraint=compile_constraint(llm.tokenizer, spec),
+    )
     run = EngineBatch(llm.engine, prompts, request, seeds)
     for _ in run:
         pass
@@ -102,8 +111,7 @@ def test_fast_forward_gives_the_same_tokens_in_fewer_model_steps(tiny_llm, tempe
 def test_constrained_rows_in_a_batch_match_each_prompt_alone(tiny_llm):
     prompts = [prompt(tiny_llm), prompt(tiny_llm, "The capital of France")]
     together = batch(tiny_llm, prompts, [1, 2], 1.0, json_schema=PERSON)
-    alone = [batch(tiny_llm, [p], [s], 1.0, json_schema=PERSON, fast_forward=False)[0]
-             for p, s in zip(prompts, [1, 2])]
+    alone = [batch(tiny_llm, [p], [s], 1.0, json_schema=PERSON, fast_forward=False)[0] for p, s in zip(prompts, [1, 2])]
     assert [r.token_ids for r in together] == [r.token_ids for r in alone]
     for result in together:
         jsonschema.validate(json.loads(result.text), PERSON)
@@ -116,13 +124,16 @@ def test_generate_fast_forward_keeps_the_tokens(tiny_llm):
     assert fast.token_ids == slow.token_ids
 
 
-@pytest.mark.parametrize("constraint, message", [
-    (dict(regex=r"[^\x00-\x{10FFFF}]"), "No token can continue|No output can satisfy"),
-    (dict(choices=[]), "choices is empty"),
-    (dict(regex="a("), "cannot be compiled"),
-    (dict(json_schema="{not json"), "not valid JSON"),
-    (dict(regex="a", choices=["a"]), "were both given"),
-])
+@pytest.mark.parametrize(
+    "constraint, message",
+    [
+        (dict(regex=r"[^\x00-\x{10FFFF}]"), "No token can continue|No output can satisfy"),
+        (dict(choices=[]), "choices is empty"),
+        (dict(regex="a("), "cannot be compiled"),
+        (dict(json_schema="{not json"), "not valid JSON"),
+        (dict(regex="a", choices=["a"]), "were both given"),
+    ],
+)
 def test_an_impossible_or_malformed_constraint_is_reported_before_generating(tiny_llm, constraint, message):
     with pytest.raises(ConstraintError, match=message):
         tiny_llm.generate(prompt(tiny_llm), max_new_tokens=8, **constraint)
@@ -142,30 +153,88 @@ def test_a_full_token_budget_ends_with_length_not_an_error(tiny_llm):
 
 # -- the real SmolLM2: 200 constrained generations ------------------------------------------
 def obj(properties: dict, **extra) -> dict:
-    return {"type": "object", "properties": properties, "required": list(properties),
-            "additionalProperties": False, **extra}
+    return {
+        "type": "object",
+        "properties": properties,
+        "required": list(properties),
+        "additionalProperties": False,
+        **extra,
+    }
 
 
 NAME = {"type": "string", "maxLength": 24}
 SCHEMES = [  # (what to ask, the constraint), 25 generations each
-    ("Describe a fictional person: name, age and home address.",
-     dict(json_schema=obj({"name": NAME, "age": {"type": "integer", "minimum": 0, "maximum": 120},
-                           "address": obj({"city": NAME, "country": NAME})}))),
-    ("Classify the sentiment of this review and rate it from 0 to 5: 'Great food, slow service.'",
-     dict(json_schema=obj({"sentiment": {"enum": ["positive", "negative", "mixed"]},
-                           "rating": {"type": "number", "minimum": 0, "maximum": 5}}))),
-    ("List what to buy for a pancake breakfast, with quantities.",
-     dict(json_schema=obj({"items": {"type": "array", "minItems": 1, "maxItems": 3,
-                                     "items": obj({"item": {"type": "string", "maxLength": 16},
-                                                   "quantity": {"type": "integer", "minimum": 1, "maximum": 12}})}}))),
-    ("Report today's weather in Paris.",
-     dict(json_schema=obj({"temperature_c": {"type": "number", "minimum": -40, "maximum": 50},
-                           "humidity_pct": {"type": "integer", "minimum": 0, "maximum": 100},
-                           "conditions": {"enum": ["sunny", "cloudy", "rain", "snow"]},
-                           "windy": {"type": "boolean"}}))),
-    ("Name three primary colors.",
-     dict(json_schema=obj({"colors": {"type": "array", "items": {"enum": ["red", "yellow", "blue", "green"]},
-                                      "minItems": 1, "maxItems": 3}}))),
+    (
+        "Describe a fictional person: name, age and home address.",
+        dict(
+            json_schema=obj(
+                {
+                    "name": NAME,
+                    "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                    "address": obj({"city": NAME, "country": NAME}),
+                }
+            )
+        ),
+    ),
+    (
+        "Classify the sentiment of this review and rate it from 0 to 5: 'Great food, slow service.'",
+        dict(
+            json_schema=obj(
+                {
+                    "sentiment": {"enum": ["positive", "negative", "mixed"]},
+                    "rating": {"type": "number", "minimum": 0, "maximum": 5},
+                }
+            )
+        ),
+    ),
+    (
+        "List what to buy for a pancake breakfast, with quantities.",
+        dict(
+            json_schema=obj(
+                {
+                    "items": {
+                        "type": "array",
+                        "minItems": 1,
+                        "maxItems": 3,
+                        "items": obj(
+                            {
+                                "item": {"type": "string", "maxLength": 16},
+                                "quantity": {"type": "integer", "minimum": 1, "maximum": 12},
+                            }
+                        ),
+                    }
+                }
+            )
+        ),
+    ),
+    (
+        "Report today's weather in Paris.",
+        dict(
+            json_schema=obj(
+                {
+                    "temperature_c": {"type": "number", "minimum": -40, "maximum": 50},
+                    "humidity_pct": {"type": "integer", "minimum": 0, "maximum": 100},
+                    "conditions": {"enum": ["sunny", "cloudy", "rain", "snow"]},
+                    "windy": {"type": "boolean"},
+                }
+            )
+        ),
+    ),
+    (
+        "Name three primary colors.",
+        dict(
+            json_schema=obj(
+                {
+                    "colors": {
+                        "type": "array",
+                        "items": {"enum": ["red", "yellow", "blue", "green"]},
+                        "minItems": 1,
+                        "maxItems": 3,
+                    }
+                }
+            )
+        ),
+    ),
     ("On what date did Apollo 11 land on the Moon? Answer as YYYY-MM-DD.", dict(regex=r"(19|20)\d\d-[01]\d-[0-3]\d")),
     ("Give a US phone number for a pizza place.", dict(regex=r"\(\d{3}\) \d{3}-\d{4}")),
     ("What is the capital of France?", dict(choices=["Paris", "London", "Berlin", "Madrid"])),
@@ -174,8 +243,13 @@ SCHEMES = [  # (what to ask, the constraint), 25 generations each
 
 @pytest.fixture(scope="session")
 def smollm2(smollm2_dir, tmp_path_factory):
-    path = kiln.compile(str(smollm2_dir), out=tmp_path_factory.mktemp("smollm2") / "m.kiln", backend="onnxruntime",
-                        max_seq_len=256, max_batch=8)
+    path = kiln.compile(
+        str(smollm2_dir),
+        out=tmp_path_factory.mktemp("smollm2") / "m.kiln",
+        backend="onnxruntime",
+        max_seq_len=256,
+        max_batch=8,
+    )
     return kiln.load(path)
 
 
@@ -195,8 +269,9 @@ def test_200_constrained_smollm2_generations_all_parse_and_validate(smollm2):
         prompt = smollm2.encode_chat([{"role": "user", "content": question}])
         greedy = smollm2.generate(prompt, max_new_tokens=64, **constraint)
         # a full batch decodes forced tokens one batched step each: cheaper than a call per row
-        sampled = smollm2.generate([prompt] * 24, max_new_tokens=64, temperature=0.8, seed=list(range(1, 25)),
-                                   fast_forward=False, **constraint)
+        sampled = smollm2.generate(
+            [prompt] * 24, max_new_tokens=64, temperature=0.8, seed=list(range(1, 25)), fast_forward=False, **constraint
+        )
         for result in [greedy, *sampled]:
             assert result.finish_reason in ("stop", "eos"), (question, result.text)
             check(result, constraint)

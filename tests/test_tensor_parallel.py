@@ -5,6 +5,7 @@ is compiled with --tensor-parallel 2 and 4 (4 ranks replicate each KV head on tw
 qwen2 (q/k/v biases, untied lm_head) with 2, and run by torchrun on CPU with gloo, one process
 per rank; greedy tokens must equal the unsharded artifact's, token for token, on every rank.
 """
+
 from __future__ import annotations
 
 import json
@@ -41,8 +42,9 @@ def artifacts(tiny_model_dirs, tmp_path_factory):
     def get(backend: str, ranks: int, arch: str = "llama"):
         if (backend, ranks, arch) not in cache:
             out = tmp_path_factory.mktemp(f"{arch}-tp{ranks}") / f"{backend}.kiln"
-            cache[backend, ranks, arch] = kiln.compile(str(tiny_model_dirs(arch)), out=out, backend=backend,
-                                                       max_seq_len=MAX_SEQ_LEN, tensor_parallel=ranks)
+            cache[backend, ranks, arch] = kiln.compile(
+                str(tiny_model_dirs(arch)), out=out, backend=backend, max_seq_len=MAX_SEQ_LEN, tensor_parallel=ranks
+            )
         return cache[backend, ranks, arch]
 
     return get
@@ -133,8 +135,13 @@ def test_four_ranks_replicate_each_kv_head_on_the_ranks_that_read_it(stateful_gr
     for rank in range(4):
         rows = shard_tensor_parallel(stateful_graph, rank, 4).weights[qkv]
         kv_head = rank // 2
-        expected = torch.cat([full[16 * rank:16 * (rank + 1)], full[64 + 16 * kv_head:64 + 16 * (kv_head + 1)],
-                              full[96 + 16 * kv_head:96 + 16 * (kv_head + 1)]])
+        expected = torch.cat(
+            [
+                full[16 * rank : 16 * (rank + 1)],
+                full[64 + 16 * kv_head : 64 + 16 * (kv_head + 1)],
+                full[96 + 16 * kv_head : 96 + 16 * (kv_head + 1)],
+            ]
+        )
         assert torch.equal(rows, expected)
 
 
@@ -173,7 +180,8 @@ def test_sharded_greedy_tokens_equal_unsharded_on_every_rank(artifacts, arch, ra
 
 @pytest.mark.slow
 def test_inductor_shards_generate_the_unsharded_tokens_and_kiln_generate_prints_them_once(
-        artifacts, unsharded_ids, tmp_path):
+    artifacts, unsharded_ids, tmp_path
+):
     # Two jobs on one artifact: the second finds the first's kernels in Inductor's cache, and
     # must still run each rank's own weights.
     path = artifacts("inductor", 2)

@@ -4,6 +4,7 @@ Hugging Face.
 tinygrad compiles every kernel with clang on first use, so each model is compiled once per module
 and shared; BEAM search is left off (it belongs to the benchmarks).
 """
+
 from __future__ import annotations
 
 import json
@@ -20,10 +21,16 @@ from kiln.runtime.artifact import read_artifact
 from hf_oracle import eos_ids, hf_greedy, prompts
 
 tinygrad_backend = pytest.importorskip("kiln.backends.tinygrad")
-from kiln.backends.tinygrad import (CompilerNotFoundError, FeedError, TinygradArtifactError,  # noqa: E402
-                                    check_lowering_table, compiled_program_count)
+from kiln.backends.tinygrad import (
+    CompilerNotFoundError,
+    FeedError,
+    TinygradArtifactError,  # noqa: E402
+    check_lowering_table,
+    compiled_program_count,
+)
 from kiln.backends.tinygrad.graph_to_tensors import LoweringContext, graph_to_tensors  # noqa: E402
 from kiln.backends.tinygrad.toolchain import CLANG_INSTALL, configure_cpu_device  # noqa: E402
+
 # The catalogue of one small graph per IR op, shared with the inductor backend's tests.
 from test_inductor_backend import OP_CASES, build_op_graph, random_feeds  # noqa: E402
 
@@ -38,8 +45,13 @@ def compiled(tiny_model_dirs, tmp_path_factory):
     def get(arch):
         if arch not in cache:
             source = tiny_model_dirs(arch)
-            path = kiln.compile(str(source), out=tmp_path_factory.mktemp(arch) / "model.kiln", backend="tinygrad",
-                                max_seq_len=64, max_batch=2)
+            path = kiln.compile(
+                str(source),
+                out=tmp_path_factory.mktemp(arch) / "model.kiln",
+                backend="tinygrad",
+                max_seq_len=64,
+                max_batch=2,
+            )
             cache[arch] = path, kiln.load(path), load_model(source).model
         return cache[arch]
 
@@ -67,8 +79,10 @@ def test_all_ops_match_the_interpreter():
         torch.testing.assert_close(result, e, atol=1e-5, rtol=1e-5, msg=lambda m: f"{value.name}: {m}")
 
 
-@pytest.mark.parametrize("bits, group_size, symmetric, k", [
-    (8, 128, True, 128), (4, 32, True, 128), (4, 64, False, 192), (4, 128, True, 256), (4, 16, False, 96)])
+@pytest.mark.parametrize(
+    "bits, group_size, symmetric, k",
+    [(8, 128, True, 128), (4, 32, True, 128), (4, 64, False, 192), (4, 128, True, 256), (4, 16, False, 96)],
+)
 def test_linear_q_in_both_forms_matches_the_interpreter(bits, group_size, symmetric, k):
     """Up to 8 rows take the grouped form (sums on the codes, scaled per group), more rows, or a
     K the groups do not divide, the dequantize-then-multiply form; both are f32 arithmetic."""

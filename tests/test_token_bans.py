@@ -1,6 +1,7 @@
 """min_tokens and bad_words: the tokens they ban equal Hugging Face's MinNewTokensLength and
 NoBadWords processors', sampling draws from the distribution without them, and generation with
 them equals Hugging Face's generate(min_new_tokens=..., bad_words_ids=...)."""
+
 import math
 
 import pytest
@@ -76,8 +77,14 @@ def test_sampling_draws_from_what_the_bans_leave():
 def hf_greedy_with(model, prompt, new_tokens, **options):
     ids = torch.tensor([prompt])
     with torch.no_grad():
-        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, do_sample=False,
-                              pad_token_id=0, **options)[0, len(prompt):].tolist()
+        return model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            **options,
+        )[0, len(prompt) :].tolist()
 
 
 def test_generation_with_bans_equals_hugging_face(tiny_model_dirs):
@@ -106,18 +113,21 @@ def test_words_are_banned_as_the_tokenizer_spells_them(tiny_model_dirs):
     by_word = llm.generate(prompt, max_new_tokens=8, bad_words=[word])
     assert by_word.token_ids == llm.generate(prompt, max_new_tokens=8, bad_words=spellings).token_ids
     for spelling in spellings:
-        assert all(by_word.token_ids[i:i + len(spelling)] != spelling for i in range(len(by_word.token_ids)))
+        assert all(by_word.token_ids[i : i + len(spelling)] != spelling for i in range(len(by_word.token_ids)))
 
 
-@pytest.mark.parametrize("options, error, message", [
-    (dict(min_tokens=-1), GenerationError, "min_tokens must be"),
-    (dict(min_tokens=1.5), GenerationError, "min_tokens must be"),
-    (dict(bad_words=[[]]), GenerationError, "non-empty list of token ids"),
-    (dict(bad_words=[[5, -1]]), GenerationError, "non-empty list of token ids"),
-    (dict(bad_words="abc"), GenerationError, "bad_words must be a list"),
-    (dict(bad_words=[[5, 10**6]]), TokenIdError, "bad_words"),
-    (dict(bad_words=["word"]), TokenizerError, "need the artifact's tokenizer"),
-])
+@pytest.mark.parametrize(
+    "options, error, message",
+    [
+        (dict(min_tokens=-1), GenerationError, "min_tokens must be"),
+        (dict(min_tokens=1.5), GenerationError, "min_tokens must be"),
+        (dict(bad_words=[[]]), GenerationError, "non-empty list of token ids"),
+        (dict(bad_words=[[5, -1]]), GenerationError, "non-empty list of token ids"),
+        (dict(bad_words="abc"), GenerationError, "bad_words must be a list"),
+        (dict(bad_words=[[5, 10**6]]), TokenIdError, "bad_words"),
+        (dict(bad_words=["word"]), TokenizerError, "need the artifact's tokenizer"),
+    ],
+)
 def test_bad_ban_settings_are_clear_errors(options, error, message):
     llm = LLM(executable())  # no tokenizer
     with pytest.raises(error, match=message):
@@ -127,6 +137,8 @@ def test_bad_ban_settings_are_clear_errors(options, error, message):
 def test_bans_leave_greedy_decoding_alone_when_nothing_matches():
     llm = LLM(executable())
     plain = llm.generate([5, 6, 7], max_new_tokens=6).token_ids
-    assert llm.generate([5, 6, 7], max_new_tokens=6, bad_words=[[plain[0] + 1, 99], [1, 2, 3, 4]],
-                        min_tokens=2).token_ids == plain
+    assert (
+        llm.generate([5, 6, 7], max_new_tokens=6, bad_words=[[plain[0] + 1, 99], [1, 2, 3, 4]], min_tokens=2).token_ids
+        == plain
+    )
     assert not math.isinf(float(Sampler(SamplingParams(min_tokens=9)).ban(torch.zeros(4), [], []).min()))

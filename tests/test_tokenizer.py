@@ -1,4 +1,5 @@
 """The runtime tokenizer: encode/decode, special tokens, streaming decode and chat templates."""
+
 from __future__ import annotations
 
 import json
@@ -62,16 +63,22 @@ def test_missing_tokenizer_json_is_a_clear_error(tmp_path):
 
 
 def test_chat_template_renders_messages(tokenizer):
-    text = tokenizer.apply_chat_template([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
+    text = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    )
     assert text == "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
 
 
 def test_chat_template_helpers_match_transformers(tmp_path):
-    template = ("{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}"
-                "{{ bos_token }}{{ messages | tojson }}")
+    template = (
+        "{% if messages[0]['role'] != 'user' %}{{ raise_exception('user first') }}{% endif %}"
+        "{{ bos_token }}{{ messages | tojson }}"
+    )
     tokenizer = Tokenizer.from_dir(make_dir(tmp_path, dict(tokenizer_config(), chat_template=template)))
-    assert tokenizer.apply_chat_template([{"role": "user", "content": "<b>é</b>"}]) == \
-        '<|im_start|>[{"role": "user", "content": "<b>é</b>"}]'
+    assert (
+        tokenizer.apply_chat_template([{"role": "user", "content": "<b>é</b>"}])
+        == '<|im_start|>[{"role": "user", "content": "<b>é</b>"}]'
+    )
     with pytest.raises(TokenizerError, match="user first"):
         tokenizer.apply_chat_template([{"role": "assistant", "content": "x"}])
 
