@@ -5,6 +5,7 @@ forward and fx_to_ir.py converts it through the ATen table (aten_table.py). Grap
 and its reports live in the `breaks` subpackage; their former module paths
 (`kiln.frontend.break_analysis`, ...) still import, as the same module objects.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -13,12 +14,19 @@ import importlib.util
 import sys
 
 MOVED = {  # former module -> where it lives now
-    "background_break_check": "breaks.background_check", "branch_to_select": "breaks.branch_to_select",
-    "break_analysis": "breaks.analysis", "break_categories": "breaks.categories", "break_cost": "breaks.cost",
-    "break_remedies": "breaks.remedies", "compile_breaks": "breaks.compile_check",
-    "explain_targets": "breaks.targets", "graph_breaks": "breaks.recording",
-    "guard_failures": "breaks.guard_failures", "report_html": "breaks.report_html",
-    "report_markdown": "breaks.report_markdown", "report_model": "breaks.report_model",
+    "background_break_check": "breaks.background_check",
+    "branch_to_select": "breaks.branch_to_select",
+    "break_analysis": "breaks.analysis",
+    "break_categories": "breaks.categories",
+    "break_cost": "breaks.cost",
+    "break_remedies": "breaks.remedies",
+    "compile_breaks": "breaks.compile_check",
+    "explain_targets": "breaks.targets",
+    "graph_breaks": "breaks.recording",
+    "guard_failures": "breaks.guard_failures",
+    "report_html": "breaks.report_html",
+    "report_markdown": "breaks.report_markdown",
+    "report_model": "breaks.report_model",
 }
 
 

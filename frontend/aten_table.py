@@ -9,6 +9,7 @@ value (or a tuple for multi-output ops, or None for ops that vanish, like metada
 Output shapes of pure shape ops are taken from what torch.export recorded, so `-1`s and
 SymInt arithmetic arrive already resolved.
 """
+
 from __future__ import annotations
 
 import operator
@@ -45,14 +46,24 @@ def _like(arg):
 
 
 # -- things that disappear ----------------------------------------------------------------
-@handles(aten._assert_tensor_metadata.default, aten._assert_scalar.default,
-         aten.sym_constrain_range_for_size.default, aten._assert_async.msg)
+@handles(
+    aten._assert_tensor_metadata.default,
+    aten._assert_scalar.default,
+    aten.sym_constrain_range_for_size.default,
+    aten._assert_async.msg,
+)
 def _drop(cx, *args, **kwargs):
     return None
 
 
-@handles(aten.clone.default, aten.alias.default, aten.contiguous.default, aten.detach.default,
-         aten.lift_fresh_copy.default, aten.dropout.default)
+@handles(
+    aten.clone.default,
+    aten.alias.default,
+    aten.contiguous.default,
+    aten.detach.default,
+    aten.lift_fresh_copy.default,
+    aten.dropout.default,
+)
 def _identity(cx, x, *args, **kwargs):
     return cx.value(x)
 
@@ -90,18 +101,49 @@ def _binary(op):
     return handler
 
 
-for _name, _ir in {"add": "add", "sub": "sub", "mul": "mul", "div": "div", "eq": "eq", "ne": "ne",
-                   "lt": "lt", "le": "le", "gt": "gt", "ge": "ge", "maximum": "maximum",
-                   "minimum": "minimum", "logical_and": "logical_and", "logical_or": "logical_or",
-                   "bitwise_and": "logical_and", "bitwise_or": "logical_or",
-                   "__and__": "logical_and", "__or__": "logical_or"}.items():
+for _name, _ir in {
+    "add": "add",
+    "sub": "sub",
+    "mul": "mul",
+    "div": "div",
+    "eq": "eq",
+    "ne": "ne",
+    "lt": "lt",
+    "le": "le",
+    "gt": "gt",
+    "ge": "ge",
+    "maximum": "maximum",
+    "minimum": "minimum",
+    "logical_and": "logical_and",
+    "logical_or": "logical_or",
+    "bitwise_and": "logical_and",
+    "bitwise_or": "logical_or",
+    "__and__": "logical_and",
+    "__or__": "logical_or",
+}.items():
     _packet = getattr(aten, _name)
     handles(*[getattr(_packet, o) for o in ("Tensor", "Scalar", "default") if hasattr(_packet, o)])(_binary(_ir))
 
-VIEW_OPS = {aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default,
-            aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default, aten.expand.default, aten.permute.default,
-            aten.transpose.int, aten.t.default, aten.slice.Tensor, aten.select.int, aten.alias.default,
-            aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default, aten.numpy_T.default}
+VIEW_OPS = {
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.squeeze.default,
+    aten.expand.default,
+    aten.permute.default,
+    aten.transpose.int,
+    aten.t.default,
+    aten.slice.Tensor,
+    aten.select.int,
+    aten.alias.default,
+    aten.split.Tensor,
+    aten.split_with_sizes.default,
+    aten.chunk.default,
+    aten.numpy_T.default,
+}
 
 
 def _in_place(op):
@@ -126,8 +168,23 @@ for _name in ("add_", "sub_", "mul_", "div_"):
 handles(aten.pow.Tensor_Scalar, aten.pow.Tensor_Tensor, aten.pow.Scalar)(_binary("pow"))
 handles(aten.rsub.Scalar, aten.rsub.Tensor)(lambda cx, a, b, alpha=1: _binary("sub")(cx, b, a))
 
-for _name in ("neg", "exp", "log", "sqrt", "rsqrt", "reciprocal", "abs", "tanh", "sin", "cos",
-              "erf", "sigmoid", "relu", "silu", "logical_not"):
+for _name in (
+    "neg",
+    "exp",
+    "log",
+    "sqrt",
+    "rsqrt",
+    "reciprocal",
+    "abs",
+    "tanh",
+    "sin",
+    "cos",
+    "erf",
+    "sigmoid",
+    "relu",
+    "silu",
+    "logical_not",
+):
     handles(getattr(aten, _name).default)(lambda cx, x, _op=_name: cx.call(_op, cx.value(x)))
 handles(aten.bitwise_not.default)(lambda cx, x: cx.call("logical_not", cx.value(x)))
 
@@ -200,8 +257,15 @@ def _softmax(cx, x, dim, *rest, **kwargs):
 
 
 # -- shapes -------------------------------------------------------------------------------
-@handles(aten.view.default, aten._unsafe_view.default, aten.reshape.default, aten.unsqueeze.default,
-         aten.squeeze.dim, aten.squeeze.dims, aten.squeeze.default)
+@handles(
+    aten.view.default,
+    aten._unsafe_view.default,
+    aten.reshape.default,
+    aten.unsqueeze.default,
+    aten.squeeze.dim,
+    aten.squeeze.dims,
+    aten.squeeze.default,
+)
 def _reshape(cx, x, *args):
     return cx.call("reshape", cx.value(x), shape=_out_shape(cx))
 
@@ -230,8 +294,8 @@ def _repeat_interleave(cx, x, repeats, dim=None, output_size=None):
         v, dim = cx.call("reshape", v, shape=(numel(v.type.shape),)), 0
     dim = dim % v.type.rank
     shape = v.type.shape
-    spread = cx.call("reshape", v, shape=shape[:dim + 1] + (1,) + shape[dim + 1:])
-    tiled = cx.call("expand", spread, shape=shape[:dim + 1] + (cx.dim(repeats),) + shape[dim + 1:])
+    spread = cx.call("reshape", v, shape=shape[: dim + 1] + (1,) + shape[dim + 1 :])
+    tiled = cx.call("expand", spread, shape=shape[: dim + 1] + (cx.dim(repeats),) + shape[dim + 1 :])
     return cx.call("reshape", tiled, shape=_out_shape(cx))
 
 
@@ -261,8 +325,14 @@ def _numpy_t(cx, x):
 
 @handles(aten.slice.Tensor)
 def _slice(cx, x, dim=0, start=None, end=None, step=1):
-    return cx.call("slice", cx.value(x), axis=dim, start=cx.dim(start) if start is not None else 0,
-                   end=cx.dim(end) if end is not None else 2**62, step=step)
+    return cx.call(
+        "slice",
+        cx.value(x),
+        axis=dim,
+        start=cx.dim(start) if start is not None else 0,
+        end=cx.dim(end) if end is not None else 2**62,
+        step=step,
+    )
 
 
 @handles(aten.select.int)
@@ -357,13 +427,22 @@ def _arange(cx, *args, dtype=None, **kwargs):
     return cx.call("arange", start=cx.dim(start), end=cx.dim(end), step=step, dtype=from_torch(_meta(cx).dtype))
 
 
-@handles(aten.full.default, aten.scalar_tensor.default, aten.zeros.default, aten.ones.default,
-         aten.full_like.default, aten.zeros_like.default, aten.ones_like.default, aten.new_zeros.default,
-         aten.new_ones.default)
+@handles(
+    aten.full.default,
+    aten.scalar_tensor.default,
+    aten.zeros.default,
+    aten.ones.default,
+    aten.full_like.default,
+    aten.zeros_like.default,
+    aten.ones_like.default,
+    aten.new_zeros.default,
+    aten.new_ones.default,
+)
 def _full(cx, *args, **kwargs):
     name = cx.current.target.__name__
     value = {"zeros": 0, "ones": 1, "new_zeros": 0, "new_ones": 1, "zeros_like": 0, "ones_like": 1}.get(
-        name.split(".")[0])
+        name.split(".")[0]
+    )
     if value is None:
         value = args[0] if name.startswith("scalar_tensor") else args[1]
     dtype = from_torch(_meta(cx).dtype)
@@ -414,13 +493,17 @@ def _layer_norm_one_output(cx, x, shape, weight=None, bias=None, eps=1e-5, *args
 def _layer_norm(cx, x, shape, weight, bias, eps):
     if len(shape) != 1:
         raise NotImplementedError("layer_norm over more than the last dim")
-    out = cx.call("layer_norm", cx.value(x), cx.value(weight) if weight is not None else None,
-                  cx.value(bias) if bias is not None else None, eps=eps)
+    out = cx.call(
+        "layer_norm",
+        cx.value(x),
+        cx.value(weight) if weight is not None else None,
+        cx.value(bias) if bias is not None else None,
+        eps=eps,
+    )
     return (out, None, None)
 
 
 @handles(aten.scaled_dot_product_attention.default)
 def _sdpa(cx, q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
     mask = cx.value(attn_mask) if attn_mask is not None else None
-    return cx.call("attention", cx.value(q), cx.value(k), cx.value(v), mask, None,
-                   scale=scale, causal=bool(is_causal))
+    return cx.call("attention", cx.value(q), cx.value(k), cx.value(v), mask, None, scale=scale, causal=bool(is_causal))

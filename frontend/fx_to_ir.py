@@ -4,6 +4,7 @@ Each FX node is handled by the ATen table in `aten_table.py`. Nodes whose value 
 (`sym_size`, arithmetic on sizes) become symbolic dims, not IR values: Kiln keeps sizes in
 types and attributes, so `view(x, [s0, s1, -1, 16])` becomes `reshape {shape=[batch, seq, 4, 16]}`.
 """
+
 from __future__ import annotations
 
 import re
@@ -102,8 +103,7 @@ class FxToIr:
     def add_placeholders(self) -> None:
         sig = self.program.graph_signature
         weights = {**self.program.state_dict, **self.program.constants}
-        param_of = {**sig.inputs_to_parameters, **sig.inputs_to_buffers,
-                    **sig.inputs_to_lifted_tensor_constants}
+        param_of = {**sig.inputs_to_parameters, **sig.inputs_to_buffers, **sig.inputs_to_lifted_tensor_constants}
         user_index = 0
         for node in self.program.graph.nodes:
             if node.op != "placeholder":
@@ -138,20 +138,25 @@ class FxToIr:
         try:
             result = handler(self, *node.args, **node.kwargs)
         except NotImplementedError as e:
-            raise UnsupportedOpError.in_capture(f"{_op_name(node.target)} ({e})", _arg_shapes(node),
-                                              source_line(node)) from None
+            raise UnsupportedOpError.in_capture(
+                f"{_op_name(node.target)} ({e})", _arg_shapes(node), source_line(node)
+            ) from None
         self.env[node] = result
         if isinstance(result, Value) and isinstance(val, torch.Tensor):
             self._check_type(node, result)
 
     def _check_type(self, node: torch.fx.Node, result: Value) -> None:
         expected = self.type_of(node)
-        same = expected.dtype == result.type.dtype and expected.rank == result.type.rank and all(
-            dims_equal(a, b) for a, b in zip(expected.shape, result.type.shape))
+        same = (
+            expected.dtype == result.type.dtype
+            and expected.rank == result.type.rank
+            and all(dims_equal(a, b) for a, b in zip(expected.shape, result.type.shape))
+        )
         if not same:
             raise ConversionError(
                 f"{_op_name(node.target)} at {source_line(node)} converted to {result.type}, "
-                f"but torch.export recorded {expected}")
+                f"but torch.export recorded {expected}"
+            )
 
     def convert(self, output_names: list[str]) -> Graph:
         self.add_placeholders()

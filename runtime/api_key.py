@@ -3,6 +3,7 @@
 a missing or wrong key is a 401 in OpenAI's error shape, before the body is read. The key is
 compared in constant time, so the time to refuse says nothing about how much of it was right.
 """
+
 from __future__ import annotations
 
 import hmac
@@ -27,9 +28,15 @@ class ApiKeyCheck:
         given = _bearer(dict(scope["headers"]).get(b"authorization", b""))
         if given is None or not hmac.compare_digest(given, self.key):
             what = "No API key was given" if given is None else "The API key given is not this server's"
-            error = APIError(401, f"{what}. Fix: send the header Authorization: Bearer <key> (the openai "
-                             "client: api_key=<key>) with the key the server was started with.",
-                             "invalid_request_error", None, "invalid_api_key", {"WWW-Authenticate": "Bearer"})
+            error = APIError(
+                401,
+                f"{what}. Fix: send the header Authorization: Bearer <key> (the openai "
+                "client: api_key=<key>) with the key the server was started with.",
+                "invalid_request_error",
+                None,
+                "invalid_api_key",
+                {"WWW-Authenticate": "Bearer"},
+            )
             return await error.response()(scope, receive, send)
         await self.app(scope, receive, send)
 
@@ -38,8 +45,10 @@ def check_api_key(key: str) -> str:
     """The key, if it can be sent in a header: KilnError for an empty one or one with spaces or
     characters outside printable ASCII."""
     if not key or not key.isascii() or not key.isprintable() or any(c.isspace() for c in key):
-        raise KilnError("The API key is empty or holds spaces or characters outside printable ASCII, which an "
-                        "Authorization header cannot carry. Fix: use e.g. the output of `openssl rand -hex 32`.")
+        raise KilnError(
+            "The API key is empty or holds spaces or characters outside printable ASCII, which an "
+            "Authorization header cannot carry. Fix: use e.g. the output of `openssl rand -hex 32`."
+        )
     return key
 
 

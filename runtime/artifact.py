@@ -22,6 +22,7 @@ generate/serve --expect-sha256`) pins an artifact to the one compiled. Pin artif
 compile yourself: an artifact is code (an Inductor artifact's package holds a shared library
 that loading runs), and hashes the artifact carries prove nothing against whoever made it.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -96,8 +97,15 @@ def file_sha256(path: Path) -> str:
 
 
 # -- writing ---------------------------------------------------------------------------------
-def save_artifact(directory, graph: Graph, executable, tokenizer_dir=None, manifest_fields: dict | None = None,
-                  extra_files: dict[str, str] | None = None, rank_weights: list | None = None) -> Path:
+def save_artifact(
+    directory,
+    graph: Graph,
+    executable,
+    tokenizer_dir=None,
+    manifest_fields: dict | None = None,
+    extra_files: dict[str, str] | None = None,
+    rank_weights: list | None = None,
+) -> Path:
     """Write the artifact for `graph` (stateful, weights attached) and `executable` to `directory`.
 
     `manifest_fields` adds backend, backend_version, source_hash, options, ... to the manifest.
@@ -125,7 +133,9 @@ def save_artifact(directory, graph: Graph, executable, tokenizer_dir=None, manif
             (staging / name).write_text(text, encoding="utf-8")
             names.append(name)
         manifest = {
-            "format": FORMAT, "format_version": FORMAT_VERSION, "kiln_version": kiln_version(),
+            "format": FORMAT,
+            "format_version": FORMAT_VERSION,
+            "kiln_version": kiln_version(),
             **(manifest_fields or {}),
             **({"tensor_parallel": 1 + len(rank_weights)} if rank_weights else {}),
             "ir_hash": hashlib.sha256(graph_text.encode("utf-8")).hexdigest(),
@@ -140,9 +150,13 @@ def save_artifact(directory, graph: Graph, executable, tokenizer_dir=None, manif
 
 def check_replaceable(directory: Path) -> None:
     """Refuse a `directory` that exists and holds something other than an artifact (or nothing)."""
-    if directory.exists() and not (directory.is_dir() and (not any(directory.iterdir()) or (directory / MANIFEST).is_file())):
-        raise ArtifactError(f"{directory} exists and is not a Kiln artifact; refusing to overwrite it. "
-                            "Fix: choose another output path, or delete it first.")
+    if directory.exists() and not (
+        directory.is_dir() and (not any(directory.iterdir()) or (directory / MANIFEST).is_file())
+    ):
+        raise ArtifactError(
+            f"{directory} exists and is not a Kiln artifact; refusing to overwrite it. "
+            "Fix: choose another output path, or delete it first."
+        )
 
 
 def weights_file(rank: int) -> str:
@@ -181,7 +195,9 @@ def _expand_dirs(root: Path, names: list[str]) -> list[str]:
     out = []
     for name in names:
         path = root / name
-        out += sorted(p.relative_to(root).as_posix() for p in path.rglob("*") if p.is_file()) if path.is_dir() else [name]
+        out += (
+            sorted(p.relative_to(root).as_posix() for p in path.rglob("*") if p.is_file()) if path.is_dir() else [name]
+        )
     return out
 
 
@@ -218,21 +234,26 @@ def manifest_sha256(directory) -> str:
 
 
 # -- reading ---------------------------------------------------------------------------------
-def read_artifact(directory, check_hashes: bool = True, rank: int = 0,
-                  expected_sha256: str | None = None) -> ArtifactContents:
+def read_artifact(
+    directory, check_hashes: bool = True, rank: int = 0, expected_sha256: str | None = None
+) -> ArtifactContents:
     """Open and check an artifact (with `rank`'s weights, for a tensor-parallel one); raise
     ArtifactError saying which file is wrong and how. Other ranks' shards are size-checked only.
     `expected_sha256`: the sha256 manifest.json must have (see `manifest_sha256`); it pins the
     whole artifact, so it needs check_hashes."""
     directory = Path(directory)
     if expected_sha256 is not None and not check_hashes:
-        raise ArtifactError("expected_sha256 pins an artifact only when every file is checked against the manifest. "
-                            "Fix: leave check_hashes on (the default) when giving expected_sha256.")
+        raise ArtifactError(
+            "expected_sha256 pins an artifact only when every file is checked against the manifest. "
+            "Fix: leave check_hashes on (the default) when giving expected_sha256."
+        )
     manifest = read_manifest(directory, expected_sha256)
     ranks = manifest.get("tensor_parallel", 1)
     if not 0 <= rank < ranks:
-        raise ArtifactError(f"{directory} has weights for {ranks} rank(s), not for rank {rank}. "
-                            f"Fix: run it with torchrun --nproc-per-node {ranks}.")
+        raise ArtifactError(
+            f"{directory} has weights for {ranks} rank(s), not for rank {rank}. "
+            f"Fix: run it with torchrun --nproc-per-node {ranks}."
+        )
     others = {weights_file(r) for r in range(ranks) if r != rank}
     for name, entry in manifest["files"].items():
         _check_file(directory, name, entry, check_hashes and name not in others)
@@ -245,12 +266,16 @@ def read_manifest(directory: Path, expected_sha256: str | None = None) -> dict:
     """The manifest, checked for format, version, required keys and its fields_sha256 (and, given
     `expected_sha256`, that manifest.json's own sha256 is that)."""
     if not directory.is_dir():
-        raise ArtifactError(f"Artifact directory {directory} does not exist. Fix: check the path, or create it "
-                            "with `compile-model MODEL -o " + str(directory) + "`.")
+        raise ArtifactError(
+            f"Artifact directory {directory} does not exist. Fix: check the path, or create it "
+            "with `compile-model MODEL -o " + str(directory) + "`."
+        )
     path = directory / MANIFEST
     if not path.is_file():
-        raise ArtifactError(f"{directory} is not a Kiln artifact: {MANIFEST} is missing. Fix: point at a directory "
-                            "written by `compile-model`, or recompile.")
+        raise ArtifactError(
+            f"{directory} is not a Kiln artifact: {MANIFEST} is missing. Fix: point at a directory "
+            "written by `compile-model`, or recompile."
+        )
     data = path.read_bytes()  # read once: what is hashed is what is parsed
     if expected_sha256 is not None:
         _check_pin(path, data, expected_sha256)
@@ -260,15 +285,21 @@ def read_manifest(directory: Path, expected_sha256: str | None = None) -> dict:
         raise ArtifactError(f"{path} is not valid JSON ({e}). The artifact is damaged: recompile it.") from None
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         found = manifest.get("format") if isinstance(manifest, dict) else type(manifest).__name__
-        raise ArtifactError(f"{path} describes a foreign format ({found!r}, expected {FORMAT!r}). "
-                            "Fix: point at a directory written by `compile-model`.")
+        raise ArtifactError(
+            f"{path} describes a foreign format ({found!r}, expected {FORMAT!r}). "
+            "Fix: point at a directory written by `compile-model`."
+        )
     version = manifest.get("format_version")
     if not isinstance(version, int):
-        raise ArtifactError(f"{path}: format_version is {version!r}, not an integer. The artifact is damaged: recompile it.")
+        raise ArtifactError(
+            f"{path}: format_version is {version!r}, not an integer. The artifact is damaged: recompile it."
+        )
     if version > FORMAT_VERSION:
-        raise ArtifactError(f"{path}: artifact format version {version} is newer than this Kiln supports "
-                            f"({FORMAT_VERSION}; Kiln {kiln_version()}). Fix: upgrade Kiln, or recompile the model "
-                            "with this version.")
+        raise ArtifactError(
+            f"{path}: artifact format version {version} is newer than this Kiln supports "
+            f"({FORMAT_VERSION}; Kiln {kiln_version()}). Fix: upgrade Kiln, or recompile the model "
+            "with this version."
+        )
     missing = [k for k in REQUIRED_KEYS if k not in manifest]
     if missing or not isinstance(manifest["files"], dict):
         raise ArtifactError(f"{path} lacks {missing or ['a files table']}. The artifact is damaged: recompile it.")
@@ -277,9 +308,11 @@ def read_manifest(directory: Path, expected_sha256: str | None = None) -> dict:
             raise ArtifactError(f"{path} does not list {name}. The artifact is damaged: recompile it.")
     # Artifacts written before fields_sha256 have none; their fields are taken as they are.
     if FIELDS_HASH in manifest and manifest[FIELDS_HASH] != fields_sha256(manifest):
-        raise ArtifactError(f"{path} was edited after compiling: its fields no longer match its {FIELDS_HASH} "
-                            "(options such as max_seq_len and threads are fixed when the artifact is compiled). "
-                            "Fix: restore the original manifest.json, or recompile with the options you want.")
+        raise ArtifactError(
+            f"{path} was edited after compiling: its fields no longer match its {FIELDS_HASH} "
+            "(options such as max_seq_len and threads are fixed when the artifact is compiled). "
+            "Fix: restore the original manifest.json, or recompile with the options you want."
+        )
     return manifest
 
 
@@ -294,42 +327,57 @@ def check_files(directory: Path) -> dict:
 
 def _check_pin(path: Path, data: bytes, expected: str) -> None:
     if not isinstance(expected, str) or len(expected.strip()) != 64:
-        raise ArtifactError(f"expected_sha256 {expected!r:.80} is not a sha256 (64 hex digits). Fix: pass the "
-                            f"sha256 of the artifact's {MANIFEST} (`sha256sum {path}`).")
+        raise ArtifactError(
+            f"expected_sha256 {expected!r:.80} is not a sha256 (64 hex digits). Fix: pass the "
+            f"sha256 of the artifact's {MANIFEST} (`sha256sum {path}`)."
+        )
     actual = hashlib.sha256(data).hexdigest()
     if actual != expected.strip().lower():
-        raise ArtifactError(f"{path} has sha256 {actual}, not the expected {expected.strip().lower()}: this is not "
-                            "the artifact that was pinned (changed, or another one). Fix: load the artifact you "
-                            "pinned, or pin this one only if you trust where it came from.")
+        raise ArtifactError(
+            f"{path} has sha256 {actual}, not the expected {expected.strip().lower()}: this is not "
+            "the artifact that was pinned (changed, or another one). Fix: load the artifact you "
+            "pinned, or pin this one only if you trust where it came from."
+        )
 
 
 def _check_file(directory: Path, name: str, entry: dict, check_hash: bool) -> None:
     pure = PurePosixPath(name)
     if pure.is_absolute() or ".." in pure.parts:
-        raise ArtifactError(f"{directory / MANIFEST} lists {name!r}, which points outside the artifact. "
-                            "Refusing to read it: the artifact is damaged or hostile.")
+        raise ArtifactError(
+            f"{directory / MANIFEST} lists {name!r}, which points outside the artifact. "
+            "Refusing to read it: the artifact is damaged or hostile."
+        )
     path = directory / name
     if not isinstance(entry, dict):
-        raise ArtifactError(f"{directory / MANIFEST}: the entry for {name} is {entry!r}, not {{sha256, bytes}}. "
-                            "The artifact is damaged: recompile it.")
+        raise ArtifactError(
+            f"{directory / MANIFEST}: the entry for {name} is {entry!r}, not {{sha256, bytes}}. "
+            "The artifact is damaged: recompile it."
+        )
     if not path.is_file():
-        raise ArtifactError(f"{path} is missing (listed in {MANIFEST}). The artifact is incomplete: "
-                            "copy it again in whole, or recompile.")
+        raise ArtifactError(
+            f"{path} is missing (listed in {MANIFEST}). The artifact is incomplete: "
+            "copy it again in whole, or recompile."
+        )
     size = path.stat().st_size
     if size != entry.get("bytes"):
-        raise ArtifactError(f"{path} has {size} bytes but the manifest says {entry.get('bytes')}: the file is "
-                            "truncated or replaced. Fix: copy the artifact again, or recompile.")
+        raise ArtifactError(
+            f"{path} has {size} bytes but the manifest says {entry.get('bytes')}: the file is "
+            "truncated or replaced. Fix: copy the artifact again, or recompile."
+        )
     if check_hash and file_sha256(path) != entry.get("sha256"):
-        raise ArtifactError(f"{path} does not match its sha256 in {MANIFEST}: the file is damaged. "
-                            "Fix: copy the artifact again, or recompile.")
+        raise ArtifactError(
+            f"{path} does not match its sha256 in {MANIFEST}: the file is damaged. "
+            "Fix: copy the artifact again, or recompile."
+        )
 
 
 def _read_graph(directory: Path, manifest: dict) -> Graph:
     path = directory / GRAPH_FILE
     text = path.read_text(encoding="utf-8", errors="replace")
     if "ir_hash" in manifest and hashlib.sha256(text.encode("utf-8")).hexdigest() != manifest["ir_hash"]:
-        raise ArtifactError(f"{path} does not match the manifest's ir_hash: the graph was changed after compiling. "
-                            "Fix: recompile.")
+        raise ArtifactError(
+            f"{path} does not match the manifest's ir_hash: the graph was changed after compiling. Fix: recompile."
+        )
     try:
         graph = parse_graph(text)
     except ParseError as e:
@@ -359,11 +407,15 @@ def _read_weights(directory: Path, graph: Graph, name: str = WEIGHTS_FILE) -> di
     missing = sorted(set(graph.params) - set(weights))
     extra = sorted(set(weights) - set(graph.params))
     if missing or extra:
-        raise ArtifactError(f"{path} does not match {GRAPH_FILE}'s parameters (missing {missing[:5]}, "
-                            f"unexpected {extra[:5]}). Fix: recompile.")
+        raise ArtifactError(
+            f"{path} does not match {GRAPH_FILE}'s parameters (missing {missing[:5]}, "
+            f"unexpected {extra[:5]}). Fix: recompile."
+        )
     for name, value in graph.params.items():
         t = weights[name]
         if tuple(t.shape) != value.type.shape or t.dtype != to_torch(value.type.dtype):
-            raise ArtifactError(f"{path}: weight {name} is {t.dtype} {list(t.shape)} but {GRAPH_FILE} "
-                                f"declares {value.type}. Fix: recompile.")
+            raise ArtifactError(
+                f"{path}: weight {name} is {t.dtype} {list(t.shape)} but {GRAPH_FILE} "
+                f"declares {value.type}. Fix: recompile."
+            )
     return weights

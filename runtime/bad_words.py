@@ -6,6 +6,7 @@ strings too: a word is banned as the tokenizer spells it alone and after a space
 BPE tokenizer spells " Paris" with other tokens than "Paris"), as vLLM does. Token id lists pass
 through unchanged.
 """
+
 from __future__ import annotations
 
 from kiln.runtime.errors import GenerationError, TokenizerError
@@ -17,8 +18,10 @@ def resolve_bad_words(tokenizer, sampling: dict) -> None:
     if not isinstance(given, (list, tuple)) or not any(isinstance(item, str) for item in given):
         return  # absent, or ids only: SamplingParams checks them
     if tokenizer is None:
-        raise TokenizerError("bad_words given as text need the artifact's tokenizer. Fix: pass token id lists, "
-                             "or recompile from a model directory with tokenizer.json.")
+        raise TokenizerError(
+            "bad_words given as text need the artifact's tokenizer. Fix: pass token id lists, "
+            "or recompile from a model directory with tokenizer.json."
+        )
     sequences: list = []
     for item in given:
         for sequence in word_spellings(tokenizer, item) if isinstance(item, str) else [item]:

@@ -20,6 +20,7 @@ once the best running beam, at its current length, cannot beat the worst finishe
 arithmetic mirrors transformers' `_beam_search` (the same float32 tensors, -1e9 masks and
 top-k calls), so equal logits give equal beams.
 """
+
 from __future__ import annotations
 
 import time
@@ -64,8 +65,16 @@ class BeamSearch:
 
     prompt_count = 1
 
-    def __init__(self, executable, prompt: list[int], settings: GenerationSettings, seed: int, options: BeamOptions,
-                 decoder_factory=None, vocab_size: int | None = None):
+    def __init__(
+        self,
+        executable,
+        prompt: list[int],
+        settings: GenerationSettings,
+        seed: int,
+        options: BeamOptions,
+        decoder_factory=None,
+        vocab_size: int | None = None,
+    ):
         check_request_ids(prompt, settings, vocab_size or model_vocab_size(executable))
         self.executable, self.prompt, self.settings, self.seed = executable, list(prompt), settings, seed
         self.options, self.decoder_factory = options, decoder_factory
@@ -82,9 +91,11 @@ class BeamSearch:
         start = time.perf_counter()
         finished = self._search() if self.request.generating else None
         elapsed = time.perf_counter() - start
-        self._results = [self._result(tokens, logprobs, elapsed) for tokens, logprobs in
-                         (zip(finished.tokens, finished.logprobs) if finished else [([], [])])]
-        self._results = self._results[:self.options.num_return_sequences]
+        self._results = [
+            self._result(tokens, logprobs, elapsed)
+            for tokens, logprobs in (zip(finished.tokens, finished.logprobs) if finished else [([], [])])
+        ]
+        self._results = self._results[: self.options.num_return_sequences]
         if self._results[0].text:
             yield 0, self._results[0].text
 
@@ -114,16 +125,19 @@ class BeamSearch:
             top_scores, top_index = torch.topk((log_probs + running.scores[:, None]).reshape(-1), k=keep)
             parents, tokens = (top_index // vocab).tolist(), (top_index % vocab).tolist()
             ends = torch.tensor([t in self.end_ids or generated + 1 >= max_new for t in tokens])
-            candidates = Hypotheses([running.tokens[p] + [t] for p, t in zip(parents, tokens)],
-                                    [running.logprobs[p] + [self._logprob(raw[p], t)] for p, t in zip(parents, tokens)],
-                                    top_scores)
+            candidates = Hypotheses(
+                [running.tokens[p] + [t] for p, t in zip(parents, tokens)],
+                [running.logprobs[p] + [self._logprob(raw[p], t)] for p, t in zip(parents, tokens)],
+                top_scores,
+            )
             # the best k that do not end run on
             on_scores = top_scores + ends.to(torch.float32) * NEG
             chosen = torch.topk(on_scores, k=k)[1]
             next_running = candidates.gather(chosen)
             next_running.scores = on_scores[chosen]
-            finished, is_finished = self._finish(finished, is_finished, candidates, ends & first_k, generated + 1,
-                                                 improvable)
+            finished, is_finished = self._finish(
+                finished, is_finished, candidates, ends & first_k, generated + 1, improvable
+            )
             parent_rows = [rows[parents[i]] for i in chosen.tolist()]
             running = next_running
             generated += 1
@@ -133,18 +147,28 @@ class BeamSearch:
             rows = self._fork(parent_rows, len(self.prompt) + generated - 1)
             logits = self._decode(rows, [beam[-1] for beam in running.tokens], len(self.prompt) + generated - 1)
 
-    def _finish(self, finished: Hypotheses, is_finished: torch.Tensor, candidates: Hypotheses,
-                just_ended: torch.Tensor, length: int, improvable: bool) -> tuple[Hypotheses, torch.Tensor]:
+    def _finish(
+        self,
+        finished: Hypotheses,
+        is_finished: torch.Tensor,
+        candidates: Hypotheses,
+        just_ended: torch.Tensor,
+        length: int,
+        improvable: bool,
+    ) -> tuple[Hypotheses, torch.Tensor]:
         """The k best of the finished hypotheses and the candidates that just ended among the
         first k, scored sum / length ** length_penalty; none join once k have finished with
         early_stopping=True, or once no improvement is possible."""
         opts = self.options
-        offered = candidates.scores / (length ** opts.length_penalty)
+        offered = candidates.scores / (length**opts.length_penalty)
         offered = offered + (torch.all(is_finished) & (opts.early_stopping is True)).to(torch.float32) * NEG
         offered = offered + torch.tensor(not improvable).to(torch.float32) * NEG
         offered = offered + (~just_ended) * NEG
-        merged = Hypotheses(finished.tokens + candidates.tokens, finished.logprobs + candidates.logprobs,
-                            torch.cat((finished.scores, offered)))
+        merged = Hypotheses(
+            finished.tokens + candidates.tokens,
+            finished.logprobs + candidates.logprobs,
+            torch.cat((finished.scores, offered)),
+        )
         best = torch.topk(merged.scores, k=opts.num_beams)[1]
         return merged.gather(best), torch.cat((is_finished, just_ended))[best]
 
@@ -156,7 +180,7 @@ class BeamSearch:
         length = generated
         if opts.early_stopping == "never" and opts.length_penalty > 0.0:
             length = self.request.max_new
-        best_possible = running_scores[:1] / (length ** opts.length_penalty)
+        best_possible = running_scores[:1] / (length**opts.length_penalty)
         worst = torch.where(is_finished, torch.min(finished_scores), NEG)
         return bool(torch.any(best_possible > worst))
 
@@ -219,8 +243,13 @@ class BeamSearch:
     def _result(self, tokens: list[int], logprobs: list[TokenLogprob], elapsed: float) -> GenerationResult:
         """A hypothesis as a GenerationResult: its tokens replayed through a Request (text,
         finish_reason), with the search's timings."""
-        request = Request(self.prompt, self.settings, self.seed, self.max_seq_len,
-                          self.decoder_factory() if self.decoder_factory else None)
+        request = Request(
+            self.prompt,
+            self.settings,
+            self.seed,
+            self.max_seq_len,
+            self.decoder_factory() if self.decoder_factory else None,
+        )
         for token, logprob in zip(tokens, logprobs):
             request.push(logprob)
         request.prefill_s, request.decode_s = self.prefill_s, elapsed - self.prefill_s

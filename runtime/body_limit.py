@@ -4,6 +4,7 @@ The body is read here, counted as it arrives (a chunked upload has no Content-Le
 kept only up to the limit, and replayed to the app; after the body, `receive` passes through, so handlers still see the
 client disconnect.
 """
+
 from __future__ import annotations
 
 import json
@@ -49,11 +50,26 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
     async def _refuse(self, send) -> None:
-        payload = json.dumps({"error": {
-            "message": f"The request body is larger than this server accepts ({self.max_bytes} bytes). "
-                       "Fix: send a shorter prompt, or start the server with a larger --max-body-bytes.",
-            "type": "invalid_request_error", "param": None, "code": "request_too_large"}}).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode()),
-                                (b"connection", b"close")]})
+        payload = json.dumps(
+            {
+                "error": {
+                    "message": f"The request body is larger than this server accepts ({self.max_bytes} bytes). "
+                    "Fix: send a shorter prompt, or start the server with a larger --max-body-bytes.",
+                    "type": "invalid_request_error",
+                    "param": None,
+                    "code": "request_too_large",
+                }
+            }
+        ).encode()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 413,
+                "headers": [
+                    (b"content-type", b"application/json"),
+                    (b"content-length", str(len(payload)).encode()),
+                    (b"connection", b"close"),
+                ],
+            }
+        )
         await send({"type": "http.response.body", "body": payload})

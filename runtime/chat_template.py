@@ -4,6 +4,7 @@ Templates come from model repositories, so they are untrusted code: they render 
 immutable sandbox with the same helpers transformers provides (`raise_exception`, a `tojson`
 that does not escape HTML, `strftime_now`), `trim_blocks`/`lstrip_blocks` and loop controls.
 """
+
 from __future__ import annotations
 
 import functools
@@ -39,8 +40,10 @@ def compile_chat_template(source: str) -> jinja2.Template:
     try:
         return env.from_string(source)
     except jinja2.TemplateSyntaxError as e:
-        raise TokenizerError(f"The chat template does not parse (line {e.lineno}: {e.message}). "
-                             "Fix: correct `chat_template` in tokenizer_config.json.") from None
+        raise TokenizerError(
+            f"The chat template does not parse (line {e.lineno}: {e.message}). "
+            "Fix: correct `chat_template` in tokenizer_config.json."
+        ) from None
 
 
 def select_chat_template(template) -> str | None:
@@ -58,10 +61,13 @@ def render_chat(source: str, messages: list[dict], add_generation_prompt: bool =
     or a tool result out of the prompt raises TokenizerError rather than losing it silently."""
     try:
         prompt = compile_chat_template(source).render(
-            messages=messages, add_generation_prompt=add_generation_prompt, **variables)
+            messages=messages, add_generation_prompt=add_generation_prompt, **variables
+        )
     except jinja2.TemplateError as e:
-        raise TokenizerError(f"The chat template refused these messages: {e}. "
-                             "Fix: check the roles and their order (e.g. system first, user/assistant alternating).") from None
+        raise TokenizerError(
+            f"The chat template refused these messages: {e}. "
+            "Fix: check the roles and their order (e.g. system first, user/assistant alternating)."
+        ) from None
     _check_tool_messages(messages, prompt)
     return prompt
 
@@ -73,14 +79,18 @@ def _check_tool_messages(messages: list[dict], prompt: str) -> None:
         for call in message.get("tool_calls") or []:
             name = (call.get("function") or {}).get("name") or call.get("name")
             if name and name not in prompt:
-                raise TokenizerError(f"This model's chat template does not render tool calls: message {index}'s call "
-                                     f"of {name!r} is not in the prompt. Fix: use a model whose chat template renders "
-                                     "tool_calls, or put the call into the assistant message's content as text.")
+                raise TokenizerError(
+                    f"This model's chat template does not render tool calls: message {index}'s call "
+                    f"of {name!r} is not in the prompt. Fix: use a model whose chat template renders "
+                    "tool_calls, or put the call into the assistant message's content as text."
+                )
         content = message.get("content")
         if message.get("role") == "tool" and isinstance(content, str) and not _rendered(content, prompt):
-            raise TokenizerError(f"This model's chat template does not render tool results: message {index} (role "
-                                 "'tool') is not in the prompt. Fix: use a model whose chat template renders tool "
-                                 "messages, or send the result as a user message.")
+            raise TokenizerError(
+                f"This model's chat template does not render tool results: message {index} (role "
+                "'tool') is not in the prompt. Fix: use a model whose chat template renders tool "
+                "messages, or send the result as a user message."
+            )
 
 
 def _rendered(text: str, prompt: str) -> bool:

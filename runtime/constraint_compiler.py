@@ -7,6 +7,7 @@ tokenizer lives. It compiles a grammar the first time a request asks for it and 
 Compiling checks the grammar: a malformed one, or one that no output can satisfy, raises
 `ConstraintError` before any model call.
 """
+
 from __future__ import annotations
 
 import threading
@@ -49,8 +50,10 @@ class ConstraintCompiler:
         matcher = LLMatcher(self.lltokenizer, spec.grammar, log_level=0)
         if matcher.is_error():
             message = matcher.get_error().strip().splitlines()
-            raise ConstraintError(f"{spec.description} cannot be compiled: {' '.join(message)[:300]}. "
-                                  "Fix: correct the constraint (llguidance's JSON-schema and regex subsets).")
+            raise ConstraintError(
+                f"{spec.description} cannot be compiled: {' '.join(message)[:300]}. "
+                "Fix: correct the constraint (llguidance's JSON-schema and regex subsets)."
+            )
         # The first mask shows a grammar no text satisfies (e.g. an empty character class).
         Constraint(matcher.deep_copy(), spec.description).allowed(self.lltokenizer.vocab_size)
         return matcher
@@ -74,8 +77,10 @@ def compile_constraint(tokenizer, spec: ConstraintSpec | None) -> CompiledConstr
     if spec is None:
         return None
     if tokenizer is None:
-        raise ConstraintError(f"{spec.description} needs the artifact's tokenizer, and this artifact has none. "
-                              "Fix: recompile from a model directory with tokenizer.json.")
+        raise ConstraintError(
+            f"{spec.description} needs the artifact's tokenizer, and this artifact has none. "
+            "Fix: recompile from a model directory with tokenizer.json."
+        )
     return compiler_for(tokenizer).compile(spec)
 
 

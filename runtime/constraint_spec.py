@@ -10,6 +10,7 @@ for fast-forward to skip, and gives the model no room to ramble in whitespace. A
 the whole output (like `re.fullmatch`), in the syntax of Rust's `regex` crate, which is Python's
 for everyday patterns.
 """
+
 from __future__ import annotations
 
 import json
@@ -35,18 +36,28 @@ class ConstraintSpec:
     fast_forward: bool = True
 
 
-def constraint_spec(json_schema: Any = None, regex: str | None = None, choices: Sequence[str] | None = None,
-                    fast_forward: bool = True, grammar: str | None = None) -> ConstraintSpec | None:
+def constraint_spec(
+    json_schema: Any = None,
+    regex: str | None = None,
+    choices: Sequence[str] | None = None,
+    fast_forward: bool = True,
+    grammar: str | None = None,
+) -> ConstraintSpec | None:
     """The spec of at most one of `json_schema` (a dict, JSON text, or a pydantic model class),
     `regex`, `choices` and `grammar` (Lark text in llguidance's syntax, which can embed JSON
     schemas with `%json {...}`); None when none is given. Bad input raises ConstraintError."""
-    given = [name for name, value in (("json_schema", json_schema), ("regex", regex), ("choices", choices),
-                                      ("grammar", grammar)) if value is not None]
+    given = [
+        name
+        for name, value in (("json_schema", json_schema), ("regex", regex), ("choices", choices), ("grammar", grammar))
+        if value is not None
+    ]
     if not given:
         return None
     if len(given) > 1:
-        raise ConstraintError(f"{' and '.join(given)} were both given. Fix: constrain a request with one of "
-                              "json_schema, regex, choices or grammar.")
+        raise ConstraintError(
+            f"{' and '.join(given)} were both given. Fix: constrain a request with one of "
+            "json_schema, regex, choices or grammar."
+        )
     if json_schema is not None:
         grammar, description = _json_schema_grammar(json_schema)
     elif regex is not None:
@@ -69,8 +80,10 @@ def _json_schema_grammar(schema: Any) -> tuple[str, str]:
         except json.JSONDecodeError as error:
             raise ConstraintError(f"json_schema is not valid JSON ({error}). Fix: pass a dict or JSON text.") from None
     if not isinstance(schema, (dict, bool)):
-        raise ConstraintError(f"json_schema must be a JSON schema (a dict or JSON text), got "
-                              f"{type(schema).__name__}. Fix: pass e.g. {{\"type\": \"object\"}}.")
+        raise ConstraintError(
+            f"json_schema must be a JSON schema (a dict or JSON text), got "
+            f'{type(schema).__name__}. Fix: pass e.g. {{"type": "object"}}.'
+        )
     try:
         grammar = LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)
     except ValueError as error:
@@ -90,8 +103,9 @@ def _choices_grammar(choices: Sequence[str]) -> tuple[str, str]:
     from llguidance import grammar_from
 
     if isinstance(choices, str) or not all(isinstance(c, str) for c in choices):
-        raise ConstraintError(f"choices must be a list of strings, got {choices!r:.80}. "
-                              "Fix: pass e.g. choices=[\"yes\", \"no\"].")
+        raise ConstraintError(
+            f'choices must be a list of strings, got {choices!r:.80}. Fix: pass e.g. choices=["yes", "no"].'
+        )
     if not choices:
         raise ConstraintError("choices is empty, so no output can satisfy it. Fix: give at least one choice.")
     return grammar_from("choice", list(choices)), f"choices {list(choices)!r:.80}"
@@ -101,6 +115,8 @@ def _lark_grammar(text: str) -> tuple[str, str]:
     from llguidance import LLMatcher
 
     if not isinstance(text, str):
-        raise ConstraintError(f"grammar must be Lark text (a str), got {type(text).__name__}. "
-                              "Fix: pass e.g. grammar='start: \"yes\" | \"no\"'.")
+        raise ConstraintError(
+            f"grammar must be Lark text (a str), got {type(text).__name__}. "
+            'Fix: pass e.g. grammar=\'start: "yes" | "no"\'.'
+        )
     return LLMatcher.grammar_from_lark(text), f"grammar {text[:80]!r}"

@@ -9,6 +9,7 @@ whose disallowed tokens are -inf. Forced tokens can be looked ahead (`forced`), 
 can append several and feed them in one multi-token model call (fast-forward); one at a time or
 all at once, the tokens are the same.
 """
+
 from __future__ import annotations
 
 from collections import deque
@@ -57,8 +58,10 @@ class Constraint:
         n = min(vocab_size, bits.size)
         allowed[:n] = bits[:n]
         if not allowed.any():
-            raise ConstraintError(f"No token can continue the output under {self.description}. Fix: check that "
-                                  "some text satisfies the constraint, and that the model's vocabulary can spell it.")
+            raise ConstraintError(
+                f"No token can continue the output under {self.description}. Fix: check that "
+                "some text satisfies the constraint, and that the model's vocabulary can spell it."
+            )
         return torch.from_numpy(allowed)
 
     def forced(self, limit: int) -> list[int]:
@@ -73,16 +76,18 @@ class Constraint:
                 self._forced_all = True
                 break
             self._forced.extend(more)
-        return list(self._forced)[:max(0, limit)]
+        return list(self._forced)[: max(0, limit)]
 
     def advance(self, token: int) -> bool:
         """Take `token` (sampled or forced); whether it was the forced one. A token the grammar
         does not allow raises ConstraintError."""
         if not self._matcher.consume_token(int(token)):
-            raise ConstraintError(f"Token {token} does not fit {self.description} ({_first_line(self._matcher)}). "
-                                  "Fix: choose tokens from allowed(); if it came from there, the constraint needs "
-                                  "text this model's vocabulary cannot spell (a character whose bytes it lacks): "
-                                  "constrain to other text.")
+            raise ConstraintError(
+                f"Token {token} does not fit {self.description} ({_first_line(self._matcher)}). "
+                "Fix: choose tokens from allowed(); if it came from there, the constraint needs "
+                "text this model's vocabulary cannot spell (a character whose bytes it lacks): "
+                "constrain to other text."
+            )
         was_forced = bool(self._forced) and self._forced[0] == token
         if was_forced:
             self._forced.popleft()
@@ -93,9 +98,11 @@ class Constraint:
 
     def _check(self) -> None:
         if self._matcher.is_error():
-            raise ConstraintError(f"No output can satisfy {self.description} from here "
-                                  f"({_first_line(self._matcher)}). Fix: check that some text "
-                                  "matches the constraint.")
+            raise ConstraintError(
+                f"No output can satisfy {self.description} from here "
+                f"({_first_line(self._matcher)}). Fix: check that some text "
+                "matches the constraint."
+            )
 
 
 def _first_line(matcher) -> str:

@@ -22,6 +22,7 @@ linear, the logits are an exact linear image of the hidden state and last_hidden
 for it (over every vocabulary row). Soft-capped logits (Gemma 2 and 3: cap * tanh(z / cap))
 are first mapped back to z = cap * atanh(logits / cap). A quantized lm_head is refused.
 """
+
 from __future__ import annotations
 
 import time
@@ -57,15 +58,19 @@ class HiddenStates:
 def hidden_solver(graph) -> HiddenStates:
     """The map from logits to the last hidden state, for this graph (made once)."""
     if graph is None:
-        raise GenerationError("Contrastive search reads hidden states through the artifact's graph. Fix: load the "
-                              "model with kiln.load (an LLM built from an executable alone has no graph).")
+        raise GenerationError(
+            "Contrastive search reads hidden states through the artifact's graph. Fix: load the "
+            "model with kiln.load (an LLM built from an executable alone has no graph)."
+        )
     if graph not in _SOLVERS:
         linear_out, cap = _soft_cap(graph)
         try:
             head = output_head(SimpleNamespace(outputs=[linear_out], nodes=graph.nodes, weights=graph.weights))
         except SpeculatorError as error:
-            raise GenerationError(f"Contrastive search cannot read this model's hidden states: {error} "
-                                  "(For contrastive search: use greedy decoding or beam search instead.)") from None
+            raise GenerationError(
+                f"Contrastive search cannot read this model's hidden states: {error} "
+                "(For contrastive search: use greedy decoding or beam search instead.)"
+            ) from None
         _SOLVERS[graph] = HiddenStates(HiddenFromLogits(head, torch.arange(head.weight.shape[0])), cap)
     return _SOLVERS[graph]
 
@@ -102,14 +107,28 @@ class ContrastiveSearch:
 
     prompt_count = 1
 
-    def __init__(self, executable, prompt: list[int], settings: GenerationSettings, seed: int, alpha: float,
-                 to_hidden: HiddenFromLogits, decoder_factory=None, vocab_size: int | None = None):
+    def __init__(
+        self,
+        executable,
+        prompt: list[int],
+        settings: GenerationSettings,
+        seed: int,
+        alpha: float,
+        to_hidden: HiddenFromLogits,
+        decoder_factory=None,
+        vocab_size: int | None = None,
+    ):
         check_request_ids(prompt, settings, vocab_size or model_vocab_size(executable))
         self.executable, self.alpha, self.to_hidden = executable, alpha, to_hidden
         self.top_k = settings.sampling.top_k
         # every chosen token is fed (its hidden state joins the context): one slot fewer than plain decoding
-        self.request = Request(list(prompt), settings, seed, executable.options.max_seq_len - 1,
-                               decoder_factory() if decoder_factory else None)
+        self.request = Request(
+            list(prompt),
+            settings,
+            seed,
+            executable.options.max_seq_len - 1,
+            decoder_factory() if decoder_factory else None,
+        )
 
     def __iter__(self):
         request = self.request

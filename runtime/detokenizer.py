@@ -6,6 +6,7 @@ add spaces depending on what comes before. So, like Hugging Face TGI, each step 
 window of recent tokens twice (with and without the newest ones) and emits the difference once
 it no longer ends in an incomplete character.
 """
+
 from __future__ import annotations
 
 from typing import Callable, Sequence
@@ -27,10 +28,10 @@ class IncrementalDecoder:
     def push(self, token_id: int) -> str:
         """Add one token; return the newly completed text."""
         self.ids.append(int(token_id))
-        prefix = self._decode(self.ids[self._prefix_offset:self._read_offset])
-        current = self._decode(self.ids[self._prefix_offset:])
+        prefix = self._decode(self.ids[self._prefix_offset : self._read_offset])
+        current = self._decode(self.ids[self._prefix_offset :])
         if len(current) > len(prefix) and not current.endswith(REPLACEMENT):
-            piece = current[len(prefix):]
+            piece = current[len(prefix) :]
             self._prefix_offset, self._read_offset = self._read_offset, len(self.ids)
             self.text += piece
             return piece
@@ -39,7 +40,7 @@ class IncrementalDecoder:
     def finish(self) -> str:
         """The text not emitted yet (e.g. a trailing incomplete character, as U+FFFD)."""
         full = self._decode(self.ids)
-        piece = full[len(self.text):] if full.startswith(self.text) else ""
+        piece = full[len(self.text) :] if full.startswith(self.text) else ""
         self.text += piece
         self._prefix_offset = self._read_offset = len(self.ids)
         return piece

@@ -5,6 +5,7 @@ starts N processes with RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT set, and `
 joins them into the default process group (gloo on CPU, NCCL on CUDA). Every rank runs the same
 generation loop in lockstep: the logits are all-gathered, so every rank samples the same token.
 """
+
 from __future__ import annotations
 
 import atexit
@@ -32,7 +33,8 @@ def join_process_group(world_size: int, device: str = "cpu") -> int:
             raise TensorParallelError(
                 f"this artifact is sharded over {world_size} ranks (tensor parallel) and needs one process per "
                 f"rank; {', '.join(missing)} is not set. Fix: start it with `{command}` (or initialize "
-                "torch.distributed yourself before kiln.load)")
+                "torch.distributed yourself before kiln.load)"
+            )
         backend = "nccl" if device.startswith("cuda") else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
@@ -41,7 +43,8 @@ def join_process_group(world_size: int, device: str = "cpu") -> int:
     if dist.get_world_size() != world_size:
         raise TensorParallelError(
             f"this artifact is sharded over {world_size} ranks but the job has {dist.get_world_size()}. "
-            f"Fix: start it with `{command}`, or recompile with --tensor-parallel {dist.get_world_size()}")
+            f"Fix: start it with `{command}`, or recompile with --tensor-parallel {dist.get_world_size()}"
+        )
     return dist.get_rank()
 
 

@@ -5,6 +5,7 @@ SpeculativeGeneration tells the drafter the raw logits row that chose the newest
 up to `stages` tokens after that token (speculator_heads.py). Before the first observation, or
 after a context the drafter did not see grow, it proposes nothing (the target decodes alone).
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -23,8 +24,9 @@ class HeadsDrafter:
         self.hidden: torch.Tensor | None = None
 
     @classmethod
-    def from_artifact(cls, directory, manifest: dict, graph, kind: str | None = None,
-                      min_confidence: float = 0.0) -> "HeadsDrafter":
+    def from_artifact(
+        cls, directory, manifest: dict, graph, kind: str | None = None, min_confidence: float = 0.0
+    ) -> "HeadsDrafter":
         """The heads of `kind` stored in the artifact at `directory` (ArtifactError if there are
         none, they are damaged or belong to another model)."""
         head = output_head(graph)

@@ -2,6 +2,7 @@
 header is a 400 in OpenAI's error shape, before the body is read. A web page on another name
 that resolves to a loopback server (DNS rebinding) then reaches nothing.
 """
+
 from __future__ import annotations
 
 from kiln.runtime.openai_errors import APIError
@@ -20,10 +21,15 @@ class HostCheck:
             return await self.app(scope, receive, send)
         host = dict(scope["headers"]).get(b"host", b"").decode("latin-1")
         if _host_name(host) not in self.allowed:
-            error = APIError(400, f"The Host header {host[:100]!r} is not one this server answers to "
-                             f"({', '.join(sorted(self.allowed))}). Fix: use one of those names, or start "
-                             "the server with --allowed-hosts naming this one.", "invalid_request_error",
-                             None, "invalid_host")
+            error = APIError(
+                400,
+                f"The Host header {host[:100]!r} is not one this server answers to "
+                f"({', '.join(sorted(self.allowed))}). Fix: use one of those names, or start "
+                "the server with --allowed-hosts naming this one.",
+                "invalid_request_error",
+                None,
+                "invalid_host",
+            )
             return await error.response()(scope, receive, send)
         await self.app(scope, receive, send)
 
@@ -32,7 +38,7 @@ def _host_name(host: str) -> str:
     """A Host header without its port: "[::1]:8000" -> "[::1]", "Example.com:80" -> "example.com"."""
     host = host.strip().lower()
     if host.startswith("["):
-        return host[:host.find("]") + 1] if "]" in host else host
+        return host[: host.find("]") + 1] if "]" in host else host
     return host.split(":", 1)[0]
 
 

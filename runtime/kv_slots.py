@@ -8,6 +8,7 @@ free row that shares the longest prefix, or, when a busy row shares a longer one
 prefix copied into its row (`copy_prefix`). At least the prompt's last token is always fed
 again: its logits choose the first new token.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -13,6 +13,7 @@ same numbers at training and at drafting time.
 Graphs whose logits are not a linear function of h (soft-capped logits, a quantized lm_head)
 are refused with a SpeculatorError naming why.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -41,16 +42,23 @@ def output_head(graph) -> OutputHead:
     producer = next((node for node in graph.nodes if logits in node.outputs), None)
     if producer is None or producer.op != "linear":
         found = producer.op if producer is not None else "no node"
-        raise SpeculatorError(f"The graph's logits come from {found!r}, not from the lm_head's linear (e.g. "
-                              "soft-capped logits), so the last hidden state cannot be read from them. "
-                              "Fix: use prompt lookup or a draft model for this model.")
+        raise SpeculatorError(
+            f"The graph's logits come from {found!r}, not from the lm_head's linear (e.g. "
+            "soft-capped logits), so the last hidden state cannot be read from them. "
+            "Fix: use prompt lookup or a draft model for this model."
+        )
     weight = _float_param(graph, producer.inputs[1], "lm_head")
-    bias = _float_param(graph, producer.inputs[2], "lm_head bias") if len(producer.inputs) > 2 and \
-        producer.inputs[2] is not None else None
+    bias = (
+        _float_param(graph, producer.inputs[2], "lm_head bias")
+        if len(producer.inputs) > 2 and producer.inputs[2] is not None
+        else None
+    )
     lookup = next((node for node in graph.nodes if node.op == "embedding"), None)
     if lookup is None:
-        raise SpeculatorError("The graph has no embedding op to read token embeddings from. "
-                              "Fix: use prompt lookup or a draft model for this model.")
+        raise SpeculatorError(
+            "The graph has no embedding op to read token embeddings from. "
+            "Fix: use prompt lookup or a draft model for this model."
+        )
     embedding = _float_param(graph, lookup.inputs[0], "token embedding")
     return OutputHead(weight, bias, embedding)
 
@@ -58,8 +66,10 @@ def output_head(graph) -> OutputHead:
 def _float_param(graph, value, what: str) -> torch.Tensor:
     tensor = graph.weights.get(value.name) if value is not None else None
     if tensor is None or not tensor.is_floating_point():
-        raise SpeculatorError(f"The {what} of this artifact is not a plain float parameter (quantized?). "
-                              "Fix: train heads on an artifact compiled without --quantize-embeddings.")
+        raise SpeculatorError(
+            f"The {what} of this artifact is not a plain float parameter (quantized?). "
+            "Fix: train heads on an artifact compiled without --quantize-embeddings."
+        )
     return tensor.float()
 
 
@@ -77,10 +87,12 @@ class HiddenFromLogits:
         """Rows among `candidates` (token ids, most useful first: e.g. the most frequent tokens,
         whose rows are well trained): the first 2 x hidden of them."""
         hidden = head.weight.shape[1]
-        rows = candidates[:2 * hidden]
+        rows = candidates[: 2 * hidden]
         if len(rows) < hidden:
-            raise SpeculatorError(f"{len(rows)} rows cannot determine a {hidden}-wide hidden state. "
-                                  f"Fix: keep at least {hidden} tokens in the draft vocabulary.")
+            raise SpeculatorError(
+                f"{len(rows)} rows cannot determine a {hidden}-wide hidden state. "
+                f"Fix: keep at least {hidden} tokens in the draft vocabulary."
+            )
         return cls(head, rows)
 
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:

@@ -6,6 +6,7 @@ uses: logit bias, penalties, the bans of min_tokens and bad_words, temperature, 
 truncation filters top-k, top-p, min-p, typical, eta. Every filter keeps at least the most
 likely token (bans are the caller's word and drop what they name).
 """
+
 from __future__ import annotations
 
 from collections import Counter
@@ -41,8 +42,9 @@ def repetition_penalty(logits: torch.Tensor, seen: Iterable[int], penalty: float
     return logits
 
 
-def presence_frequency_penalty(logits: torch.Tensor, generated: Iterable[int], presence: float,
-                               frequency: float) -> torch.Tensor:
+def presence_frequency_penalty(
+    logits: torch.Tensor, generated: Iterable[int], presence: float, frequency: float
+) -> torch.Tensor:
     """OpenAI's penalties over the tokens generated so far: logits[t] -= presence * [count > 0]
     + frequency * count."""
     if presence == 0.0 and frequency == 0.0:
@@ -73,11 +75,11 @@ def bad_word_bans(sequences: Sequence[tuple[int, ...]], prompt: Sequence[int], g
     longest = max(len(s) for s in sequences) - 1
     tail = list(generated[-longest:]) if longest else []
     if len(tail) < longest:
-        tail = list(prompt[max(0, len(prompt) - (longest - len(tail))):]) + tail
+        tail = list(prompt[max(0, len(prompt) - (longest - len(tail))) :]) + tail
     banned = set()
     for sequence in sequences:
         before = len(sequence) - 1
-        if before == 0 or (before <= len(tail) and tuple(tail[len(tail) - before:]) == sequence[:-1]):
+        if before == 0 or (before <= len(tail) and tuple(tail[len(tail) - before :]) == sequence[:-1]):
             banned.add(sequence[-1])
     return banned
 
@@ -136,7 +138,7 @@ def eta(logits: torch.Tensor, epsilon: float) -> torch.Tensor:
     log_probs = torch.log_softmax(logits, dim=-1)
     probs = log_probs.exp()
     entropy = -(probs * log_probs.nan_to_num(0.0)).sum()
-    cutoff = min(epsilon, (epsilon ** 0.5) * float(torch.exp(-entropy)))
+    cutoff = min(epsilon, (epsilon**0.5) * float(torch.exp(-entropy)))
     drop = probs < cutoff
     drop[torch.argmax(logits)] = False
     return logits.masked_fill(drop, NEG_INF)

@@ -6,6 +6,7 @@ The prompt's log-probabilities come from `score_tokens` (runtime/scoring.py: eve
 logits through KV row 0) while the engine runs no other request, so a scored request waits for
 the engine to be idle. Its top alternatives are the `logprobs` likeliest, as for generated tokens.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass

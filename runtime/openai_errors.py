@@ -4,6 +4,7 @@ Every failure a request can meet maps here, so a client sees the same shape the 
 sends (and its SDK raises the matching exception class: 400 BadRequestError, 404 NotFoundError,
 413/422 APIStatusError, 429 RateLimitError).
 """
+
 from __future__ import annotations
 
 from pydantic import ValidationError
@@ -19,8 +20,15 @@ RETRY_AFTER_S = 1  # what a 429 (queue full) asks the client to wait, in seconds
 class APIError(KilnError):
     """A request that cannot be served, with the HTTP status and OpenAI error fields to answer."""
 
-    def __init__(self, status: int, message: str, type: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None, headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
         self.headers = dict(headers or {})
@@ -38,8 +46,13 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
 
 
 def model_not_found(model: str, served: str) -> APIError:
-    return APIError(404, f"The model {model!r} does not exist. This server serves {served!r}.",
-                    "invalid_request_error", "model", "model_not_found")
+    return APIError(
+        404,
+        f"The model {model!r} does not exist. This server serves {served!r}.",
+        "invalid_request_error",
+        "model",
+        "model_not_found",
+    )
 
 
 def from_validation_error(error: ValidationError) -> APIError:
@@ -50,8 +63,9 @@ def from_validation_error(error: ValidationError) -> APIError:
         message = f"Unrecognized request argument supplied: {param}"
     else:
         message = f"Invalid value for {param!r}: {first['msg']}" if param else first["msg"]
-    code = {"extra_forbidden": "unknown_parameter", "missing": "missing_required_parameter"}.get(first["type"],
-                                                                                              "invalid_value")
+    code = {"extra_forbidden": "unknown_parameter", "missing": "missing_required_parameter"}.get(
+        first["type"], "invalid_value"
+    )
     return invalid(message, param, code)
 
 
@@ -73,5 +87,6 @@ def internal(error: BaseException, request_id: str | None = None) -> APIError:
     error's message goes on with a stack trace)."""
     first_line = str(error).split("\n", 1)[0][:300]
     which = f" (request id {request_id})" if request_id else ""
-    return APIError(500, f"The server failed while generating{which}: {type(error).__name__}: {first_line}",
-                    "server_error")
+    return APIError(
+        500, f"The server failed while generating{which}: {type(error).__name__}: {first_line}", "server_error"
+    )

@@ -18,6 +18,7 @@ constrained decoding (one view per tokenizer, shared with it), and:
   cut off by a stop string) get the text's length. Bytes that are no valid UTF-8 became U+FFFD in
   the text; the tokens after them still get their own characters' indices.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -144,8 +145,11 @@ def completion_logprobs(llm, result, echo=None) -> api.CompletionLogprobs:
         alternatives = (echo.scores.top_logprobs if echo.scores is not None else None) or [{} for _ in scored]
         tokens = [token_string(span.bytes) for span in prompt_spans] + tokens
         logprobs = [None] + scored + logprobs
-        tops = [None] + [{token_string(names.of(token)): logprob for token, logprob in top.items()}
-                         for top in alternatives] + tops
+        tops = (
+            [None]
+            + [{token_string(names.of(token)): logprob for token, logprob in top.items()} for top in alternatives]
+            + tops
+        )
         offsets = [span.text_offset for span in prompt_spans] + [len(echo.text) + offset for offset in offsets]
     return api.CompletionLogprobs(tokens=tokens, token_logprobs=logprobs, top_logprobs=tops, text_offset=offsets)
 
@@ -161,10 +165,17 @@ def chat_logprobs(llm, result) -> api.ChatLogprobs:
         raw = names.of(token)
         return api.TopLogprob(token=token_string(raw), logprob=logprob, bytes=list(raw))
 
-    return api.ChatLogprobs(content=[
-        api.TokenLogprobEntry(token=token_string(span.bytes), logprob=entry.logprob, bytes=list(span.bytes),
-                              top_logprobs=[alternative(token, logprob) for token, logprob in entry.top])
-        for entry, span in zip(entries, spans)])
+    return api.ChatLogprobs(
+        content=[
+            api.TokenLogprobEntry(
+                token=token_string(span.bytes),
+                logprob=entry.logprob,
+                bytes=list(span.bytes),
+                top_logprobs=[alternative(token, logprob) for token, logprob in entry.top],
+            )
+            for entry, span in zip(entries, spans)
+        ]
+    )
 
 
 def _names(llm) -> TokenBytes | TokenIds:

@@ -8,6 +8,7 @@ and ignored. Kiln's extra sampling settings (top_k, min_p, typical_p, eta, repet
 ignore_eos, stop_token_ids) and output constraints (regex, choices) are accepted as extra body
 fields, as vLLM does; `response_format` takes OpenAI's json_object / json_schema.
 """
+
 from __future__ import annotations
 
 import time
@@ -185,9 +186,12 @@ class ChatCompletionRequest(SamplingFields):
     def _tool_choice_word(cls, value):
         """An unknown word is an error naming tool_choice itself (not a member of its union)."""
         if isinstance(value, str) and value not in ("none", "auto", "required"):
-            raise ValueError(f'{value[:40]!r} is not a tool choice: send "none", "auto", "required" or '
-                             '{"type": "function", "function": {"name": ...}}')
+            raise ValueError(
+                f'{value[:40]!r} is not a tool choice: send "none", "auto", "required" or '
+                '{"type": "function", "function": {"name": ...}}'
+            )
         return value
+
     max_tokens: int | None = Field(None, ge=0)
     max_completion_tokens: int | None = Field(None, ge=0)
     logprobs: bool = False

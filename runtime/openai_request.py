@@ -1,6 +1,7 @@
 """Reading an OpenAI request: the JSON body checked into its pydantic model, and the request's
 settings turned into `llm.submit`'s keywords. Every problem is a 400 (or 415) naming the field.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,10 +25,15 @@ async def parse_body(request: Request, model: type[BaseModel]):
     are what a cross-origin page can POST without asking the server first)."""
     media_type = request.headers.get("content-type", "").split(";", 1)[0].strip().lower()
     if media_type != "application/json":
-        raise APIError(415, f"The request's Content-Type is {media_type or 'missing'}; this endpoint takes "
-                       "application/json. Fix: send the header Content-Type: application/json (curl: "
-                       "-H 'Content-Type: application/json').", "invalid_request_error", None,
-                       "unsupported_media_type")
+        raise APIError(
+            415,
+            f"The request's Content-Type is {media_type or 'missing'}; this endpoint takes "
+            "application/json. Fix: send the header Content-Type: application/json (curl: "
+            "-H 'Content-Type: application/json').",
+            "invalid_request_error",
+            None,
+            "unsupported_media_type",
+        )
     raw = await request.body()
     try:
         body = json.loads(raw)
@@ -48,8 +54,11 @@ def _check_json_values(value, path: tuple = ()) -> None:
     """400 for what json.loads accepts but no field can take: nesting deeper than MAX_JSON_DEPTH,
     and text holding a lone surrogate (it has no UTF-8 form, so the tokenizer would fail on it)."""
     if len(path) > MAX_JSON_DEPTH:
-        raise invalid(f"The request body nests deeper than {MAX_JSON_DEPTH} levels in {path[0]!r}. "
-                      f"Fix: keep it within {MAX_JSON_DEPTH} levels.", _param(path[:1]))
+        raise invalid(
+            f"The request body nests deeper than {MAX_JSON_DEPTH} levels in {path[0]!r}. "
+            f"Fix: keep it within {MAX_JSON_DEPTH} levels.",
+            _param(path[:1]),
+        )
     if isinstance(value, str):
         _check_text(value, path)
     elif isinstance(value, dict):
@@ -65,9 +74,13 @@ def _check_text(text: str, path: tuple, what: str = "") -> None:
     surrogate = LONE_SURROGATE.search(text)
     if surrogate is not None:
         param = _param(path)
-        raise invalid(f"Invalid value for {what}{param!r}: the text holds a lone surrogate {ascii(surrogate.group())} "
-                      f"at character {surrogate.start()}, which is not Unicode text. Fix: send valid UTF-8 (a "
-                      "character beyond U+FFFF escaped as a pair of surrogates).", param, "invalid_value")
+        raise invalid(
+            f"Invalid value for {what}{param!r}: the text holds a lone surrogate {ascii(surrogate.group())} "
+            f"at character {surrogate.start()}, which is not Unicode text. Fix: send valid UTF-8 (a "
+            "character beyond U+FFFF escaped as a pair of surrogates).",
+            param,
+            "invalid_value",
+        )
 
 
 def _param(path: tuple) -> str | None:
@@ -84,8 +97,11 @@ def check_request(req: api.SamplingFields, name: str) -> None:
 def single_prompt(prompt) -> str | list[int]:
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
-            raise invalid(f"{len(prompt)} prompts in one request; this server takes one. "
-                          "Fix: send one request per prompt (they are batched together anyway).", "prompt")
+            raise invalid(
+                f"{len(prompt)} prompts in one request; this server takes one. "
+                "Fix: send one request per prompt (they are batched together anyway).",
+                "prompt",
+            )
         prompt = prompt[0]
     if not prompt:
         raise invalid("The prompt is empty. Fix: give at least one token of prompt.", "prompt")
@@ -96,13 +112,23 @@ def sampling_keywords(llm, req: api.SamplingFields, max_tokens: int | None, logp
     """llm.submit's keywords for a request."""
     return dict(
         max_new_tokens=llm.max_seq_len if max_tokens is None else max_tokens,
-        temperature=req.temperature, top_k=req.top_k, top_p=req.top_p,
+        temperature=req.temperature,
+        top_k=req.top_k,
+        top_p=req.top_p,
         seed=req.seed if req.seed is not None else secrets.randbelow(2**31),
         stop=[s for s in ([req.stop] if isinstance(req.stop, str) else req.stop or []) if s],
-        ignore_eos=req.ignore_eos, stop_token_ids=tuple(req.stop_token_ids),
-        min_p=req.min_p, typical_p=req.typical_p, eta=req.eta, repetition_penalty=req.repetition_penalty,
-        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-        logit_bias=_logit_bias(req.logit_bias), logprobs=logprobs, **_constraint(req))
+        ignore_eos=req.ignore_eos,
+        stop_token_ids=tuple(req.stop_token_ids),
+        min_p=req.min_p,
+        typical_p=req.typical_p,
+        eta=req.eta,
+        repetition_penalty=req.repetition_penalty,
+        presence_penalty=req.presence_penalty,
+        frequency_penalty=req.frequency_penalty,
+        logit_bias=_logit_bias(req.logit_bias),
+        logprobs=logprobs,
+        **_constraint(req),
+    )
 
 
 def constraint_param(req: api.SamplingFields) -> str | None:
@@ -121,16 +147,21 @@ def _constraint(req: api.SamplingFields) -> dict:
         chosen["json_schema"] = {"type": "object"}
     elif fmt is not None and fmt.type == "json_schema":
         if fmt.json_schema is None or fmt.json_schema.schema_ is None:
-            raise invalid("response_format of type json_schema needs json_schema.schema. Fix: send "
-                          '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}.', "response_format")
+            raise invalid(
+                "response_format of type json_schema needs json_schema.schema. Fix: send "
+                '{"type": "json_schema", "json_schema": {"name": ..., "schema": {...}}}.',
+                "response_format",
+            )
         chosen["json_schema"] = fmt.json_schema.schema_
     if req.regex is not None:
         chosen["regex"] = req.regex
     if req.choices is not None:
         chosen["choices"] = req.choices
     if len(chosen) > 1:
-        raise invalid(f"Give one output constraint, got {sorted(chosen)}. Fix: keep one of response_format, "
-                      "regex and choices.", "response_format")
+        raise invalid(
+            f"Give one output constraint, got {sorted(chosen)}. Fix: keep one of response_format, regex and choices.",
+            "response_format",
+        )
     return chosen
 
 
@@ -140,8 +171,11 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float]:
     for key, value in (bias or {}).items():
         token = _token_key(key)
         if token is None:
-            raise invalid(f"logit_bias key {key!r:.40} is not a token id. Fix: key the biases by token ids "
-                          "(decimal strings, as OpenAI's API takes them).", "logit_bias")
+            raise invalid(
+                f"logit_bias key {key!r:.40} is not a token id. Fix: key the biases by token ids "
+                "(decimal strings, as OpenAI's API takes them).",
+                "logit_bias",
+            )
         if not -100 <= value <= 100:
             raise invalid(f"logit_bias for token {key} is {value}; biases must be in [-100, 100].", "logit_bias")
         out[token] = float(value)

@@ -7,6 +7,7 @@ copy its keys and values (the engine's prefix sharing, for prompts of 16 tokens 
 `best_of` draws that many and answers the `n` with the highest cumulative log-probability (as
 OpenAI's API does; it cannot be streamed). A single answer is just a group of one.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -25,11 +26,16 @@ def sample_counts(n: int, best_of: int | None, stream: bool) -> tuple[int, int]:
         raise invalid(f"n must be from 1 to {MAX_SAMPLES}, got {n}. Fix: ask for fewer choices per request.", "n")
     best_of = n if best_of is None else best_of
     if not n <= best_of <= MAX_SAMPLES:
-        raise invalid(f"best_of must be from n ({n}) to {MAX_SAMPLES}, got {best_of}. Fix: send best_of >= n, "
-                      "or leave it out.", "best_of")
+        raise invalid(
+            f"best_of must be from n ({n}) to {MAX_SAMPLES}, got {best_of}. Fix: send best_of >= n, or leave it out.",
+            "best_of",
+        )
     if stream and best_of > n:
-        raise invalid("best_of > n cannot be streamed: the best samples are known only once all are done. "
-                      "Fix: set stream=false, or leave best_of out.", "best_of")
+        raise invalid(
+            "best_of > n cannot be streamed: the best samples are known only once all are done. "
+            "Fix: set stream=false, or leave best_of out.",
+            "best_of",
+        )
     return n, best_of
 
 

@@ -12,6 +12,7 @@ function's JSON schema) and parsed back into `tool_calls`, streamed as they come
 `required` and a named function answer calls only; `auto` plain text or calls; `none` plain
 text (tools still shown to the model). finish_reason is "tool_calls" when the answer made calls.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,8 +28,9 @@ SYSTEM_PROMPT = (
     "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
     "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n{tools}\n</tools>\n\n"
     "For each function call, return a json object with function name and arguments within "
-    "<tool_call></tool_call> XML tags:\n<tool_call>\n{{\"name\": <function-name>, \"arguments\": "
-    "<args-json-object>}}\n</tool_call>")
+    '<tool_call></tool_call> XML tags:\n<tool_call>\n{{"name": <function-name>, "arguments": '
+    "<args-json-object>}}\n</tool_call>"
+)
 
 
 @dataclass(frozen=True)
@@ -50,22 +52,33 @@ def plan_tools(req: api.ChatCompletionRequest) -> ToolPlan | None:
     named = choice.function.name if isinstance(choice, api.NamedToolChoice) else None
     if not req.tools:
         if named is not None or choice == "required":
-            raise invalid(f"tool_choice {named or choice!r} needs tools to call. Fix: send the functions in "
-                          "`tools`, or leave tool_choice out.", "tool_choice")
+            raise invalid(
+                f"tool_choice {named or choice!r} needs tools to call. Fix: send the functions in "
+                "`tools`, or leave tool_choice out.",
+                "tool_choice",
+            )
         return None
     names = [tool.function.name for tool in req.tools]
     for index, tool in enumerate(req.tools):
         if names.index(tool.function.name) != index:
-            raise invalid(f"Two tools are named {tool.function.name!r}. Fix: give each function its own name.",
-                          f"tools.{index}.function.name")
+            raise invalid(
+                f"Two tools are named {tool.function.name!r}. Fix: give each function its own name.",
+                f"tools.{index}.function.name",
+            )
         parameters = tool.function.parameters
         if parameters is not None and parameters.get("type", "object") != "object":
-            raise invalid(f"tools.{index}.function.parameters must be a JSON schema of an object (the call's "
-                          f"named arguments), got type {parameters.get('type')!r}. Fix: describe the arguments "
-                          'as {"type": "object", "properties": {...}}.', f"tools.{index}.function.parameters")
+            raise invalid(
+                f"tools.{index}.function.parameters must be a JSON schema of an object (the call's "
+                f"named arguments), got type {parameters.get('type')!r}. Fix: describe the arguments "
+                'as {"type": "object", "properties": {...}}.',
+                f"tools.{index}.function.parameters",
+            )
     if named is not None and named not in names:
-        raise invalid(f"tool_choice names the function {named!r}, which is not in tools ({', '.join(names)}). "
-                      "Fix: name one of the tools.", "tool_choice")
+        raise invalid(
+            f"tool_choice names the function {named!r}, which is not in tools ({', '.join(names)}). "
+            "Fix: name one of the tools.",
+            "tool_choice",
+        )
     tools = [tool.model_dump(exclude_none=True) for tool in req.tools]
     return ToolPlan(tools, named or choice or "auto", req.parallel_tool_calls is not False)
 
@@ -92,8 +105,9 @@ def chat_prompt(llm, messages: list[dict], plan: ToolPlan | None) -> list[int]:
     if renders_tools(tokenizer.chat_template):
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tools=plan.tools)
     else:
-        text = tokenizer.apply_chat_template(_with_tools_described(_as_text(messages), plan.tools),
-                                             add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            _with_tools_described(_as_text(messages), plan.tools), add_generation_prompt=True
+        )
     return tokenizer.encode(text, add_special_tokens=False)
 
 
@@ -113,8 +127,10 @@ def _as_text(messages: list[dict]) -> list[dict]:
         message = dict(message)
         calls = message.pop("tool_calls", None)
         if calls:
-            written = [call_text(call["function"]["name"], json.dumps(call["function"]["arguments"],
-                                                                      ensure_ascii=False)) for call in calls]
+            written = [
+                call_text(call["function"]["name"], json.dumps(call["function"]["arguments"], ensure_ascii=False))
+                for call in calls
+            ]
             message["content"] = "\n".join(([message["content"]] if message.get("content") else []) + written)
         if message["role"] == "tool":
             message = {"role": "user", "content": f"<tool_response>\n{message['content']}\n</tool_response>"}
@@ -132,9 +148,12 @@ def constrain_answer(plan: ToolPlan | None, sampling: dict) -> str | None:
     if own and plan.choice == "none":
         return None
     if own:
-        raise invalid(f"tool_choice {plan.choice!r} constrains the answer to the tools' call format, so it "
-                      f"cannot also follow {own[0]}. Fix: drop response_format (regex, choices), or set "
-                      'tool_choice "none".', "response_format")
+        raise invalid(
+            f"tool_choice {plan.choice!r} constrains the answer to the tools' call format, so it "
+            f"cannot also follow {own[0]}. Fix: drop response_format (regex, choices), or set "
+            'tool_choice "none".',
+            "response_format",
+        )
     sampling["grammar"] = plan.grammar()
     return "tools"
 
@@ -149,8 +168,10 @@ def tool_message(plan: ToolPlan | None, text: str) -> api.AssistantMessage:
     if plan is None or plan.choice == "none":
         return api.AssistantMessage(content=text)
     parsed = parse_tool_calls(text)
-    calls = [api.ToolCall(id=call_id(), function=api.FunctionCall(name=name, arguments=arguments))
-             for name, arguments in parsed.calls]
+    calls = [
+        api.ToolCall(id=call_id(), function=api.FunctionCall(name=name, arguments=arguments))
+        for name, arguments in parsed.calls
+    ]
     return api.AssistantMessage(content=parsed.content, tool_calls=calls or None)
 
 
@@ -183,8 +204,12 @@ class ToolDeltas:
                 continue
             if event.kind == "call":
                 self.calls += 1
-                call = api.ToolCallDelta(index=event.index, id=call_id(), type="function",
-                                         function=api.FunctionDelta(name=event.text, arguments=""))
+                call = api.ToolCallDelta(
+                    index=event.index,
+                    id=call_id(),
+                    type="function",
+                    function=api.FunctionDelta(name=event.text, arguments=""),
+                )
             else:
                 call = api.ToolCallDelta(index=event.index, function=api.FunctionDelta(arguments=event.text))
             deltas.append(api.Delta(tool_calls=[call]))

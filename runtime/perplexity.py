@@ -9,6 +9,7 @@ window is context only. Perplexity = exp(mean negative log-likelihood over predi
 `chunk=1` feeds the window one token at a time through the KV cache instead: the decode path,
 whose kernels may differ from prefill's (e.g. int8-rounded activations in low-bit GEMVs).
 """
+
 from __future__ import annotations
 
 import math
@@ -32,10 +33,12 @@ def token_windows(ids: Sequence[int], length: int, count: int) -> torch.Tensor:
     """Up to `count` non-overlapping windows of `length` tokens from the start of `ids`: [count, length]."""
     available = len(ids) // length
     if available == 0:
-        raise GenerationError(f"the text has {len(ids)} tokens, fewer than one window of {length}. "
-                              "Fix: give a longer text, or a shorter window.")
+        raise GenerationError(
+            f"the text has {len(ids)} tokens, fewer than one window of {length}. "
+            "Fix: give a longer text, or a shorter window."
+        )
     count = min(count, available)
-    return torch.tensor(list(ids[:count * length]), dtype=torch.int64).view(count, length)
+    return torch.tensor(list(ids[: count * length]), dtype=torch.int64).view(count, length)
 
 
 def window_nll(logits: torch.Tensor, window: torch.Tensor) -> torch.Tensor:
@@ -50,8 +53,12 @@ def window_logits(executable, window: torch.Tensor, chunk: int | None = None) ->
     step = chunk or len(window)
     positions = torch.arange(len(window))
     with torch.no_grad():
-        return torch.cat([executable.run(window[None, i:i + step], positions[None, i:i + step])[0]
-                          for i in range(0, len(window), step)])
+        return torch.cat(
+            [
+                executable.run(window[None, i : i + step], positions[None, i : i + step])[0]
+                for i in range(0, len(window), step)
+            ]
+        )
 
 
 def perplexity(executable, windows: torch.Tensor, chunk: int | None = None) -> PerplexityResult:
@@ -62,5 +69,6 @@ def perplexity(executable, windows: torch.Tensor, chunk: int | None = None) -> P
     nlls = [window_nll(window_logits(executable, window, chunk), window) for window in windows]
     executable.reset()
     mean = torch.cat(nlls).mean().item()
-    return PerplexityResult(math.exp(mean), mean, sum(len(n) for n in nlls),
-                            tuple(math.exp(n.mean().item()) for n in nlls))
+    return PerplexityResult(
+        math.exp(mean), mean, sum(len(n) for n in nlls), tuple(math.exp(n.mean().item()) for n in nlls)
+    )

@@ -14,6 +14,7 @@ Scoring follows llama.cpp's `llama-perplexity`: windows of `length` tokens from 
 text, and within each only positions from `first` on are scored (default: the second half), so
 every scored token has at least `first` tokens of context.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -54,7 +55,7 @@ class ReferenceLogits:
     @property
     def targets(self) -> torch.Tensor:
         """[windows, scored] the tokens each scored position predicts."""
-        return self.tokens[:, self.first + 1:]
+        return self.tokens[:, self.first + 1 :]
 
     def save(self, path: str | Path) -> Path:
         from safetensors.torch import save_file
@@ -62,11 +63,22 @@ class ReferenceLogits:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
         partial = path.with_name(path.name + ".partial")
-        save_file({"tokens": self.tokens.contiguous(), "top_ids": self.top_ids.contiguous(),
-                   "top_logprobs": self.top_logprobs.contiguous(), "rest_logprob": self.rest_logprob.contiguous(),
-                   "target_logprob": self.target_logprob.contiguous()}, str(partial),
-                  metadata={"format": FORMAT, "first": str(self.first), "vocab_size": str(self.vocab_size),
-                            "source": self.source})
+        save_file(
+            {
+                "tokens": self.tokens.contiguous(),
+                "top_ids": self.top_ids.contiguous(),
+                "top_logprobs": self.top_logprobs.contiguous(),
+                "rest_logprob": self.rest_logprob.contiguous(),
+                "target_logprob": self.target_logprob.contiguous(),
+            },
+            str(partial),
+            metadata={
+                "format": FORMAT,
+                "first": str(self.first),
+                "vocab_size": str(self.vocab_size),
+                "source": self.source,
+            },
+        )
         partial.replace(path)
         return path
 
@@ -78,14 +90,26 @@ class ReferenceLogits:
             with safe_open(str(path), framework="pt") as f:
                 meta = f.metadata() or {}
                 if meta.get("format") != FORMAT:
-                    raise QualityError(f"{path} is not a Kiln reference-logits file (format {meta.get('format')!r}, "
-                                       f"expected {FORMAT!r}). Fix: write it with `kiln quality --save-reference`.")
+                    raise QualityError(
+                        f"{path} is not a Kiln reference-logits file (format {meta.get('format')!r}, "
+                        f"expected {FORMAT!r}). Fix: write it with `kiln quality --save-reference`."
+                    )
                 tensors = {name: f.get_tensor(name) for name in f.keys()}
         except (OSError, SafetensorError) as error:
-            raise QualityError(f"cannot read reference logits {path}: {error}. Fix: pass a file written by "
-                               "`kiln quality --save-reference`, or the reference artifact itself.") from None
-        return cls(tensors["tokens"], int(meta["first"]), tensors["top_ids"], tensors["top_logprobs"],
-                   tensors["rest_logprob"], tensors["target_logprob"], int(meta["vocab_size"]), meta.get("source", ""))
+            raise QualityError(
+                f"cannot read reference logits {path}: {error}. Fix: pass a file written by "
+                "`kiln quality --save-reference`, or the reference artifact itself."
+            ) from None
+        return cls(
+            tensors["tokens"],
+            int(meta["first"]),
+            tensors["top_ids"],
+            tensors["top_logprobs"],
+            tensors["rest_logprob"],
+            tensors["target_logprob"],
+            int(meta["vocab_size"]),
+            meta.get("source", ""),
+        )
 
 
 def default_first(length: int) -> int:
@@ -97,8 +121,10 @@ def check_windows(windows: torch.Tensor, first: int, max_seq_len: int) -> None:
     if windows.dim() != 2 or windows.shape[1] < 2:
         raise QualityError(f"token windows must be [count, length >= 2], got {list(windows.shape)}")
     if not 0 <= first < windows.shape[1] - 1:
-        raise QualityError(f"first scored position {first} is outside a window of {windows.shape[1]} tokens. "
-                           f"Fix: give a value from 0 to {windows.shape[1] - 2}.")
+        raise QualityError(
+            f"first scored position {first} is outside a window of {windows.shape[1]} tokens. "
+            f"Fix: give a value from 0 to {windows.shape[1] - 2}."
+        )
     if windows.shape[1] > max_seq_len:
         raise ContextLengthError(windows.shape[1], max_seq_len)
 
@@ -117,8 +143,9 @@ def log_rest(log_probs: torch.Tensor, top_ids: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(outside, dim=-1).float().double()
 
 
-def reference_logits(executable, windows: torch.Tensor, first: int | None = None, top_k: int | None = DEFAULT_TOP_K,
-                     source: str = "") -> ReferenceLogits:
+def reference_logits(
+    executable, windows: torch.Tensor, first: int | None = None, top_k: int | None = DEFAULT_TOP_K, source: str = ""
+) -> ReferenceLogits:
     """Run `executable` over `windows` [count, length] and keep what `quality.compare` needs;
     `top_k=None` keeps the whole distributions (exact KLD; 8 bytes per token of the vocabulary)."""
     first = default_first(windows.shape[1]) if first is None else first
@@ -134,19 +161,35 @@ def reference_logits(executable, windows: torch.Tensor, first: int | None = None
         ids.append(top.indices.to(torch.int32))
         logprobs.append(top.values.float())
         rest.append(log_rest(log_probs, top.indices).float())
-        target.append(log_probs.gather(-1, window[first + 1:, None]).squeeze(-1).float())
+        target.append(log_probs.gather(-1, window[first + 1 :, None]).squeeze(-1).float())
     executable.reset()
-    return ReferenceLogits(windows.to(torch.int64), first, torch.stack(ids), torch.stack(logprobs), torch.stack(rest),
-                           torch.stack(target), vocab, source)
+    return ReferenceLogits(
+        windows.to(torch.int64),
+        first,
+        torch.stack(ids),
+        torch.stack(logprobs),
+        torch.stack(rest),
+        torch.stack(target),
+        vocab,
+        source,
+    )
 
 
 def truncated(reference: ReferenceLogits, top_k: int) -> ReferenceLogits:
     """The top `top_k` of a reference kept with a larger (or full) top; the rest summed exactly."""
-    rest = torch.logaddexp(reference.rest_logprob.double(),
-                           torch.logsumexp(reference.top_logprobs[..., top_k:].double(), dim=-1))
-    return ReferenceLogits(reference.tokens, reference.first, reference.top_ids[..., :top_k].contiguous(),
-                           reference.top_logprobs[..., :top_k].contiguous(), rest.float(), reference.target_logprob,
-                           reference.vocab_size, reference.source)
+    rest = torch.logaddexp(
+        reference.rest_logprob.double(), torch.logsumexp(reference.top_logprobs[..., top_k:].double(), dim=-1)
+    )
+    return ReferenceLogits(
+        reference.tokens,
+        reference.first,
+        reference.top_ids[..., :top_k].contiguous(),
+        reference.top_logprobs[..., :top_k].contiguous(),
+        rest.float(),
+        reference.target_logprob,
+        reference.vocab_size,
+        reference.source,
+    )
 
 
 def cache_key(reference_manifest: bytes, windows: torch.Tensor, first: int, top_k: int) -> str:

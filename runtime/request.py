@@ -14,6 +14,7 @@ its grammar allows and takes forced tokens without sampling. Fast-forward append
 tokens ahead (`push_forced`); the engine then feeds them with the newest token in one
 multi-token call.
 """
+
 from __future__ import annotations
 
 import enum
@@ -68,8 +69,15 @@ class Request:
     `model_steps` counts the model calls whose logits it used (`accept`, `verify`), `forced_count`
     the tokens a constraint forced."""
 
-    def __init__(self, prompt: list[int], settings: GenerationSettings, seed: int, max_seq_len: int,
-                 decoder: IncrementalDecoder | None = None, handle=None):
+    def __init__(
+        self,
+        prompt: list[int],
+        settings: GenerationSettings,
+        seed: int,
+        max_seq_len: int,
+        decoder: IncrementalDecoder | None = None,
+        handle=None,
+    ):
         self.prompt = prompt
         self.settings = settings
         self.handle = handle  # the caller's RequestHandle (None outside the engine)
@@ -120,7 +128,7 @@ class Request:
         prompt, fed = self.prompt, self.fed
         if fed < len(prompt):
             return prompt[fed:] + self.tokens
-        return self.tokens[fed - len(prompt):]
+        return self.tokens[fed - len(prompt) :]
 
     # -- sampling ----------------------------------------------------------------------------
     def accept(self, logits: torch.Tensor) -> str:
@@ -247,15 +255,31 @@ class Request:
     def result(self, **stats_of_the_caller) -> GenerationResult:
         """The result so far; `stats_of_the_caller` sets GenerationStats fields that whoever
         ran the model knows (a speculative generation's target steps)."""
-        stats = dict(tokens_in=len(self.prompt), tokens_out=len(self.tokens), ttft_s=self.ttft_s,
-                     prefill_s=self.prefill_s, decode_s=self.decode_s, max_new_tokens=self.max_new,
-                     clamped=self.clamped, cached_tokens=self.reused, model_steps=self.model_steps,
-                     forced_tokens=self.forced_count)
+        stats = dict(
+            tokens_in=len(self.prompt),
+            tokens_out=len(self.tokens),
+            ttft_s=self.ttft_s,
+            prefill_s=self.prefill_s,
+            decode_s=self.decode_s,
+            max_new_tokens=self.max_new,
+            clamped=self.clamped,
+            cached_tokens=self.reused,
+            model_steps=self.model_steps,
+            forced_tokens=self.forced_count,
+        )
         if self.target_steps:
-            stats.update(target_steps=self.target_steps, drafted_tokens=self.drafted_tokens,
-                         accepted_tokens=self.accepted_tokens,
-                         tokens_per_target_step=(len(self.tokens) - 1) / self.target_steps)
+            stats.update(
+                target_steps=self.target_steps,
+                drafted_tokens=self.drafted_tokens,
+                accepted_tokens=self.accepted_tokens,
+                tokens_per_target_step=(len(self.tokens) - 1) / self.target_steps,
+            )
         stats.update(stats_of_the_caller)
-        return GenerationResult(text=self.text, token_ids=list(self.tokens), finish_reason=self.finish_reason or "length",
-                                prompt_token_ids=list(self.prompt), logprobs=self.logprobs,
-                                stats=GenerationStats(**stats))
+        return GenerationResult(
+            text=self.text,
+            token_ids=list(self.tokens),
+            finish_reason=self.finish_reason or "length",
+            prompt_token_ids=list(self.prompt),
+            logprobs=self.logprobs,
+            stats=GenerationStats(**stats),
+        )

@@ -4,6 +4,7 @@ The engine thread posts events (a text piece, the final result, or an error) int
 queue; the consumer iterates pieces synchronously (`for piece in handle`) or from asyncio
 (`async for piece in handle`), and takes the `GenerationResult` with `result()` / `await wait()`.
 """
+
 from __future__ import annotations
 
 import asyncio

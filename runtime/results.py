@@ -1,4 +1,5 @@
 """What a generation returns: the text, the new token ids, why it ended and how fast it ran."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -55,11 +56,15 @@ class GenerationStats:
 
     def summary(self) -> str:
         """One line for humans: counts, TTFT and tokens/s."""
-        line = (f"{self.tokens_in} prompt tokens, {self.tokens_out} new tokens | TTFT {self.ttft_s * 1000:.1f} ms | "
-                f"prefill {self.prefill_tokens_per_s:.1f} tok/s | decode {self.decode_tokens_per_s:.1f} tok/s")
+        line = (
+            f"{self.tokens_in} prompt tokens, {self.tokens_out} new tokens | TTFT {self.ttft_s * 1000:.1f} ms | "
+            f"prefill {self.prefill_tokens_per_s:.1f} tok/s | decode {self.decode_tokens_per_s:.1f} tok/s"
+        )
         if self.target_steps:
-            line += (f" | speculative: {self.acceptance_rate:.0%} of drafts accepted, "
-                     f"{self.tokens_per_target_step:.2f} tokens per target step")
+            line += (
+                f" | speculative: {self.acceptance_rate:.0%} of drafts accepted, "
+                f"{self.tokens_per_target_step:.2f} tokens per target step"
+            )
         return line + (f" | clamped to {self.max_new_tokens} new tokens by max_seq_len" if self.clamped else "")
 
 

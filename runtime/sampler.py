@@ -6,6 +6,7 @@ optionally with log-probabilities.
 Each request row owns a `Sampler` with its own `torch.Generator`, so the tokens a prompt gets
 depend only on its logits, its context and its seed, never on what else shares the batch.
 """
+
 from __future__ import annotations
 
 import math
@@ -60,20 +61,28 @@ class SamplingParams:
         self._check_finite()
         low, high = REPETITION_PENALTY_RANGE
         checks = [
-            (0 <= self.temperature <= MAX_TEMPERATURE,
-             f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}. Fix: use 0 for greedy."),
+            (
+                0 <= self.temperature <= MAX_TEMPERATURE,
+                f"temperature must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}. Fix: use 0 for greedy.",
+            ),
             (self.top_k >= 0, f"top_k must be >= 0, got {self.top_k}. Fix: use 0 to disable it."),
             (0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}. Fix: use 1.0 to disable it."),
             (0.0 <= self.min_p < 1.0, f"min_p must be in [0, 1), got {self.min_p}. Fix: use 0 to disable it."),
-            (0.0 < self.typical_p <= 1.0,
-             f"typical_p must be in (0, 1], got {self.typical_p}. Fix: use 1.0 to disable it."),
+            (
+                0.0 < self.typical_p <= 1.0,
+                f"typical_p must be in (0, 1], got {self.typical_p}. Fix: use 1.0 to disable it.",
+            ),
             (0.0 <= self.eta < 1.0, f"eta must be in [0, 1), got {self.eta}. Fix: use 0 to disable it."),
-            (low <= self.repetition_penalty <= high,
-             f"repetition_penalty must be in [{low:g}, {high:g}], got {self.repetition_penalty}. "
-             "Fix: use 1.0 to disable it (above 1 discourages repeats, below 1 favours them)."),
+            (
+                low <= self.repetition_penalty <= high,
+                f"repetition_penalty must be in [{low:g}, {high:g}], got {self.repetition_penalty}. "
+                "Fix: use 1.0 to disable it (above 1 discourages repeats, below 1 favours them).",
+            ),
             (self.logprobs is None or self.logprobs >= 0, f"logprobs must be None or >= 0, got {self.logprobs}."),
-            (_is_count(self.min_tokens),
-             f"min_tokens must be an integer >= 0, got {self.min_tokens!r:.40}. Fix: use 0 to disable it."),
+            (
+                _is_count(self.min_tokens),
+                f"min_tokens must be an integer >= 0, got {self.min_tokens!r:.40}. Fix: use 0 to disable it.",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -84,12 +93,16 @@ class SamplingParams:
         for setting in fields(self):
             value = getattr(self, setting.name)
             if isinstance(value, float) and not math.isfinite(value):
-                raise GenerationError(f"{setting.name} must be a finite number, got {value}. "
-                                      "Fix: pass a number, or leave it out for its default.")
+                raise GenerationError(
+                    f"{setting.name} must be a finite number, got {value}. "
+                    "Fix: pass a number, or leave it out for its default."
+                )
         for token, bias in self.logit_bias:
             if not math.isfinite(bias):
-                raise GenerationError(f"logit_bias for token {token} must be a finite number, got {bias}. "
-                                      "Fix: use -100 to ban a token, +100 to all but force it.")
+                raise GenerationError(
+                    f"logit_bias for token {token} must be a finite number, got {bias}. "
+                    "Fix: use -100 to ban a token, +100 to all but force it."
+                )
 
     @property
     def greedy(self) -> bool:
@@ -108,10 +121,16 @@ def _token_sequences(sequences) -> tuple[tuple[int, ...], ...]:
         raise GenerationError(f"{problem}; got {sequences!r:.60}. Fix: pass lists of token ids (or words to generate).")
     checked = []
     for sequence in sequences:
-        if isinstance(sequence, (str, bytes)) or not isinstance(sequence, (list, tuple)) or not sequence or \
-                not all(_is_count(token) for token in sequence):
-            raise GenerationError(f"{problem}; got {sequence!r:.60} among them. Fix: give each banned sequence as "
-                                  "a non-empty list of token ids >= 0 (words go through LLM.generate).")
+        if (
+            isinstance(sequence, (str, bytes))
+            or not isinstance(sequence, (list, tuple))
+            or not sequence
+            or not all(_is_count(token) for token in sequence)
+        ):
+            raise GenerationError(
+                f"{problem}; got {sequence!r:.60} among them. Fix: give each banned sequence as "
+                "a non-empty list of token ids >= 0 (words go through LLM.generate)."
+            )
         checked.append(tuple(int(token) for token in sequence))
     return tuple(checked)
 
@@ -146,8 +165,15 @@ class Sampler:
         self.end_ids = frozenset(end_ids)
         # Greedy with nothing to adjust the logits and no log-probabilities: the argmax alone
         p = params
-        self._argmax_only = (p.greedy and not p.logit_bias and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0
-                             and p.frequency_penalty == 0.0 and p.logprobs is None and not self._bans_tokens)
+        self._argmax_only = (
+            p.greedy
+            and not p.logit_bias
+            and p.repetition_penalty == 1.0
+            and p.presence_penalty == 0.0
+            and p.frequency_penalty == 0.0
+            and p.logprobs is None
+            and not self._bans_tokens
+        )
 
     @property
     def _bans_tokens(self) -> bool:
@@ -157,8 +183,13 @@ class Sampler:
         """The next token id for logits [vocab] after `prompt` and the tokens `generated` so far."""
         return self.choose(logits, prompt, generated).token
 
-    def choose(self, logits: torch.Tensor, prompt: Sequence[int] = (),
-               generated: Sequence[int] = (), allowed: torch.Tensor | None = None) -> TokenLogprob:
+    def choose(
+        self,
+        logits: torch.Tensor,
+        prompt: Sequence[int] = (),
+        generated: Sequence[int] = (),
+        allowed: torch.Tensor | None = None,
+    ) -> TokenLogprob:
         """The next token; `allowed` (bool [vocab]) masks the rest to -inf first (a constraint),
         so top-k and the other filters pick among allowed tokens. Log-probabilities stay the model's."""
         if self._argmax_only and allowed is None and logits.dtype == torch.float32:
@@ -193,8 +224,13 @@ class Sampler:
         if p.greedy:
             return logits
         logits = logits / p.temperature
-        for step, setting in ((lp.top_k, p.top_k), (lp.top_p, p.top_p), (lp.min_p, p.min_p),
-                              (lp.typical, p.typical_p), (lp.eta, p.eta)):
+        for step, setting in (
+            (lp.top_k, p.top_k),
+            (lp.top_p, p.top_p),
+            (lp.min_p, p.min_p),
+            (lp.typical, p.typical_p),
+            (lp.eta, p.eta),
+        ):
             logits = step(logits, setting)
         return logits
 

@@ -9,6 +9,7 @@ model), and what a server's `echo` + `logprobs` returns. The text runs through t
 prefill chunks from position 0 of KV row 0, all positions' logits kept, while the engine holds
 no other request (`Engine.exclusive`); log-softmax is taken in float64 on the model's f32 logits.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -37,13 +38,16 @@ class TokenScores:
         return self.total / len(self.token_logprobs) if self.token_logprobs else 0.0
 
 
-def score_tokens(executable, prompt: list[int], continuation: list[int], top_n: int = 0,
-                 chunk: int | None = None) -> TokenScores:
+def score_tokens(
+    executable, prompt: list[int], continuation: list[int], top_n: int = 0, chunk: int | None = None
+) -> TokenScores:
     """Log-probabilities of `continuation`'s tokens after `prompt` (at least one token: the first
     token of a text has no prediction to score). The caller holds the executable alone."""
     if not prompt:
-        raise GenerationError("Scoring needs at least one prompt token (the first token of a text is not "
-                              "predicted). Fix: put the text's first token (or a BOS token) in the prompt.")
+        raise GenerationError(
+            "Scoring needs at least one prompt token (the first token of a text is not "
+            "predicted). Fix: put the text's first token (or a BOS token) in the prompt."
+        )
     if not continuation:
         raise GenerationError("The continuation to score is empty. Fix: give at least one token to score.")
     if top_n < 0:
@@ -71,4 +75,4 @@ def _log_probs_of(executable, ids: list[int], first: int, chunk: int):
             logits = executable.run(tokens[None, start:end], torch.arange(start, end)[None])[0]
             keep = max(first - start, 0)
             if keep < end - start:
-                yield torch.log_softmax(logits[keep:].double(), dim=-1), tokens[start + keep + 1:end + 1]
+                yield torch.log_softmax(logits[keep:].double(), dim=-1), tokens[start + keep + 1 : end + 1]

@@ -11,6 +11,7 @@ waiting queue answers 429, and a client that goes away cancels its request. Comp
 scores the prompt (runtime/openai_echo.py); chat's `tools` are constrained, rendered and parsed
 in runtime/openai_tools.py.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -34,12 +35,32 @@ from kiln.runtime.host_check import HostCheck, default_allowed_hosts
 from kiln.runtime.openai_echo import echoed_prompt, prompt_text
 from kiln.runtime.openai_errors import APIError, internal, invalid, model_not_found
 from kiln.runtime.openai_logprobs import chat_logprobs, completion_logprobs
-from kiln.runtime.openai_request import (check_request, constraint_param, parse_body, sampling_keywords, single_prompt,
-                                         with_drafter)
-from kiln.runtime.openai_tools import (ToolDeltas, ToolPlan, chat_prompt, constrain_answer, finish_reason, plan_tools,
-                                       tool_message)
-from kiln.runtime.openai_samples import (Samples, best_results, collect, finished, ranking_logprobs, sample_counts,
-                                         submit_samples)
+from kiln.runtime.openai_request import (
+    check_request,
+    constraint_param,
+    parse_body,
+    sampling_keywords,
+    single_prompt,
+    with_drafter,
+)
+from kiln.runtime.openai_tools import (
+    ToolDeltas,
+    ToolPlan,
+    chat_prompt,
+    constrain_answer,
+    finish_reason,
+    plan_tools,
+    tool_message,
+)
+from kiln.runtime.openai_samples import (
+    Samples,
+    best_results,
+    collect,
+    finished,
+    ranking_logprobs,
+    sample_counts,
+    submit_samples,
+)
 from kiln.runtime.server_metrics import RequestTimer, ServerMetrics
 from kiln.runtime.sse import event, event_stream
 
@@ -48,9 +69,14 @@ log = logging.getLogger(__name__)
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "context": "length", "cancelled": "abort"}
 
 
-def create_app(llm, model_name: str | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               allowed_hosts: list[str] | None = None, api_key: str | None = None,
-               speculative: str | None = None) -> FastAPI:
+def create_app(
+    llm,
+    model_name: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    allowed_hosts: list[str] | None = None,
+    api_key: str | None = None,
+    speculative: str | None = None,
+) -> FastAPI:
     """The ASGI app serving `llm` (a loaded `kiln.LLM`) under `model_name` (default: the artifact's
     source directory name). `allowed_hosts`: the `Host` header values (port aside) answered; any
     other is a 400, which keeps a web page on another name (DNS rebinding) from reaching a
@@ -72,16 +98,23 @@ def create_app(llm, model_name: str | None = None, max_body_bytes: int = DEFAULT
     # origins' pages from reading them, and POSTs they could send without a preflight (a "simple"
     # Content-Type) are refused 415 in parse_body.
     app.add_exception_handler(APIError, lambda request, error: error.response())
-    app.add_exception_handler(HTTPException, lambda request, error: APIError(  # a 405 keeps its Allow header
-        error.status_code, str(error.detail), "invalid_request_error", headers=error.headers).response())
+    app.add_exception_handler(
+        HTTPException,
+        lambda request, error: APIError(  # a 405 keeps its Allow header
+            error.status_code, str(error.detail), "invalid_request_error", headers=error.headers
+        ).response(),
+    )
     app.add_exception_handler(Exception, _unexpected)
 
     @app.get("/health")
     async def health():
         engine = getattr(llm, "engine", None)
-        return {"status": "ok", "model": name,
-                "slots_in_use": engine.slots_in_use if engine else None,
-                "queue_depth": engine.queue_depth if engine else None}
+        return {
+            "status": "ok",
+            "model": name,
+            "slots_in_use": engine.slots_in_use if engine else None,
+            "queue_depth": engine.queue_depth if engine else None,
+        }
 
     @app.get("/metrics")
     async def prometheus():
@@ -99,14 +132,18 @@ def create_app(llm, model_name: str | None = None, max_body_bytes: int = DEFAULT
 
     @app.post("/v1/completions", openapi_extra=_operation(api.CompletionRequest, api.CompletionResponse))
     async def completions(request: Request):
-        return await _counted(metrics, "completions", lambda request_id: _completion(
-            llm, name, request, metrics, request_id, speculative))
+        return await _counted(
+            metrics, "completions", lambda request_id: _completion(llm, name, request, metrics, request_id, speculative)
+        )
 
-    @app.post("/v1/chat/completions",
-              openapi_extra=_operation(api.ChatCompletionRequest, api.ChatCompletionResponse, api.ChatCompletionChunk))
+    @app.post(
+        "/v1/chat/completions",
+        openapi_extra=_operation(api.ChatCompletionRequest, api.ChatCompletionResponse, api.ChatCompletionChunk),
+    )
     async def chat_completions(request: Request):
-        return await _counted(metrics, "chat", lambda request_id: _chat(llm, name, request, metrics, request_id,
-                                                                        speculative))
+        return await _counted(
+            metrics, "chat", lambda request_id: _chat(llm, name, request, metrics, request_id, speculative)
+        )
 
     return app
 
@@ -121,10 +158,15 @@ def _unexpected(request: Request, error: Exception) -> Response:
 # The generation endpoints take the raw Request (so parse_body can answer every bad body in OpenAI's
 # error shape), which leaves FastAPI nothing to describe; the request and response models are
 # declared here instead, for GET /openapi.json only: parsing and validation stay in parse_body.
-OPENAPI_MODELS = ((api.CompletionRequest, "validation"), (api.ChatCompletionRequest, "validation"),
-                  (api.CompletionResponse, "serialization"), (api.ChatCompletionResponse, "serialization"),
-                  (api.ChatCompletionChunk, "serialization"), (api.ModelList, "serialization"),
-                  (api.ModelCard, "serialization"))
+OPENAPI_MODELS = (
+    (api.CompletionRequest, "validation"),
+    (api.ChatCompletionRequest, "validation"),
+    (api.CompletionResponse, "serialization"),
+    (api.ChatCompletionResponse, "serialization"),
+    (api.ChatCompletionChunk, "serialization"),
+    (api.ModelList, "serialization"),
+    (api.ModelCard, "serialization"),
+)
 SCHEMA_REF = "#/components/schemas/{model}"
 
 
@@ -132,13 +174,21 @@ def _ref(model: type[BaseModel]) -> dict:
     return {"$ref": SCHEMA_REF.format(model=model.__name__)}
 
 
-def _operation(request: type[BaseModel] | None, response: type[BaseModel], chunk: type[BaseModel] | None = None) -> dict:
+def _operation(
+    request: type[BaseModel] | None, response: type[BaseModel], chunk: type[BaseModel] | None = None
+) -> dict:
     """An operation's OpenAPI additions: the JSON request body and the 200 answer (streamed as
     server-sent events of `chunk`, or of `response` again, when the request has stream=true)."""
     content = {"application/json": {"schema": _ref(response)}}
     if request is not None:
-        content["text/event-stream"] = {"schema": {"type": "string", "description": (
-            f"with stream=true: `data: <{(chunk or response).__name__} JSON>` events, then `data: [DONE]`")}}
+        content["text/event-stream"] = {
+            "schema": {
+                "type": "string",
+                "description": (
+                    f"with stream=true: `data: <{(chunk or response).__name__} JSON>` events, then `data: [DONE]`"
+                ),
+            }
+        }
     extra = {"responses": {"200": {"description": "Successful Response", "content": content}}}
     if request is not None:  # the generation endpoints: errors are OpenAI error objects
         extra["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref(request)}}}
@@ -164,8 +214,9 @@ def _openapi(app: FastAPI):
 
 
 # -- the two generation endpoints ----------------------------------------------------------------
-async def _completion(llm, name: str, request: Request, metrics: ServerMetrics, request_id: str,
-                      speculative: str | None) -> Response:
+async def _completion(
+    llm, name: str, request: Request, metrics: ServerMetrics, request_id: str, speculative: str | None
+) -> Response:
     timer = metrics.timer()
     req = await parse_body(request, api.CompletionRequest)
     check_request(req, name)
@@ -188,13 +239,20 @@ async def _completion(llm, name: str, request: Request, metrics: ServerMetrics, 
         logprobs = None
         if req.logprobs is not None:
             logprobs = await asyncio.to_thread(completion_logprobs, llm, result, echo)
-        choices.append(api.CompletionChoice(index=index, text=(echo.text if echo else "") + result.text,
-                                            logprobs=logprobs, finish_reason=FINISH_REASONS.get(result.finish_reason)))
+        choices.append(
+            api.CompletionChoice(
+                index=index,
+                text=(echo.text if echo else "") + result.text,
+                logprobs=logprobs,
+                finish_reason=FINISH_REASONS.get(result.finish_reason),
+            )
+        )
     return _json(api.CompletionResponse(model=name, choices=choices, usage=_usage(drawn)))
 
 
-async def _chat(llm, name: str, request: Request, metrics: ServerMetrics, request_id: str,
-                speculative: str | None) -> Response:
+async def _chat(
+    llm, name: str, request: Request, metrics: ServerMetrics, request_id: str, speculative: str | None
+) -> Response:
     timer = metrics.timer()
     req = await parse_body(request, api.ChatCompletionRequest)
     check_request(req, name)
@@ -231,10 +289,17 @@ def _template_message(message: api.ChatMessage, index: int) -> dict:
     if message.tool_call_id is not None:
         out["tool_call_id"] = message.tool_call_id
     if message.tool_calls:
-        out["tool_calls"] = [{"id": call.id, "type": call.type, "function": {
-            "name": call.function.name, "arguments": _tool_arguments(call.function.arguments,
-                                                                     f"messages.{index}.tool_calls.{number}")}}
-            for number, call in enumerate(message.tool_calls)]
+        out["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": call.type,
+                "function": {
+                    "name": call.function.name,
+                    "arguments": _tool_arguments(call.function.arguments, f"messages.{index}.tool_calls.{number}"),
+                },
+            }
+            for number, call in enumerate(message.tool_calls)
+        ]
     return out
 
 
@@ -244,14 +309,18 @@ def _tool_arguments(arguments: str, param: str) -> dict:
     except (ValueError, RecursionError):  # RecursionError: nested past Python's limit
         parsed = None
     if not isinstance(parsed, dict):
-        raise invalid(f"{param}.function.arguments is not a JSON object ({arguments!r:.60}). Fix: send the "
-                      "call's arguments as the text of a JSON object, e.g. '{\"city\": \"Paris\"}'.",
-                      f"{param}.function.arguments", "invalid_value")
+        raise invalid(
+            f"{param}.function.arguments is not a JSON object ({arguments!r:.60}). Fix: send the "
+            'call\'s arguments as the text of a JSON object, e.g. \'{"city": "Paris"}\'.',
+            f"{param}.function.arguments",
+            "invalid_value",
+        )
     return parsed
 
 
-async def _completion_events(samples: Samples, req: api.CompletionRequest, name: str, timer: RequestTimer,
-                             echo: str | None):
+async def _completion_events(
+    samples: Samples, req: api.CompletionRequest, name: str, timer: RequestTimer, echo: str | None
+):
     base = dict(id=f"cmpl-{uuid.uuid4().hex}", created=int(time.time()), model=name)
     for index in range(len(samples.handles) if echo else 0):  # the echoed prompt comes first
         yield event(api.CompletionResponse(**base, choices=[api.CompletionChoice(index=index, text=echo)]))
@@ -262,21 +331,28 @@ async def _completion_events(samples: Samples, req: api.CompletionRequest, name:
         else:
             timer.piece()
             reason = None
-        yield event(api.CompletionResponse(**base, choices=[api.CompletionChoice(index=index, text=piece,
-                                                                                 finish_reason=reason)]))
+        yield event(
+            api.CompletionResponse(
+                **base, choices=[api.CompletionChoice(index=index, text=piece, finish_reason=reason)]
+            )
+        )
     results = await samples.results()
     finished(timer, results)
     if req.stream_options and req.stream_options.include_usage:
         yield event(api.CompletionResponse(**base, choices=[], usage=_usage(results)))
 
 
-async def _chat_events(samples: Samples, req: api.ChatCompletionRequest, name: str, timer: RequestTimer,
-                       tools: ToolPlan | None):
+async def _chat_events(
+    samples: Samples, req: api.ChatCompletionRequest, name: str, timer: RequestTimer, tools: ToolPlan | None
+):
     base = dict(id=f"chatcmpl-{uuid.uuid4().hex}", created=int(time.time()), model=name)
 
     def chunk(index: int, delta: api.Delta, finish_reason=None):
-        return event(api.ChatCompletionChunk(**base, choices=[api.ChatChunkChoice(
-            index=index, delta=delta, finish_reason=finish_reason)]))
+        return event(
+            api.ChatCompletionChunk(
+                **base, choices=[api.ChatChunkChoice(index=index, delta=delta, finish_reason=finish_reason)]
+            )
+        )
 
     deltas = [ToolDeltas(tools) for _ in samples.handles]  # each choice's calls parsed as they stream
     for index in range(len(samples.handles)):
@@ -286,8 +362,9 @@ async def _chat_events(samples: Samples, req: api.ChatCompletionRequest, name: s
             for delta in deltas[index].finish():
                 yield chunk(index, delta)
             result = await samples.handles[index].wait()
-            yield chunk(index, api.Delta(), finish_reason(FINISH_REASONS.get(result.finish_reason),
-                                                          deltas[index].calls > 0))
+            yield chunk(
+                index, api.Delta(), finish_reason(FINISH_REASONS.get(result.finish_reason), deltas[index].calls > 0)
+            )
             continue
         timer.piece()
         for delta in deltas[index].feed(piece):
@@ -350,10 +427,17 @@ def _default_name(llm) -> str:
 
 
 # -- running it ----------------------------------------------------------------------------------
-def serve(llm, host: str = "127.0.0.1", port: int = 8000, model_name: str | None = None,
-          max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, log_level: str = "info",
-          allowed_hosts: list[str] | None = None, api_key: str | None = None,
-          speculative: str | None = None) -> None:
+def serve(
+    llm,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    model_name: str | None = None,
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    log_level: str = "info",
+    allowed_hosts: list[str] | None = None,
+    api_key: str | None = None,
+    speculative: str | None = None,
+) -> None:
     """Serve `llm` until interrupted (loopback only unless `host` says otherwise; Host headers
     other than `allowed_hosts`, by default `default_allowed_hosts(host)`, are refused; with
     `api_key`, requests without it are refused, /health aside; `speculative` as create_app): uvicorn in a
@@ -384,5 +468,7 @@ def serve(llm, host: str = "127.0.0.1", port: int = 8000, model_name: str | None
         server.should_exit = True
         http.join(timeout=30)
     if not server.started:
-        raise KilnError(f"the HTTP server did not start on {host}:{port} (its log above says why). "
-                        "Fix: free the port or pass another with --port.")
+        raise KilnError(
+            f"the HTTP server did not start on {host}:{port} (its log above says why). "
+            "Fix: free the port or pass another with --port."
+        )

@@ -12,14 +12,33 @@
 Each app owns its registry, so several servers (tests) in one process do not collide. Latencies
 are measured per streamed text piece, which is one token except where a character spans tokens.
 """
+
 from __future__ import annotations
 
 import time
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5, 5.0,
-                   10.0, 30.0)
+LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    30.0,
+)
 
 
 class ServerMetrics:
@@ -33,17 +52,22 @@ class ServerMetrics:
         self.requests = Counter("kiln_requests", "Requests answered", ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("kiln_prompt_tokens", "Prompt tokens of finished requests", registry=r)
         self.generation_tokens = Counter("kiln_generation_tokens", "Generated tokens of finished requests", registry=r)
-        self.ttft = Histogram("kiln_time_to_first_token_seconds", "Arrival to first text piece",
-                              buckets=LATENCY_BUCKETS, registry=r)
-        self.inter_token = Histogram("kiln_inter_token_latency_seconds", "Between consecutive text pieces",
-                                     buckets=LATENCY_BUCKETS, registry=r)
-        self.duration = Histogram("kiln_request_duration_seconds", "Arrival to last text piece",
-                                  buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram(
+            "kiln_time_to_first_token_seconds", "Arrival to first text piece", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.inter_token = Histogram(
+            "kiln_inter_token_latency_seconds", "Between consecutive text pieces", buckets=LATENCY_BUCKETS, registry=r
+        )
+        self.duration = Histogram(
+            "kiln_request_duration_seconds", "Arrival to last text piece", buckets=LATENCY_BUCKETS, registry=r
+        )
         if engine is not None:
             Gauge("kiln_queue_depth", "Requests waiting for a KV slot", registry=r).set_function(
-                lambda: engine.queue_depth)
+                lambda: engine.queue_depth
+            )
             Gauge("kiln_kv_slots_in_use", "KV cache rows holding a request", registry=r).set_function(
-                lambda: engine.slots_in_use)
+                lambda: engine.slots_in_use
+            )
             Gauge("kiln_kv_slots_total", "KV cache rows compiled (max_batch)", registry=r).set(engine.max_batch)
 
     def exposition(self) -> bytes:

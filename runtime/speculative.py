@@ -20,6 +20,7 @@ Drafters:
   threshold (threshold-adaptive draft length);
 - `HeadsDrafter` (heads_drafter.py): trained heads on the target's last hidden state.
 """
+
 from __future__ import annotations
 
 import time
@@ -56,8 +57,8 @@ class PromptLookupDrafter:
         for n in range(min(self.max_ngram, len(context) - 1), self.min_ngram - 1, -1):
             tail = list(context[-n:])
             for start in range(len(context) - n - 1, -1, -1):  # the most recent earlier match
-                if list(context[start:start + n]) == tail:
-                    return list(context[start + n:start + n + limit])
+                if list(context[start : start + n]) == tail:
+                    return list(context[start + n : start + n + limit])
         return []
 
     def feedback(self, drafted: int, accepted: int) -> None:
@@ -113,14 +114,23 @@ class SpeculativeGeneration:
 
     prompt_count = 1
 
-    def __init__(self, executable, prompt: list[int], settings: GenerationSettings, seed: int, drafter: Drafter,
-                 decoder_factory=None, vocab_size: int | None = None):
+    def __init__(
+        self,
+        executable,
+        prompt: list[int],
+        settings: GenerationSettings,
+        seed: int,
+        drafter: Drafter,
+        decoder_factory=None,
+        vocab_size: int | None = None,
+    ):
         self.executable = executable
         self.vocab_size = vocab_size or model_vocab_size(executable)
         check_request_ids(prompt, settings, self.vocab_size)
         self.max_seq_len = executable.options.max_seq_len
-        self.request = Request(list(prompt), settings, seed, self.max_seq_len,
-                               decoder_factory() if decoder_factory else None)
+        self.request = Request(
+            list(prompt), settings, seed, self.max_seq_len, decoder_factory() if decoder_factory else None
+        )
         self.request.drafter = self.drafter = drafter  # the request judges the drafts and gives feedback
 
     def __iter__(self):
@@ -149,7 +159,7 @@ class SpeculativeGeneration:
         room = min(self.max_seq_len - 1 - position, request.max_new - len(request.tokens) - 1)
         draft = self.drafter.propose(context, room) if room > 0 else []
         # a drafter's guesses as the target can take them: within the room left, ids it knows
-        draft = list(draft[:known_prefix(draft[:room], self.vocab_size)])
+        draft = list(draft[: known_prefix(draft[:room], self.vocab_size)])
         feed = [context[-1], *draft]
         positions = torch.arange(position, position + len(feed))[None]
         logits = self.executable.run(torch.tensor([feed]), positions)[0]

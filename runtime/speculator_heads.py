@@ -18,6 +18,7 @@ head, the model's hidden and vocabulary sizes and its source_hash. It is listed 
 in the manifest's files and described under the manifest's `speculators`; heads trained for
 another model or a damaged file raise ArtifactError.
 """
+
 from __future__ import annotations
 
 import fcntl
@@ -96,7 +97,7 @@ class MLPSpeculator(DraftHeads):
         self.norm = nn.ModuleList(nn.LayerNorm(hidden) for _ in range(stages))
         # IBM's weighting: the state's share shrinks stage by stage, the token's grows
         self.state_weight = 0.5 ** (0.5 / stages)
-        self.token_weight = math.sqrt(1 - self.state_weight ** 2)
+        self.token_weight = math.sqrt(1 - self.state_weight**2)
 
     def _stage(self, stage: int, state: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
         embedded = F.rms_norm(self.embedding[token], (self.hidden,))  # the model's scale differs from the state's
@@ -122,7 +123,6 @@ class MLPSpeculator(DraftHeads):
             current = self.vocab_ids[pick]
             drafted.append(int(current))
         return drafted
-
 
     @torch.inference_mode()
     def chains(self, hidden, tokens):
@@ -160,11 +160,12 @@ class MedusaHeads(DraftHeads):
             drafted.append(int(self.vocab_ids[pick]))
         return drafted
 
-
     @torch.inference_mode()
     def chains(self, hidden, tokens):
-        return torch.stack([self.vocab_ids[self.logits(stage, self._state(stage, hidden)).argmax(-1)]
-                            for stage in range(self.stages)], dim=1)
+        return torch.stack(
+            [self.vocab_ids[self.logits(stage, self._state(stage, hidden)).argmax(-1)] for stage in range(self.stages)],
+            dim=1,
+        )
 
 
 def _pick(logits: torch.Tensor, confidence: float, min_confidence: float) -> tuple[int | None, float]:
@@ -183,8 +184,9 @@ def build_heads(kind: str, model_head: OutputHead, stages: int, vocab_ids: torch
 
 
 # -- the heads file ----------------------------------------------------------------------------
-def save_heads(heads: DraftHeads, inverse_rows: torch.Tensor, directory: Path, source_hash: str | None,
-               training: dict) -> Path:
+def save_heads(
+    heads: DraftHeads, inverse_rows: torch.Tensor, directory: Path, source_hash: str | None, training: dict
+) -> Path:
     """Write the heads into the artifact at `directory` and list them (sha256, bytes) in its
     manifest, with a `speculators` entry; the manifest is replaced atomically, last."""
     directory = Path(directory)
@@ -193,20 +195,34 @@ def save_heads(heads: DraftHeads, inverse_rows: torch.Tensor, directory: Path, s
         return _save_heads(heads, inverse_rows, directory, source_hash, training)
 
 
-def _save_heads(heads: DraftHeads, inverse_rows: torch.Tensor, directory: Path, source_hash: str | None,
-                training: dict) -> Path:
+def _save_heads(
+    heads: DraftHeads, inverse_rows: torch.Tensor, directory: Path, source_hash: str | None, training: dict
+) -> Path:
     manifest = read_manifest(directory)
     name = heads_file(heads.kind)
     tensors = {key: value.detach().contiguous() for key, value in heads.state_dict().items()}
     tensors["vocab_ids"] = heads.vocab_ids.clone()
     tensors["inverse_rows"] = inverse_rows.long().clone()
-    metadata = {"format": HEADS_FORMAT, "kind": heads.kind, "stages": str(heads.stages), "head": heads.head_choice,
-                "hidden": str(heads.hidden), "source_hash": source_hash or ""}
+    metadata = {
+        "format": HEADS_FORMAT,
+        "kind": heads.kind,
+        "stages": str(heads.stages),
+        "head": heads.head_choice,
+        "hidden": str(heads.hidden),
+        "source_hash": source_hash or "",
+    }
     _atomic(directory / name, lambda temporary: save_file(tensors, str(temporary), metadata=metadata))
     path = directory / name
     files = {**manifest["files"], name: {"sha256": file_sha256(path), "bytes": path.stat().st_size}}
-    entry = {"file": name, "kind": heads.kind, "stages": heads.stages, "head": heads.head_choice,
-             "draft_vocab": len(heads.vocab_ids), "source_hash": source_hash, "training": training}
+    entry = {
+        "file": name,
+        "kind": heads.kind,
+        "stages": heads.stages,
+        "head": heads.head_choice,
+        "draft_vocab": len(heads.vocab_ids),
+        "source_hash": source_hash,
+        "training": training,
+    }
     updated = {**manifest, "files": files, "speculators": {**manifest.get("speculators", {}), heads.kind: entry}}
     updated.pop("fields_sha256", None)
     text = json.dumps(sealed(updated), indent=2, sort_keys=True) + "\n"
@@ -236,13 +252,17 @@ def load_heads(directory: Path, manifest: dict, model_head: OutputHead, kind: st
     kind = kind or ("mlp" if "mlp" in trained else sorted(trained)[0])
     entry = trained.get(kind)
     if not isinstance(entry, dict) or entry.get("file") not in manifest["files"]:
-        raise ArtifactError(f"{directory} has no {kind} heads (it has: {sorted(trained)}). "
-                            f"Fix: `kiln train-speculator {directory} --kind {kind}`.")
+        raise ArtifactError(
+            f"{directory} has no {kind} heads (it has: {sorted(trained)}). "
+            f"Fix: `kiln train-speculator {directory} --kind {kind}`."
+        )
     path = directory / entry["file"]
     listed = manifest["files"][entry["file"]]
     if not path.is_file() or file_sha256(path) != listed.get("sha256"):
-        raise ArtifactError(f"{path} is missing or does not match its sha256 in {MANIFEST}: the heads file is "
-                            f"damaged. Fix: retrain it with `kiln train-speculator {directory} --kind {kind}`.")
+        raise ArtifactError(
+            f"{path} is missing or does not match its sha256 in {MANIFEST}: the heads file is "
+            f"damaged. Fix: retrain it with `kiln train-speculator {directory} --kind {kind}`."
+        )
     try:
         with safe_open(str(path), framework="pt") as f:
             metadata = f.metadata() or {}
@@ -250,31 +270,45 @@ def load_heads(directory: Path, manifest: dict, model_head: OutputHead, kind: st
     except (SafetensorError, OSError, ValueError) as e:
         raise ArtifactError(f"{path} is not a readable safetensors file ({e}). Fix: retrain the heads.") from None
     _check_fits(path, metadata, tensors, manifest, model_head)
-    heads = build_heads(metadata["kind"], model_head, int(metadata["stages"]), tensors.pop("vocab_ids"),
-                        metadata["head"])
+    heads = build_heads(
+        metadata["kind"], model_head, int(metadata["stages"]), tensors.pop("vocab_ids"), metadata["head"]
+    )
     inverse_rows = tensors.pop("inverse_rows")
     try:
         heads.load_state_dict(tensors)
     except RuntimeError as e:
-        raise ArtifactError(f"{path} does not hold {kind} heads of the shape its metadata says ({_first_line(e)}). "
-                            "Fix: retrain the heads.") from None
+        raise ArtifactError(
+            f"{path} does not hold {kind} heads of the shape its metadata says ({_first_line(e)}). "
+            "Fix: retrain the heads."
+        ) from None
     return heads.eval(), inverse_rows
 
 
 def _check_fits(path, metadata: dict, tensors: dict, manifest: dict, model_head: OutputHead) -> None:
     """Heads trained for this model: same checkpoint (source_hash), hidden size and vocabulary."""
-    if metadata.get("format") != HEADS_FORMAT or metadata.get("kind") not in KINDS or \
-            metadata.get("head") not in HEAD_CHOICES or "vocab_ids" not in tensors or "inverse_rows" not in tensors:
+    if (
+        metadata.get("format") != HEADS_FORMAT
+        or metadata.get("kind") not in KINDS
+        or metadata.get("head") not in HEAD_CHOICES
+        or "vocab_ids" not in tensors
+        or "inverse_rows" not in tensors
+    ):
         raise ArtifactError(f"{path} is not a Kiln heads file ({metadata.get('format')!r}). Fix: retrain the heads.")
     vocab, hidden = model_head.weight.shape
     source = manifest.get("source_hash")
     ids = tensors["vocab_ids"]
-    if (metadata.get("source_hash") or None) != source or int(metadata.get("hidden", -1)) != hidden or \
-            len(ids) == 0 or int(ids.max()) >= vocab:
-        raise ArtifactError(f"{path} holds heads trained for another model (source_hash "
-                            f"{metadata.get('source_hash', '')[:12]!r}, hidden {metadata.get('hidden')}; this "
-                            f"artifact: {(source or '')[:12]!r}, hidden {hidden}). Fix: `kiln train-speculator` "
-                            "on this artifact.")
+    if (
+        (metadata.get("source_hash") or None) != source
+        or int(metadata.get("hidden", -1)) != hidden
+        or len(ids) == 0
+        or int(ids.max()) >= vocab
+    ):
+        raise ArtifactError(
+            f"{path} holds heads trained for another model (source_hash "
+            f"{metadata.get('source_hash', '')[:12]!r}, hidden {metadata.get('hidden')}; this "
+            f"artifact: {(source or '')[:12]!r}, hidden {hidden}). Fix: `kiln train-speculator` "
+            "on this artifact."
+        )
 
 
 def _first_line(error: Exception) -> str:

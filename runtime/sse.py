@@ -5,6 +5,7 @@ away, which cancels the response task) the request is cancelled, so a client tha
 mid-stream frees its KV slot at the engine's next step. An error after the first event can no
 longer change the status, so it is sent as an OpenAI error object event before [DONE].
 """
+
 from __future__ import annotations
 
 import json

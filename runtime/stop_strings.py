@@ -3,6 +3,7 @@
 Text that might be the start of a stop string is held back until the next piece decides it,
 so nothing after (or part of) a stop string is ever emitted.
 """
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -28,10 +29,10 @@ class StopStringMatcher:
         hits = [i for i in (text.find(s) for s in self.stops) if i >= 0]
         if hits:
             self.stopped, self._held = True, ""
-            return text[:min(hits)]
+            return text[: min(hits)]
         keep = self._longest_partial_stop(text)
-        self._held = text[len(text) - keep:] if keep else ""
-        return text[:len(text) - keep]
+        self._held = text[len(text) - keep :] if keep else ""
+        return text[: len(text) - keep]
 
     def flush(self) -> str:
         """The held-back text, when generation ends for another reason."""

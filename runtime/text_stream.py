@@ -1,4 +1,5 @@
 """`TextStream`: what `LLM.stream` returns, an iterator of text that keeps the final results."""
+
 from __future__ import annotations
 
 from typing import Iterator

@@ -6,6 +6,7 @@ c10::Error from inside the kernel (which aborted a server over SmolLM2), the ref
 raises IndexError, and ONNX Runtime's Gather wraps negative ids around without a word. So every
 id is checked once, where it enters, at the cost of one min/max pass over the prompt.
 """
+
 from __future__ import annotations
 
 from typing import Iterable, Sequence

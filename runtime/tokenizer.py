@@ -3,6 +3,7 @@
 
 It reads only what an artifact (or a Hugging Face directory) ships; transformers is not needed.
 """
+
 from __future__ import annotations
 
 import functools
@@ -39,12 +40,18 @@ def _token_text(entry) -> str | None:
 class Tokenizer:
     """Text <-> token ids, the special tokens, and chat-template rendering."""
 
-    def __init__(self, tokenizer: _HFTokenizer, config: dict | None = None,
-                 generation_config: dict | None = None, chat_template: str | None = None):
+    def __init__(
+        self,
+        tokenizer: _HFTokenizer,
+        config: dict | None = None,
+        generation_config: dict | None = None,
+        chat_template: str | None = None,
+    ):
         self._tok = tokenizer
         self.config = config or {}
         self.special_tokens = {
-            key: _token_text(self.config.get(key)) for key in ("bos_token", "eos_token", "pad_token", "unk_token")}
+            key: _token_text(self.config.get(key)) for key in ("bos_token", "eos_token", "pad_token", "unk_token")
+        }
         self.bos_id = self._id(self.special_tokens["bos_token"])
         eos = {self._id(self.special_tokens["eos_token"])}
         gen_eos = (generation_config or {}).get("eos_token_id")
@@ -58,16 +65,22 @@ class Tokenizer:
         directory = Path(directory)
         path = directory / "tokenizer.json"
         if not path.is_file():
-            raise TokenizerError(f"No tokenizer.json in {directory}. Fix: use a model directory that ships "
-                                 "a fast tokenizer (tokenizer.json), or pass prompts as token ids.")
+            raise TokenizerError(
+                f"No tokenizer.json in {directory}. Fix: use a model directory that ships "
+                "a fast tokenizer (tokenizer.json), or pass prompts as token ids."
+            )
         try:
             tok = _HFTokenizer.from_file(str(path))
         except Exception as e:  # the Rust library raises a bare Exception on malformed files
             raise TokenizerError(f"{path} cannot be loaded ({e}). Fix: restore the file from the model.") from None
         template_file = directory / "chat_template.jinja"
         template = template_file.read_text(encoding="utf-8") if template_file.is_file() else None
-        return cls(tok, _read_json(directory / "tokenizer_config.json"),
-                   _read_json(directory / "generation_config.json"), template)
+        return cls(
+            tok,
+            _read_json(directory / "tokenizer_config.json"),
+            _read_json(directory / "generation_config.json"),
+            template,
+        )
 
     def _id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
@@ -104,11 +117,18 @@ class Tokenizer:
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True, **variables) -> str:
         """The prompt text for a conversation, rendered with the model's chat template."""
         if not self.chat_template:
-            raise TokenizerError("This model has no chat template (no `chat_template` in tokenizer_config.json "
-                                 "and no chat_template.jinja). Fix: use generate() with a plain prompt, or add a "
-                                 "template to tokenizer_config.json before compiling.")
-        return render_chat(self.chat_template, messages, add_generation_prompt,
-                           **{k: v for k, v in self.special_tokens.items() if v is not None}, **variables)
+            raise TokenizerError(
+                "This model has no chat template (no `chat_template` in tokenizer_config.json "
+                "and no chat_template.jinja). Fix: use generate() with a plain prompt, or add a "
+                "template to tokenizer_config.json before compiling."
+            )
+        return render_chat(
+            self.chat_template,
+            messages,
+            add_generation_prompt,
+            **{k: v for k, v in self.special_tokens.items() if v is not None},
+            **variables,
+        )
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
         """Token ids of the rendered conversation; the template already holds the special tokens."""
@@ -119,6 +139,8 @@ def _check_unicode(text) -> None:
     """GenerationError for a str holding a lone surrogate (e.g. from "\\ud800" in JSON): not Unicode text."""
     surrogate = re.search("[\ud800-\udfff]", text) if isinstance(text, str) else None
     if surrogate is not None:
-        raise GenerationError(f"The text holds a lone surrogate {ascii(surrogate.group())} at character "
-                              f"{surrogate.start()}, which is not Unicode text and has no tokens. Fix: pass valid "
-                              "Unicode (decode input with errors='replace' if it may hold broken escapes).")
+        raise GenerationError(
+            f"The text holds a lone surrogate {ascii(surrogate.group())} at character "
+            f"{surrogate.start()}, which is not Unicode text and has no tokens. Fix: pass valid "
+            "Unicode (decode input with errors='replace' if it may hold broken escapes)."
+        )

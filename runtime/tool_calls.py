@@ -11,6 +11,7 @@ writes it, as templates render calls in the history), so the output parses by co
 - `auto`: either plain text holding no `<tool_call>`, or text followed by calls as `required`;
 - `none`: plain text holding no `<tool_call>`.
 """
+
 from __future__ import annotations
 
 import json
@@ -22,7 +23,7 @@ NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": Fal
 # the arguments spaced as json.dumps (and so the templates' tojson) writes them in the history
 JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 # plain text that never opens a call, and the text before a call (lazy: it ends at the first OPEN)
-PLAIN_TEXT = r'PLAIN: /(.|\n)*/ & ~/(.|\n)*<tool_call>(.|\n)*/'
+PLAIN_TEXT = r"PLAIN: /(.|\n)*/ & ~/(.|\n)*<tool_call>(.|\n)*/"
 LEAD_TEXT = 'lead[lazy]: LEAD "<tool_call>"\nLEAD: /(.|\\n)*/'
 
 
@@ -37,8 +38,11 @@ def tool_grammar(functions: list[dict], choice: str, parallel: bool) -> str:
     if choice == "none":
         return f"start: PLAIN\n{PLAIN_TEXT}\n"
     more = ' ("\\n" call)*' if parallel else ""
-    rules = [f"fn_{index}: {json.dumps(_head(function['name']))} %json "
-             f"{json.dumps(_compact(function.get('parameters')))} \"}}\"" for index, function in enumerate(functions)]
+    rules = [
+        f"fn_{index}: {json.dumps(_head(function['name']))} %json "
+        f'{json.dumps(_compact(function.get("parameters")))} "}}"'
+        for index, function in enumerate(functions)
+    ]
     names = [function["name"] for function in functions]
     if choice == "required":
         start = f"start: call{more}"
@@ -114,15 +118,16 @@ class ToolCallParser:
         start = self.buffer.find(OPEN)
         if start >= 0:
             self._content(events, self.buffer[:start])
-            self.buffer, self.state = self.buffer[start + len(OPEN):], "head"
+            self.buffer, self.state = self.buffer[start + len(OPEN) :], "head"
             return True
-        keep = next((n for n in range(min(len(OPEN) - 1, len(self.buffer)), 0, -1)
-                     if OPEN.startswith(self.buffer[-n:])), 0)
-        settled = self.buffer[:len(self.buffer) - keep]
+        keep = next(
+            (n for n in range(min(len(OPEN) - 1, len(self.buffer)), 0, -1) if OPEN.startswith(self.buffer[-n:])), 0
+        )
+        settled = self.buffer[: len(self.buffer) - keep]
         if self.calls and not settled.strip():  # the line breaks between calls are no content
             return False
         self._content(events, settled)
-        self.buffer = self.buffer[len(settled):]
+        self.buffer = self.buffer[len(settled) :]
         return False
 
     def _content(self, events: list, text: str) -> None:
@@ -134,7 +139,7 @@ class ToolCallParser:
         if match is None or match.end() == len(self.buffer):  # more spaces may come before the arguments
             return False
         events.append(ToolEvent("call", json.loads(f'"{match.group(1)}"'), self.calls))
-        self.buffer, self.state = self.buffer[match.end():], "arguments"
+        self.buffer, self.state = self.buffer[match.end() :], "arguments"
         self._depth, self._in_string, self._escaped = 0, False, False
         return True
 
@@ -155,8 +160,8 @@ class ToolCallParser:
             elif character in "}]":
                 self._depth -= 1
                 if self._depth == 0:
-                    events.append(ToolEvent("arguments", self.buffer[:position + 1], self.calls))
-                    self.buffer, self.state = self.buffer[position + 1:], "tail"
+                    events.append(ToolEvent("arguments", self.buffer[: position + 1], self.calls))
+                    self.buffer, self.state = self.buffer[position + 1 :], "tail"
                     return True
         events.append(ToolEvent("arguments", self.buffer, self.calls))
         self.buffer = ""
@@ -166,7 +171,7 @@ class ToolCallParser:
         match = TAIL.match(self.buffer)
         if match is None:
             return False
-        self.buffer, self.state = self.buffer[match.end():], "text"
+        self.buffer, self.state = self.buffer[match.end() :], "text"
         self.calls += 1
         return True
 

@@ -7,6 +7,7 @@ methods may be rewritten, a stateless variant without Python cache objects). A r
 only if the remedied capture has no break at that place and gives the same output as the code
 as written, run without Dynamo.
 """
+
 from __future__ import annotations
 
 import linecache
@@ -23,8 +24,17 @@ from .cost import CostMeasurement, break_costs, measure_cost
 from .guard_failures import diagnose_guard
 from .recording import DynamoCapture, FoundBreak, Workload, capture_with_dynamo, distinct_breaks
 from .remedies import REMEDIES, dynamo_config, rewrite_branches
-from .report_model import (FOLLOW_ON, BreakEntry, FragmentEntry, Location, OpsSummary, RecompileEntry, Section,
-                           SourceLine, Timing)
+from .report_model import (
+    FOLLOW_ON,
+    BreakEntry,
+    FragmentEntry,
+    Location,
+    OpsSummary,
+    RecompileEntry,
+    Section,
+    SourceLine,
+    Timing,
+)
 
 TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 OUTPUT_TOLERANCE = 1e-4  # fp32: remedies reorder nothing numerically, stateless attention may round differently
@@ -74,8 +84,10 @@ def apply_remedies(subject: Subject, found: list[FoundBreak], diagnoses: list[Di
     the output is unchanged. Branch rewrites stay on the module when kept."""
     wanted = {d.remedy for d in diagnoses if d.remedy}
     if not wanted:
-        return RemedyOutcome([None] * len(found), notes=["Kiln has no automatic remedy for these breaks; "
-                                                         "each one says how to fix it in the code."])
+        return RemedyOutcome(
+            [None] * len(found),
+            notes=["Kiln has no automatic remedy for these breaks; each one says how to fix it in the code."],
+        )
     target = subject.stateless if "stateless_capture" in wanted and subject.stateless else subject
     applied = wanted - ({"stateless_capture"} if target is subject else set()) - {"branch_to_select"}
     expected = subject.run(subject.fn)  # before any rewrite: the code as written, without Dynamo
@@ -88,19 +100,27 @@ def apply_remedies(subject: Subject, found: list[FoundBreak], diagnoses: list[Di
         difference = max_difference(expected, after.outputs)
     except Exception as error:  # noqa: BLE001 (a remedy that fails leaves the code as written)
         _undo(rewrites)
-        return RemedyOutcome([None] * len(found), notes=[f"Kiln's remedies failed ({type(error).__name__}: "
-                                                         f"{str(error).splitlines()[0]}); none was kept."])
+        return RemedyOutcome(
+            [None] * len(found),
+            notes=[f"Kiln's remedies failed ({type(error).__name__}: {str(error).splitlines()[0]}); none was kept."],
+        )
     if difference is None or difference > OUTPUT_TOLERANCE:
         _undo(rewrites)
-        return RemedyOutcome([None] * len(found), notes=[
-            f"Kiln's remedies changed the output (max abs difference {difference}); none was kept."])
+        return RemedyOutcome(
+            [None] * len(found),
+            notes=[f"Kiln's remedies changed the output (max abs difference {difference}); none was kept."],
+        )
     left = distinct_breaks(after)
     left_places = {_place(b) for b in left}
-    remedies = [None if _place(b) in left_places else (d.remedy if d.remedy in applied else FOLLOW_ON)
-                for b, d in zip(found, diagnoses)]
-    note = (f"After Kiln's remedies ({', '.join(sorted(applied)) or 'none'}), Dynamo captured "
-            f"{len(after.fragments)} graph(s) with {len(left)} break(s) left; the output is unchanged "
-            f"(max abs difference {difference:.1e} against the code as written, run eagerly).")
+    remedies = [
+        None if _place(b) in left_places else (d.remedy if d.remedy in applied else FOLLOW_ON)
+        for b, d in zip(found, diagnoses)
+    ]
+    note = (
+        f"After Kiln's remedies ({', '.join(sorted(applied)) or 'none'}), Dynamo captured "
+        f"{len(after.fragments)} graph(s) with {len(left)} break(s) left; the output is unchanged "
+        f"(max abs difference {difference:.1e} against the code as written, run eagerly)."
+    )
     return RemedyOutcome(remedies, len(after.fragments), len(left), [note])
 
 
@@ -132,33 +152,64 @@ def _place(found: FoundBreak) -> tuple[str, int]:
 
 
 # -- the report section -------------------------------------------------------------------------
-def build_section(subject: Subject, capture: DynamoCapture, found: list[FoundBreak], diagnoses: list[Diagnosis],
-                  cost: CostMeasurement | None, outcome: RemedyOutcome) -> Section:
+def build_section(
+    subject: Subject,
+    capture: DynamoCapture,
+    found: list[FoundBreak],
+    diagnoses: list[Diagnosis],
+    cost: CostMeasurement | None,
+    outcome: RemedyOutcome,
+) -> Section:
     """The report section for one analysed subject; breaks ordered by measured cost."""
     costs = break_costs(found, cost) if cost else {}
     total = cost.total_s if cost else 0.0
     order = sorted(range(len(found)), key=lambda i: (-costs.get(i, 0.0), i))
     ids = {position: f"B{rank + 1}" for rank, position in enumerate(order)}
-    breaks = [_break_entry(ids[i], found[i], diagnoses[i], capture, costs.get(i), total, outcome.remedies[i])
-              for i in order]
+    breaks = [
+        _break_entry(ids[i], found[i], diagnoses[i], capture, costs.get(i), total, outcome.remedies[i]) for i in order
+    ]
     left = sum(1 for b in breaks if not b.eliminated)
     notes = list(subject.notes) + outcome.notes
     if not found:
-        notes.insert(0, f"Dynamo captured this as one graph: no graph break "
-                        f"({len(capture.fragments)} graph(s) compiled, counting recompiles).")
+        notes.insert(
+            0,
+            f"Dynamo captured this as one graph: no graph break "
+            f"({len(capture.fragments)} graph(s) compiled, counting recompiles).",
+        )
     return Section(
-        name=subject.name, description=subject.description, compiled_by_kiln=subject.compiled_by_kiln,
-        graphs=len(capture.fragments), graphs_after_remedies=outcome.graphs_after, single_graph=left == 0,
-        breaks=breaks, recompiles=_recompile_entries(capture), fragments=_fragment_entries(capture, found, ids),
+        name=subject.name,
+        description=subject.description,
+        compiled_by_kiln=subject.compiled_by_kiln,
+        graphs=len(capture.fragments),
+        graphs_after_remedies=outcome.graphs_after,
+        single_graph=left == 0,
+        breaks=breaks,
+        recompiles=_recompile_entries(capture),
+        fragments=_fragment_entries(capture, found, ids),
         edges=_edges(found, ids),
-        timing=Timing(cost.runs, cost.total_s * 1e3, cost.inside_s * 1e3, cost.outside_s * 1e3,
-                      max(cost.outside_s - sum(costs.values()), 0.0) * 1e3, cost.eager_s * 1e3) if cost else None,
+        timing=Timing(
+            cost.runs,
+            cost.total_s * 1e3,
+            cost.inside_s * 1e3,
+            cost.outside_s * 1e3,
+            max(cost.outside_s - sum(costs.values()), 0.0) * 1e3,
+            cost.eager_s * 1e3,
+        )
+        if cost
+        else None,
         notes=notes,
     )
 
 
-def _break_entry(break_id: str, found: FoundBreak, diagnosis: Diagnosis, capture: DynamoCapture,
-                 seconds: float | None, total: float, remedy: str | None) -> BreakEntry:
+def _break_entry(
+    break_id: str,
+    found: FoundBreak,
+    diagnosis: Diagnosis,
+    capture: DynamoCapture,
+    seconds: float | None,
+    total: float,
+    remedy: str | None,
+) -> BreakEntry:
     parsed = parse_message(found.message, found.gb_type)
     where = found.where
     how = None
@@ -167,15 +218,25 @@ def _break_entry(break_id: str, found: FoundBreak, diagnosis: Diagnosis, capture
     elif remedy is not None:
         how = REMEDIES[remedy].how
     return BreakEntry(
-        id=break_id, category=diagnosis.category, category_title=CATEGORIES[diagnosis.category].title,
-        gb_type=found.gb_type, dynamo_reason=found.graph_reason or parsed.explanation or found.gb_type,
-        reason=diagnosis.plain, location=_location(where),
+        id=break_id,
+        category=diagnosis.category,
+        category_title=CATEGORIES[diagnosis.category].title,
+        gb_type=found.gb_type,
+        dynamo_reason=found.graph_reason or parsed.explanation or found.gb_type,
+        reason=diagnosis.plain,
+        location=_location(where),
         stack=[str(f) for f in found.stack if not f.filename.startswith(TORCH_DIR)],  # not Dynamo's wrappers
-        occurrences=found.occurrences, skipped_frame=found.skipped_frame,
-        ops_before=_ops(capture, found.fragment_before), ops_after=_ops(capture, found.fragment_after),
+        occurrences=found.occurrences,
+        skipped_frame=found.skipped_frame,
+        ops_before=_ops(capture, found.fragment_before),
+        ops_after=_ops(capture, found.fragment_after),
         cost_ms=None if seconds is None else seconds * 1e3,
         cost_share=None if seconds is None or not total else seconds / total,
-        eliminated=remedy is not None, remedy=remedy, remedy_how=how, fix=diagnosis.fix, doc_link=parsed.link,
+        eliminated=remedy is not None,
+        remedy=remedy,
+        remedy_how=how,
+        fix=diagnosis.fix,
+        doc_link=parsed.link,
     )
 
 
@@ -184,7 +245,9 @@ def _location(where) -> Location:
         return Location("<unknown>", 0, "<unknown>")
     lines = range(max(where.lineno - CONTEXT_LINES, 1), where.lineno + CONTEXT_LINES + 1)
     context = [SourceLine(n, linecache.getline(where.filename, n).rstrip("\n")) for n in lines]
-    return Location(where.filename, where.lineno, where.function, [c for c in context if c.text or c.line <= where.lineno])
+    return Location(
+        where.filename, where.lineno, where.function, [c for c in context if c.text or c.line <= where.lineno]
+    )
 
 
 def _ops(capture: DynamoCapture, index: int | None) -> OpsSummary:
@@ -203,17 +266,33 @@ def _recompile_entries(capture: DynamoCapture) -> list[RecompileEntry]:
             grouped[key].count += 1
             continue
         grouped[key] = RecompileEntry(
-            id=f"R{len(grouped) + 1}", function=event.function, file=event.filename, line=event.lineno,
-            guard=diagnosis.guard, source=diagnosis.source, value=diagnosis.value, category=diagnosis.category,
-            reason=diagnosis.plain, fix=diagnosis.fix, kiln=diagnosis.kiln, count=1)
+            id=f"R{len(grouped) + 1}",
+            function=event.function,
+            file=event.filename,
+            line=event.lineno,
+            guard=diagnosis.guard,
+            source=diagnosis.source,
+            value=diagnosis.value,
+            category=diagnosis.category,
+            reason=diagnosis.plain,
+            fix=diagnosis.fix,
+            kiln=diagnosis.kiln,
+            count=1,
+        )
     return list(grouped.values())
 
 
 def _fragment_entries(capture: DynamoCapture, found: list[FoundBreak], ids: dict[int, str]) -> list[FragmentEntry]:
     ended_by = {graph: ids[i] for i, b in enumerate(found) for graph in b.ended_graphs}
-    return [FragmentEntry(f.index, len(f.ops), dict(Counter(f.ops).most_common(5)),
-                          ended_by.get(f.index, f.reason.splitlines()[0] if f.reason else ""))
-            for f in capture.fragments]
+    return [
+        FragmentEntry(
+            f.index,
+            len(f.ops),
+            dict(Counter(f.ops).most_common(5)),
+            ended_by.get(f.index, f.reason.splitlines()[0] if f.reason else ""),
+        )
+        for f in capture.fragments
+    ]
 
 
 def _edges(found: list[FoundBreak], ids: dict[int, str]) -> list[tuple[str, str]]:

@@ -10,6 +10,7 @@ about to capture (which a child cannot do), and the caller captures again.
 
     python -m kiln.frontend.breaks.background_check MODEL_DIR OUT.json   (what the child runs)
 """
+
 from __future__ import annotations
 
 import json
@@ -41,9 +42,13 @@ class BackgroundBreakCheck:
     def __init__(self, model_dir: Path, target: str):
         self._out = Path(tempfile.mkstemp(prefix="kiln-breaks-", suffix=".json")[1])
         env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the parent's threads keep the other core
-        self._process = subprocess.Popen([sys.executable, "-m", "kiln.frontend.breaks.background_check",
-                                          str(model_dir), target, str(self._out)], env=env,
-                                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self._process = subprocess.Popen(
+            [sys.executable, "-m", "kiln.frontend.breaks.background_check", str(model_dir), target, str(self._out)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
 
     def clean_result(self) -> CleanBreaks | None:
         """The child's result if the forward is clean; None if the parent must check itself
@@ -81,8 +86,9 @@ def _main(model_dir: str, target: str, out: str) -> int:
 
     torch.set_num_threads(1)
     report = check_graph_breaks(load_model(model_dir).model, target)  # GraphBreakError: exit 1, parent rechecks
-    Path(out).write_text(json.dumps({"counts": report.counts, "files": report_files(report),
-                                     "summary_line": report.summary_line()}))
+    Path(out).write_text(
+        json.dumps({"counts": report.counts, "files": report_files(report), "summary_line": report.summary_line()})
+    )
     return 0
 
 

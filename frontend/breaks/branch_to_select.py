@@ -11,6 +11,7 @@ may hold only assignments to local names and a final `return`, and calls nothing
 (in-place `*_` methods, `append`, `print`, ...). The method is rewritten from its source and
 bound to the module instances that use it; the class itself is never changed.
 """
+
 from __future__ import annotations
 
 import ast
@@ -27,9 +28,30 @@ from .recording import SourceFrame
 
 SELECT = "__kiln_select_branch"
 IMPURE_CALLS = {"print", "setattr", "delattr", "exec", "eval", "open", "input", "globals", "locals", "vars"}
-IMPURE_METHODS = {"append", "extend", "insert", "pop", "remove", "clear", "update", "setdefault", "add",
-                  "discard", "write", "warn", "info", "debug", "warning", "error", "critical", "log",
-                  "exception", "backward", "item", "tolist"}
+IMPURE_METHODS = {
+    "append",
+    "extend",
+    "insert",
+    "pop",
+    "remove",
+    "clear",
+    "update",
+    "setdefault",
+    "add",
+    "discard",
+    "write",
+    "warn",
+    "info",
+    "debug",
+    "warning",
+    "error",
+    "critical",
+    "log",
+    "exception",
+    "backward",
+    "item",
+    "tolist",
+}
 
 
 class BranchSelectError(KilnError):
@@ -141,11 +163,11 @@ class _RewriteIf:
         for block in _blocks(definition):
             for position, statement in enumerate(block):
                 if isinstance(statement, ast.If) and statement.lineno <= self.line <= statement.test.end_lineno:
-                    replacement = _select_statements(statement, block[position + 1:])
+                    replacement = _select_statements(statement, block[position + 1 :])
                     if replacement is None:
                         return False
                     new, consumed = replacement
-                    block[position:position + 1 + consumed] = new
+                    block[position : position + 1 + consumed] = new
                     return True
         return False
 
@@ -177,8 +199,10 @@ def _select_statements(branch: ast.If, rest: list[ast.stmt]):
             return None
     else:
         return None
-    arms = [_arm_function(f"__kiln_{name}_{branch.lineno}", arm, outputs)
-            for name, arm in (("then", then_arm), ("else", else_arm))]
+    arms = [
+        _arm_function(f"__kiln_{name}_{branch.lineno}", arm, outputs)
+        for name, arm in (("then", then_arm), ("else", else_arm))
+    ]
     call = ast.Call(ast.Name(SELECT, ast.Load()), [branch.test, *[_thunk(arm) for arm in arms]], [])
     if outputs is None:
         tail = ast.Return(call)
@@ -201,8 +225,9 @@ def _arm_function(name: str, arm: list[ast.stmt], outputs: list[str] | None):
         parameters |= set(outputs) - _assigned(arm)
         body.append(ast.Return(ast.Tuple([ast.Name(n, ast.Load()) for n in outputs], ast.Load())))
     parameters = sorted(parameters)
-    arguments = ast.arguments(posonlyargs=[], args=[ast.arg(p) for p in parameters], kwonlyargs=[],
-                              kw_defaults=[], defaults=[])
+    arguments = ast.arguments(
+        posonlyargs=[], args=[ast.arg(p) for p in parameters], kwonlyargs=[], kw_defaults=[], defaults=[]
+    )
     return ast.FunctionDef(name, arguments, body, [], None), parameters
 
 
@@ -227,8 +252,10 @@ def _pure(arm: list[ast.stmt]) -> bool:
             targets = statement.targets if isinstance(statement, ast.Assign) else [statement.target]
             if not all(_is_local_target(t) for t in targets):
                 return False
-        elif not (isinstance(statement, ast.Pass) or (isinstance(statement, ast.Expr)
-                                                      and isinstance(statement.value, ast.Constant))):
+        elif not (
+            isinstance(statement, ast.Pass)
+            or (isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant))
+        ):
             return False
         if any(_impure(node) for node in ast.walk(statement)):
             return False
@@ -275,9 +302,13 @@ def _compile(definition: ast.FunctionDef, original: types.FunctionType) -> types
     free = list(original.__code__.co_freevars)
     factory = ast.FunctionDef(
         "__kiln_factory",
-        ast.arguments(posonlyargs=[], args=[ast.arg(n) for n in [SELECT, *free]], kwonlyargs=[],
-                      kw_defaults=[], defaults=[]),
-        [definition, ast.Return(ast.Name(definition.name, ast.Load()))], [], None)
+        ast.arguments(
+            posonlyargs=[], args=[ast.arg(n) for n in [SELECT, *free]], kwonlyargs=[], kw_defaults=[], defaults=[]
+        ),
+        [definition, ast.Return(ast.Name(definition.name, ast.Load()))],
+        [],
+        None,
+    )
     module = ast.fix_missing_locations(ast.Module([ast.copy_location(factory, definition)], []))
     namespace: dict = {}
     exec(compile(module, original.__code__.co_filename, "exec"), original.__globals__, namespace)

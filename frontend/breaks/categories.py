@@ -6,6 +6,7 @@ and the source line, and say the same thing the way a model author thinks about 
 rule that matches wins, so the specific rules (a cache object, a print) come before the generic
 ones (an unsupported call).
 """
+
 from __future__ import annotations
 
 import ast
@@ -24,18 +25,21 @@ class Category:
     title: str
 
 
-CATEGORIES = {c.key: c for c in [
-    Category("data_dependent_control_flow", "data-dependent control flow"),
-    Category("scalar_escape", ".item() / scalar escape"),
-    Category("dynamic_shape", "dynamic shape"),
-    Category("python_side_effect", "Python side effect (print, logging, warnings)"),
-    Category("cache_object", "cache / container object"),
-    Category("unsupported_call", "unsupported builtin or C extension"),
-    Category("context_manager", "with/try block Dynamo cannot split"),
-    Category("user_requested", "break requested in the code"),
-    Category("python_construct", "unsupported Python construct"),
-    Category("other", "other"),
-]}
+CATEGORIES = {
+    c.key: c
+    for c in [
+        Category("data_dependent_control_flow", "data-dependent control flow"),
+        Category("scalar_escape", ".item() / scalar escape"),
+        Category("dynamic_shape", "dynamic shape"),
+        Category("python_side_effect", "Python side effect (print, logging, warnings)"),
+        Category("cache_object", "cache / container object"),
+        Category("unsupported_call", "unsupported builtin or C extension"),
+        Category("context_manager", "with/try block Dynamo cannot split"),
+        Category("user_requested", "break requested in the code"),
+        Category("python_construct", "unsupported Python construct"),
+        Category("other", "other"),
+    ]
+}
 
 
 @dataclass
@@ -66,7 +70,7 @@ def parse_message(message: str, gb_type: str = "") -> DynamoMessage:
     lines = message.splitlines()
     heads = [i for i, line in enumerate(lines) if gb_type and line.strip() == gb_type]
     if heads:
-        lines = lines[heads[-1]:]
+        lines = lines[heads[-1] :]
     parsed = DynamoMessage()
     current = None
     for raw in lines:
@@ -205,8 +209,8 @@ def _control_flow(gb_type, parsed, stack, where) -> Diagnosis | None:
         "Compute both branches and select with `torch.where(cond, a, b)` when both are cheap and "
         "have no side effects, or use `torch.cond(cond, true_fn, false_fn, (x,))`. For a loop, "
         "iterate a fixed (Python int) number of times and mask finished elements."
-        if loop else
-        "Compute both branches and select with `torch.where(cond, a, b)` when both are cheap and "
+        if loop
+        else "Compute both branches and select with `torch.where(cond, a, b)` when both are cheap and "
         "have no side effects, or use `torch.cond(cond, true_fn, false_fn, (x,))`. If the condition "
         "only guards an error, check it outside the model. For Python `and`/`or` between tensors, "
         "use `&`/`|`.",
@@ -215,17 +219,24 @@ def _control_flow(gb_type, parsed, stack, where) -> Diagnosis | None:
 
 
 def _context_manager(gb_type, parsed, stack, where) -> Diagnosis | None:
-    if not (gb_type.startswith("Unsupported context manager") or "GenericContextWrappingVariable" in gb_type
-            or gb_type == "step_unsupported"):
+    if not (
+        gb_type.startswith("Unsupported context manager")
+        or "GenericContextWrappingVariable" in gb_type
+        or gb_type == "step_unsupported"
+    ):
         return None
     manager = re.search(r"enter a `([^`]+)` context manager", parsed.explanation)
     if manager:
-        plain = (f"Dynamo cannot enter the `{manager.group(1)}` context manager{_at(where)}, so it compiles "
-                 "the graph up to the `with` and runs the block, and the rest of the function, in Python.")
+        plain = (
+            f"Dynamo cannot enter the `{manager.group(1)}` context manager{_at(where)}, so it compiles "
+            "the graph up to the `with` and runs the block, and the rest of the function, in Python."
+        )
     else:
-        plain = (f"A break{_at(where)} happens while a context manager (or `try` block) Dynamo cannot split "
-                 "is open, so Dynamo cannot resume right after it: it compiles the graph up to the last safe "
-                 "point before the block and runs the rest of the function in Python.")
+        plain = (
+            f"A break{_at(where)} happens while a context manager (or `try` block) Dynamo cannot split "
+            "is open, so Dynamo cannot resume right after it: it compiles the graph up to the last safe "
+            "point before the block and runs the rest of the function in Python."
+        )
     return Diagnosis(
         "context_manager",
         plain,
@@ -235,9 +246,14 @@ def _context_manager(gb_type, parsed, stack, where) -> Diagnosis | None:
 
 
 def _unsupported_call(gb_type, parsed, stack, where) -> Diagnosis | None:
-    if gb_type not in ("Attempted to call function marked as skipped", "Failed to trace builtin operator",
-                       "Attempted to copy.deepcopy a tensor", "Unsupported function call",
-                       "Unsupported method call", "unimplemented builtin op on tensor arguments"):
+    if gb_type not in (
+        "Attempted to call function marked as skipped",
+        "Failed to trace builtin operator",
+        "Attempted to copy.deepcopy a tensor",
+        "Unsupported function call",
+        "Unsupported method call",
+        "unimplemented builtin op on tensor arguments",
+    ):
         return None
     function = "copy.deepcopy" if gb_type.startswith("Attempted to copy.deepcopy") else _called_function(parsed)
     kind = "a Python builtin or C extension" if function else "code"
@@ -247,14 +263,17 @@ def _unsupported_call(gb_type, parsed, stack, where) -> Diagnosis | None:
         f"`{function}` is {kind} that Dynamo cannot look inside{_at(where)}, so the graph ends "
         "before the call and a new one starts after it.",
         f"Compute `{function}` outside the model and pass the result in; or, if it must stay, "
-        "wrap it as a custom op (`@torch.library.custom_op(\"mylib::op\", mutates_args=())` with a "
+        'wrap it as a custom op (`@torch.library.custom_op("mylib::op", mutates_args=())` with a '
         "`register_fake` for its shapes) so that Dynamo keeps it in the graph as one opaque node.",
     )
 
 
 def _user_requested(gb_type, parsed, stack, where) -> Diagnosis | None:
     if "graph_break()" in gb_type:
-        what, fix = "`torch._dynamo.graph_break()` asks for a break here.", "Remove the `torch._dynamo.graph_break()` call."
+        what, fix = (
+            "`torch._dynamo.graph_break()` asks for a break here.",
+            "Remove the `torch._dynamo.graph_break()` call.",
+        )
     elif "torch.compiler.disable" in gb_type:
         what = "The function called here is marked `@torch.compiler.disable`, so Dynamo runs it in Python."
         fix = "Remove the `torch.compiler.disable` decorator (or call) if the function is traceable."
@@ -275,8 +294,7 @@ def _python_construct(gb_type, parsed, stack, where) -> Diagnosis | None:
         return None
     return Diagnosis(
         "python_construct",
-        "A generator function is called here; Dynamo cannot compile a generator frame, so it "
-        "runs in Python.",
+        "A generator function is called here; Dynamo cannot compile a generator frame, so it runs in Python.",
         "Return a list or tuple instead of yielding, or call the generator outside the compiled code.",
     )
 
@@ -286,8 +304,17 @@ def _other(gb_type: str, parsed: DynamoMessage) -> Diagnosis:
     return Diagnosis("other", parsed.explanation or gb_type, fix)
 
 
-RULES: list[Rule] = [_cache_object, _logging, _scalar_escape, _dynamic_shape, _control_flow,
-                     _context_manager, _unsupported_call, _user_requested, _python_construct]
+RULES: list[Rule] = [
+    _cache_object,
+    _logging,
+    _scalar_escape,
+    _dynamic_shape,
+    _control_flow,
+    _context_manager,
+    _unsupported_call,
+    _user_requested,
+    _python_construct,
+]
 
 
 # -- helpers ------------------------------------------------------------------------------------

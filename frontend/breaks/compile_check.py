@@ -3,6 +3,7 @@ with Dynamo (no `generate`, no decode steps: seconds, not minutes), its breaks e
 removed where Kiln can. A break that stays fails the compile with the report; the report goes
 into the artifact as `report.md` and `report.json`. `compile-model explain` goes deeper.
 """
+
 from __future__ import annotations
 
 import json
@@ -29,11 +30,15 @@ class GraphBreakError(KilnError):
     def __init__(self, report: Report) -> None:
         self.report = report
         left = [b for s in report.sections for b in s.breaks if not b.eliminated]
-        details = "; ".join(f"{b.id} ({b.category_title}) at {short_path(b.location.file)}:{b.location.line}: "
-                            f"{b.reason} Fix: {b.fix}" for b in left)
-        super().__init__(f"The forward of {report.target} has graph breaks Kiln cannot remove "
-                         f"({report.summary_line()}): {details} Run `compile-model explain {report.target}` "
-                         "for the full report.")
+        details = "; ".join(
+            f"{b.id} ({b.category_title}) at {short_path(b.location.file)}:{b.location.line}: {b.reason} Fix: {b.fix}"
+            for b in left
+        )
+        super().__init__(
+            f"The forward of {report.target} has graph breaks Kiln cannot remove "
+            f"({report.summary_line()}): {details} Run `compile-model explain {report.target}` "
+            "for the full report."
+        )
 
 
 def check_graph_breaks(lm: torch.nn.Module, target: str) -> Report:

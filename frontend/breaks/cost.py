@@ -7,6 +7,7 @@ that follows graph `g` belongs to the break(s) that ended `g` or were met before
 (`FoundBreak.gap_owner`); the stretch before the first graph to the breaks met before any graph.
 Graphs run eagerly, so "inside" is the time of the same ATen ops without a break.
 """
+
 from __future__ import annotations
 
 import time

@@ -11,6 +11,7 @@ The backend records each graph Dynamo hands it and returns it wrapped in a timer
 `cost.py` can time the same compiled code afterwards without compiling again. Graphs run
 eagerly (`gm.forward`): the capture is about where the graphs end, not about kernels.
 """
+
 from __future__ import annotations
 
 import functools
@@ -314,8 +315,9 @@ def distinct_breaks(capture: DynamoCapture) -> list[FoundBreak]:
                 found[key].occurrences += 1
                 found[key].skipped_frame |= event.skipped_frame
             else:
-                found[key] = FoundBreak(event.gb_type, event.message, event.stack, skipped_frame=event.skipped_frame,
-                                        gap_owner=last)
+                found[key] = FoundBreak(
+                    event.gb_type, event.message, event.stack, skipped_frame=event.skipped_frame, gap_owner=last
+                )
             found[key].unresumable |= event.message.startswith(_CANNOT_RESUME)
             pending.append(found[key])
         elif isinstance(event, Fragment):

@@ -12,6 +12,7 @@
   (`branch_to_select.py`).
 The first four are Dynamo settings (`dynamo_config`); the last rewrites module methods.
 """
+
 from __future__ import annotations
 
 import logging
@@ -30,19 +31,43 @@ class Remedy:
     how: str  # what Kiln does, in one sentence, for the report
 
 
-REMEDIES = {r.name: r for r in [
-    Remedy("stateless_capture", "Kiln captures the forward without a cache object (`use_cache=False`); the "
-                                "`insert_kv_cache` pass adds static KV buffers to the graph instead."),
-    Remedy("symbolic_scalars", "captured as a symbolic scalar (`capture_scalar_outputs`): the value stays in the graph."),
-    Remedy("symbolic_shapes", "the data-dependent size is captured as a symbol (`capture_dynamic_output_shape_ops`)."),
-    Remedy("reorder_logging", "`warnings.warn` is moved after the graph; `print` and logger calls are dropped "
-                              "from the compiled graph, so they no longer split it."),
-    Remedy("branch_to_select", "the `if` was rewritten to compute both pure arms and select with `torch.where` "
-                               "(the IR's `where`): no branch is left in the graph."),
-]}
+REMEDIES = {
+    r.name: r
+    for r in [
+        Remedy(
+            "stateless_capture",
+            "Kiln captures the forward without a cache object (`use_cache=False`); the "
+            "`insert_kv_cache` pass adds static KV buffers to the graph instead.",
+        ),
+        Remedy(
+            "symbolic_scalars",
+            "captured as a symbolic scalar (`capture_scalar_outputs`): the value stays in the graph.",
+        ),
+        Remedy(
+            "symbolic_shapes", "the data-dependent size is captured as a symbol (`capture_dynamic_output_shape_ops`)."
+        ),
+        Remedy(
+            "reorder_logging",
+            "`warnings.warn` is moved after the graph; `print` and logger calls are dropped "
+            "from the compiled graph, so they no longer split it.",
+        ),
+        Remedy(
+            "branch_to_select",
+            "the `if` was rewritten to compute both pure arms and select with `torch.where` "
+            "(the IR's `where`): no branch is left in the graph.",
+        ),
+    ]
+}
 
-LOGGER_METHODS = [logging.Logger.debug, logging.Logger.info, logging.Logger.warning, logging.Logger.error,
-                  logging.Logger.critical, logging.Logger.exception, logging.Logger.log]
+LOGGER_METHODS = [
+    logging.Logger.debug,
+    logging.Logger.info,
+    logging.Logger.warning,
+    logging.Logger.error,
+    logging.Logger.critical,
+    logging.Logger.exception,
+    logging.Logger.log,
+]
 
 
 def dynamo_config(remedies: set[str]) -> dict:

@@ -1,6 +1,7 @@
 """The graph-break report as Markdown: a summary, then per section a table of breaks by cost,
 each break in detail (source with context, plain reason, ops around it, cost, remedy or fix),
 and the recompiles with the guard that failed."""
+
 from __future__ import annotations
 
 import os
@@ -12,8 +13,12 @@ def render_markdown(report: Report) -> str:
     """The whole report as one Markdown document."""
     counts = report.counts
     versions = ", ".join(f"{name} {version}" for name, version in report.versions.items())
-    lines = [f"# Graph-break report: `{report.target}`", "",
-             f"**{report.summary_line()}**, {counts['recompiles']} recompile(s). {versions}; {report.created}.", ""]
+    lines = [
+        f"# Graph-break report: `{report.target}`",
+        "",
+        f"**{report.summary_line()}**, {counts['recompiles']} recompile(s). {versions}; {report.created}.",
+        "",
+    ]
     for section in report.sections:
         lines += _section(section)
     return "\n".join(lines).rstrip() + "\n"
@@ -36,28 +41,38 @@ def _section(section: Section) -> list[str]:
     graphs = f"- Graphs Dynamo compiled: {section.graphs}"
     if section.graphs_after_remedies is not None:
         graphs += f"; after Kiln's remedies: {section.graphs_after_remedies}"
-    lines += [graphs, f"- Breaks: {section.summary_line()}{kinds_note(section)}; single graph"
-                      f"{' after remedies' if section.graphs_after_remedies is not None else ''}: "
-                      f"{'yes' if section.single_graph else 'no'}",
-              f"- Recompiles: {c['recompiles']}"]
+    lines += [
+        graphs,
+        f"- Breaks: {section.summary_line()}{kinds_note(section)}; single graph"
+        f"{' after remedies' if section.graphs_after_remedies is not None else ''}: "
+        f"{'yes' if section.single_graph else 'no'}",
+        f"- Recompiles: {c['recompiles']}",
+    ]
     if section.timing:
         t = section.timing
         share = t.outside_ms / t.total_ms if t.total_ms else 0.0
-        lines.append(f"- Time per run (mean of {t.runs}): {t.total_ms:.2f} ms compiled, of which "
-                     f"{t.inside_ms:.2f} ms inside graphs and {t.outside_ms:.2f} ms ({share:.0%}) outside "
-                     f"({t.unattributed_ms:.2f} ms of it not after a break: Dynamo's guard checks, entering and "
-                     f"leaving frames); {t.eager_ms:.2f} ms without Dynamo")
+        lines.append(
+            f"- Time per run (mean of {t.runs}): {t.total_ms:.2f} ms compiled, of which "
+            f"{t.inside_ms:.2f} ms inside graphs and {t.outside_ms:.2f} ms ({share:.0%}) outside "
+            f"({t.unattributed_ms:.2f} ms of it not after a break: Dynamo's guard checks, entering and "
+            f"leaving frames); {t.eager_ms:.2f} ms without Dynamo"
+        )
     lines += [f"- {note}" for note in section.notes] + [""]
     if section.breaks:
-        lines += ["### Breaks, by cost", "", "| # | category | where | cost / run | share | Kiln |",
-                  "|---|---|---|---:|---:|---|"]
+        lines += [
+            "### Breaks, by cost",
+            "",
+            "| # | category | where | cost / run | share | Kiln |",
+            "|---|---|---|---:|---:|---|",
+        ]
         lines += [_break_row(b) for b in section.breaks] + [""]
         for entry in section.breaks:
             lines += _break_detail(entry)
     if section.recompiles:
         lines += ["### Recompiles", "", "| # | function | failed guard | value | times |", "|---|---|---|---|---:|"]
-        lines += [f"| {r.id} | `{r.function}` | `{_cell(r.guard, 90)}` | {r.value} | {r.count} |"
-                  for r in section.recompiles]
+        lines += [
+            f"| {r.id} | `{r.function}` | `{_cell(r.guard, 90)}` | {r.value} | {r.count} |" for r in section.recompiles
+        ]
         lines.append("")
         for entry in section.recompiles:
             lines += _recompile_detail(entry)
@@ -65,7 +80,7 @@ def _section(section: Section) -> list[str]:
 
 
 def kinds_note(section: Section) -> str:
-    """" (5 kinds, met 12 times)": Dynamo's break types among the breaks, and how often it met them."""
+    """ " (5 kinds, met 12 times)": Dynamo's break types among the breaks, and how often it met them."""
     if not section.breaks:
         return ""
     kinds = len({b.gb_type for b in section.breaks})
@@ -81,20 +96,29 @@ def _break_row(b: BreakEntry) -> str:
 
 
 def _break_detail(b: BreakEntry) -> list[str]:
-    lines = [f"#### {b.id} · {b.category_title} · `{short_path(b.location.file)}:{b.location.line}` in "
-             f"`{b.location.function}`", "", "```python"]
+    lines = [
+        f"#### {b.id} · {b.category_title} · `{short_path(b.location.file)}:{b.location.line}` in "
+        f"`{b.location.function}`",
+        "",
+        "```python",
+    ]
     width = len(str(b.location.context[-1].line)) if b.location.context else 1
     for source in b.location.context:
         mark = ">" if source.line == b.location.line else " "
         lines.append(f"{mark} {source.line:>{width}} | {source.text}")
-    lines += ["```", "", f"- **Why:** {b.reason}",
-              f"- **Dynamo says:** `{_cell(b.dynamo_reason, 200)}` (`{b.gb_type}`)"
-              + (f", {b.doc_link}" if b.doc_link else ""),
-              f"- **Ops around it:** before: {_ops(b.ops_before)}; after: {_ops(b.ops_after)}"]
+    lines += [
+        "```",
+        "",
+        f"- **Why:** {b.reason}",
+        f"- **Dynamo says:** `{_cell(b.dynamo_reason, 200)}` (`{b.gb_type}`)"
+        + (f", {b.doc_link}" if b.doc_link else ""),
+        f"- **Ops around it:** before: {_ops(b.ops_before)}; after: {_ops(b.ops_after)}",
+    ]
     if b.cost_ms is not None:
-        lines.append(f"- **Cost:** {b.cost_ms:.3f} ms per run outside graphs ({b.cost_share or 0:.1%} of the run); "
-                     f"met {b.occurrences} time(s)"
-                     + ("; Dynamo ran the whole function in Python" if b.skipped_frame else ""))
+        lines.append(
+            f"- **Cost:** {b.cost_ms:.3f} ms per run outside graphs ({b.cost_share or 0:.1%} of the run); "
+            f"met {b.occurrences} time(s)" + ("; Dynamo ran the whole function in Python" if b.skipped_frame else "")
+        )
     if b.eliminated:
         lines.append(f"- **Kiln:** eliminated ({b.remedy}): {b.remedy_how}")
     else:
@@ -105,8 +129,12 @@ def _break_detail(b: BreakEntry) -> list[str]:
 
 
 def _recompile_detail(r: RecompileEntry) -> list[str]:
-    lines = [f"#### {r.id} · `{r.function}` (`{short_path(r.file)}:{r.line}`) recompiled {r.count} time(s)", "",
-             f"- **Guard:** `{_cell(r.guard, 300)}`", f"- **Why:** {r.reason}"]
+    lines = [
+        f"#### {r.id} · `{r.function}` (`{short_path(r.file)}:{r.line}`) recompiled {r.count} time(s)",
+        "",
+        f"- **Guard:** `{_cell(r.guard, 300)}`",
+        f"- **Why:** {r.reason}",
+    ]
     if r.kiln:
         lines.append(f"- **Kiln:** {r.kiln}")
     lines.append(f"- **Fix:** {r.fix}")

@@ -5,6 +5,7 @@ stateless forward Kiln compiles, `model.generate`, a user's module). `Report.to_
 the JSON form, checked by `REPORT_SCHEMA` (a JSON Schema, written out as
 `docs/report-schema.json` and described in `docs/report-schema.md`).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -116,15 +117,19 @@ class Section:
     @property
     def counts(self) -> dict[str, int]:
         eliminated = sum(b.eliminated for b in self.breaks)
-        return {"breaks_found": len(self.breaks), "eliminated": eliminated,
-                "left": len(self.breaks) - eliminated, "recompiles": sum(r.count for r in self.recompiles)}
+        return {
+            "breaks_found": len(self.breaks),
+            "eliminated": eliminated,
+            "left": len(self.breaks) - eliminated,
+            "recompiles": sum(r.count for r in self.recompiles),
+        }
 
     def summary_line(self) -> str:
         return summary_line(self.counts)
 
 
 def summary_line(counts: dict[str, int]) -> str:
-    """"3 breaks found, 3 eliminated, 0 left"."""
+    """ "3 breaks found, 3 eliminated, 0 left"."""
     found = counts["breaks_found"]
     return f"{found} break{'' if found == 1 else 's'} found, {counts['eliminated']} eliminated, {counts['left']} left"
 
@@ -148,9 +153,14 @@ class Report:
         return summary_line(self.counts)
 
     def to_json(self) -> dict:
-        return {"schema_version": SCHEMA_VERSION, "target": self.target, "created": self.created,
-                "versions": dict(self.versions), "summary": self.counts,
-                "sections": [_section_json(s) for s in self.sections]}
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "target": self.target,
+            "created": self.created,
+            "versions": dict(self.versions),
+            "summary": self.counts,
+            "sections": [_section_json(s) for s in self.sections],
+        }
 
 
 def _section_json(section: Section) -> dict:
@@ -162,8 +172,12 @@ def _section_json(section: Section) -> dict:
 
 # -- the JSON Schema ----------------------------------------------------------------------------
 def _obj(properties: dict, optional: tuple = ()) -> dict:
-    return {"type": "object", "additionalProperties": False, "properties": properties,
-            "required": [k for k in properties if k not in optional]}
+    return {
+        "type": "object",
+        "additionalProperties": False,
+        "properties": properties,
+        "required": [k for k in properties if k not in optional],
+    }
 
 
 _STR, _INT, _BOOL = {"type": "string"}, {"type": "integer"}, {"type": "boolean"}
@@ -172,43 +186,96 @@ _STR_OR_NULL = {"type": ["string", "null"]}
 _COUNTS = {"type": "object", "additionalProperties": {"type": "integer"}}
 _SUMMARY = _obj({"breaks_found": _INT, "eliminated": _INT, "left": _INT, "recompiles": _INT})
 _OPS = _obj({"fragment": {"type": ["integer", "null"]}, "count": _INT, "top": _COUNTS})
-_LOCATION = _obj({"file": _STR, "line": _INT, "function": _STR,
-                  "context": {"type": "array", "items": _obj({"line": _INT, "text": _STR})}})
+_LOCATION = _obj(
+    {
+        "file": _STR,
+        "line": _INT,
+        "function": _STR,
+        "context": {"type": "array", "items": _obj({"line": _INT, "text": _STR})},
+    }
+)
 _CATEGORY_KEYS = list(CATEGORIES)
-_BREAK = _obj({
-    "id": {"type": "string", "pattern": "^B[0-9]+$"}, "category": {"enum": _CATEGORY_KEYS},
-    "category_title": _STR, "gb_type": _STR, "dynamo_reason": _STR, "reason": _STR, "location": _LOCATION,
-    "stack": {"type": "array", "items": _STR}, "occurrences": _INT, "skipped_frame": _BOOL,
-    "ops_before": _OPS, "ops_after": _OPS, "cost_ms": _NUM_OR_NULL, "cost_share": _NUM_OR_NULL,
-    "eliminated": _BOOL, "remedy": {"enum": [None, *REMEDIES, FOLLOW_ON]},
-    "remedy_how": _STR_OR_NULL, "fix": _STR, "doc_link": _STR,
-})
-_RECOMPILE = _obj({
-    "id": {"type": "string", "pattern": "^R[0-9]+$"}, "function": _STR, "file": _STR, "line": _INT, "guard": _STR,
-    "source": _STR, "value": _STR,
-    "category": {"enum": ["dynamic_shape", "value_specialization", "object_identity", "tensor_property", "other"]},
-    "reason": _STR, "fix": _STR, "kiln": _STR_OR_NULL, "count": _INT,
-})
+_BREAK = _obj(
+    {
+        "id": {"type": "string", "pattern": "^B[0-9]+$"},
+        "category": {"enum": _CATEGORY_KEYS},
+        "category_title": _STR,
+        "gb_type": _STR,
+        "dynamo_reason": _STR,
+        "reason": _STR,
+        "location": _LOCATION,
+        "stack": {"type": "array", "items": _STR},
+        "occurrences": _INT,
+        "skipped_frame": _BOOL,
+        "ops_before": _OPS,
+        "ops_after": _OPS,
+        "cost_ms": _NUM_OR_NULL,
+        "cost_share": _NUM_OR_NULL,
+        "eliminated": _BOOL,
+        "remedy": {"enum": [None, *REMEDIES, FOLLOW_ON]},
+        "remedy_how": _STR_OR_NULL,
+        "fix": _STR,
+        "doc_link": _STR,
+    }
+)
+_RECOMPILE = _obj(
+    {
+        "id": {"type": "string", "pattern": "^R[0-9]+$"},
+        "function": _STR,
+        "file": _STR,
+        "line": _INT,
+        "guard": _STR,
+        "source": _STR,
+        "value": _STR,
+        "category": {"enum": ["dynamic_shape", "value_specialization", "object_identity", "tensor_property", "other"]},
+        "reason": _STR,
+        "fix": _STR,
+        "kiln": _STR_OR_NULL,
+        "count": _INT,
+    }
+)
 _FRAGMENT = _obj({"index": _INT, "op_count": _INT, "top_ops": _COUNTS, "ended_by": _STR})
-_TIMING = _obj({"runs": _INT, "total_ms": {"type": "number"}, "inside_ms": {"type": "number"},
-                "outside_ms": {"type": "number"}, "unattributed_ms": {"type": "number"},
-                "eager_ms": {"type": "number"}})
-_SECTION = _obj({
-    "name": _STR, "description": _STR, "compiled_by_kiln": _BOOL, "graphs": _INT,
-    "graphs_after_remedies": {"type": ["integer", "null"]}, "single_graph": _BOOL,
-    "breaks": {"type": "array", "items": _BREAK}, "recompiles": {"type": "array", "items": _RECOMPILE},
-    "fragments": {"type": "array", "items": _FRAGMENT},
-    "edges": {"type": "array", "items": {"type": "array", "items": _STR, "minItems": 2, "maxItems": 2}},
-    "timing": {"oneOf": [{"type": "null"}, _TIMING]}, "notes": {"type": "array", "items": _STR},
-    "summary": _SUMMARY,
-})
+_TIMING = _obj(
+    {
+        "runs": _INT,
+        "total_ms": {"type": "number"},
+        "inside_ms": {"type": "number"},
+        "outside_ms": {"type": "number"},
+        "unattributed_ms": {"type": "number"},
+        "eager_ms": {"type": "number"},
+    }
+)
+_SECTION = _obj(
+    {
+        "name": _STR,
+        "description": _STR,
+        "compiled_by_kiln": _BOOL,
+        "graphs": _INT,
+        "graphs_after_remedies": {"type": ["integer", "null"]},
+        "single_graph": _BOOL,
+        "breaks": {"type": "array", "items": _BREAK},
+        "recompiles": {"type": "array", "items": _RECOMPILE},
+        "fragments": {"type": "array", "items": _FRAGMENT},
+        "edges": {"type": "array", "items": {"type": "array", "items": _STR, "minItems": 2, "maxItems": 2}},
+        "timing": {"oneOf": [{"type": "null"}, _TIMING]},
+        "notes": {"type": "array", "items": _STR},
+        "summary": _SUMMARY,
+    }
+)
 REPORT_SCHEMA = {
     "$schema": "https://json-schema.org/draft/2020-12/schema",
     "$id": "https://kiln.invalid/report-schema.json",
     "title": "Kiln graph-break report",
-    **_obj({"schema_version": {"const": SCHEMA_VERSION}, "target": _STR, "created": _STR,
-            "versions": {"type": "object", "additionalProperties": _STR}, "summary": _SUMMARY,
-            "sections": {"type": "array", "items": _SECTION}}),
+    **_obj(
+        {
+            "schema_version": {"const": SCHEMA_VERSION},
+            "target": _STR,
+            "created": _STR,
+            "versions": {"type": "object", "additionalProperties": _STR},
+            "summary": _SUMMARY,
+            "sections": {"type": "array", "items": _SECTION},
+        }
+    ),
 }
 
 

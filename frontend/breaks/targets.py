@@ -11,6 +11,7 @@ that calls mutate and that cannot be deep-copied, like a cache holding a lock). 
 hold `past_key_values` or `use_cache`, the stateless variant drops the cache and passes
 `use_cache=False`.
 """
+
 from __future__ import annotations
 
 import copy
@@ -53,8 +54,11 @@ def model_subjects(lm: torch.nn.Module, sections: tuple[str, ...] = SECTIONS) ->
     if unknown:
         raise ExplainTargetError(f"Unknown section(s) {sorted(unknown)}. Fix: choose from {list(SECTIONS)}.")
     lm = lm.eval().float()
-    makers = {"forward": forward_with_cache_subject, "stateless": stateless_forward_subject,
-              "generate": generate_subject}
+    makers = {
+        "forward": forward_with_cache_subject,
+        "stateless": stateless_forward_subject,
+        "generate": generate_subject,
+    }
     return [makers[name](lm) for name in SECTIONS if name in sections]
 
 
@@ -80,10 +84,14 @@ def forward_with_cache_subject(lm: torch.nn.Module) -> Subject:
     stateless = StatelessForward(lm)
     positions = torch.arange(PROMPT_TOKENS).unsqueeze(0)
     return Subject(
-        "forward", f"`model(input_ids, past_key_values=DynamicCache(), use_cache=True)`: a prefill of "
-                   f"{PROMPT_TOKENS} tokens, then {DECODE_STEPS} decode steps of 1 token",
-        lm, run, module=lm,
-        stateless=Subject("forward (stateless)", "", stateless, lambda fn: fn(prompt, positions), module=lm))
+        "forward",
+        f"`model(input_ids, past_key_values=DynamicCache(), use_cache=True)`: a prefill of "
+        f"{PROMPT_TOKENS} tokens, then {DECODE_STEPS} decode steps of 1 token",
+        lm,
+        run,
+        module=lm,
+        stateless=Subject("forward (stateless)", "", stateless, lambda fn: fn(prompt, positions), module=lm),
+    )
 
 
 def stateless_forward_subject(lm: torch.nn.Module) -> Subject:
@@ -91,9 +99,13 @@ def stateless_forward_subject(lm: torch.nn.Module) -> Subject:
     tokens = _prompt(lm, EXAMPLE_SEQ, EXAMPLE_BATCH)
     positions = torch.arange(EXAMPLE_SEQ).expand(EXAMPLE_BATCH, EXAMPLE_SEQ).contiguous()
     return Subject(
-        "stateless forward", f"`(tokens, positions) -> logits` with `use_cache=False`, what Kiln compiles "
-                             f"(batch {EXAMPLE_BATCH}, {EXAMPLE_SEQ} tokens)",
-        StatelessForward(lm), lambda fn: fn(tokens, positions), module=lm)
+        "stateless forward",
+        f"`(tokens, positions) -> logits` with `use_cache=False`, what Kiln compiles "
+        f"(batch {EXAMPLE_BATCH}, {EXAMPLE_SEQ} tokens)",
+        StatelessForward(lm),
+        lambda fn: fn(tokens, positions),
+        module=lm,
+    )
 
 
 def generate_subject(lm: torch.nn.Module) -> Subject:
@@ -105,16 +117,27 @@ def generate_subject(lm: torch.nn.Module) -> Subject:
         pad = pad[0]
 
     def run(fn):
-        return fn(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=GENERATE_TOKENS,
-                  do_sample=False, pad_token_id=pad)
+        return fn(
+            input_ids=prompt,
+            attention_mask=torch.ones_like(prompt),
+            max_new_tokens=GENERATE_TOKENS,
+            do_sample=False,
+            pad_token_id=pad,
+        )
 
     return Subject(
-        "generate", f"`model.generate(input_ids, max_new_tokens={GENERATE_TOKENS}, do_sample=False)` on a "
-                    f"{PROMPT_TOKENS}-token prompt",
-        lm.generate, run, compiled_by_kiln=False,
-        notes=["Kiln does not compile `generate`: its runtime runs the decode loop (sampling, stop checks, "
-               "batching) in Python around one compiled forward with a static KV cache, so none of these "
-               "breaks exist in a Kiln artifact. They are what `torch.compile(model.generate)` meets."])
+        "generate",
+        f"`model.generate(input_ids, max_new_tokens={GENERATE_TOKENS}, do_sample=False)` on a "
+        f"{PROMPT_TOKENS}-token prompt",
+        lm.generate,
+        run,
+        compiled_by_kiln=False,
+        notes=[
+            "Kiln does not compile `generate`: its runtime runs the decode loop (sampling, stop checks, "
+            "batching) in Python around one compiled forward with a static KV cache, so none of these "
+            "breaks exist in a Kiln artifact. They are what `torch.compile(model.generate)` meets."
+        ],
+    )
 
 
 def module_subjects(module: torch.nn.Module, inputs, name: str) -> list[Subject]:
@@ -132,8 +155,16 @@ def module_subjects(module: torch.nn.Module, inputs, name: str) -> list[Subject]
             return {**plain, "use_cache": False} if use_cache else plain
 
         stateless = Subject(f"{name} (stateless)", "", module, _caller(make_stateless), module=module)
-    return [Subject("forward", f"`{type(module).__name__}` called on the example inputs of `{name}`",
-                    module, _caller(make_inputs), module=module, stateless=stateless)]
+    return [
+        Subject(
+            "forward",
+            f"`{type(module).__name__}` called on the example inputs of `{name}`",
+            module,
+            _caller(make_inputs),
+            module=module,
+            stateless=stateless,
+        )
+    ]
 
 
 def _copier(inputs):
@@ -143,12 +174,14 @@ def _copier(inputs):
     except Exception as error:  # noqa: BLE001 (any object may refuse copying)
         raise ExplainTargetError(
             f"The example inputs cannot be copied ({error}), and calls may change them. Fix: return a "
-            "function that makes fresh inputs instead: `return module, lambda: {...}`.") from error
+            "function that makes fresh inputs instead: `return module, lambda: {...}`."
+        ) from error
     return lambda: copy.deepcopy(inputs)
 
 
 def _caller(make_inputs):
     """A workload calling `fn` once on fresh inputs."""
+
     def run(fn):
         fresh = make_inputs()
         return fn(**fresh) if isinstance(fresh, dict) else fn(*fresh)
@@ -169,14 +202,21 @@ def load_module_factory(spec: str):
     module_spec.loader.exec_module(code)
     factory = getattr(code, attribute, None)
     if not callable(factory):
-        raise ExplainTargetError(f"'{path}' has no callable `{attribute}`. Fix: name a function defined there "
-                                 "that returns `(module, inputs)`.")
+        raise ExplainTargetError(
+            f"'{path}' has no callable `{attribute}`. Fix: name a function defined there "
+            "that returns `(module, inputs)`."
+        )
     result = factory()
-    if not (isinstance(result, tuple) and len(result) == 2 and isinstance(result[0], torch.nn.Module)
-            and (isinstance(result[1], (tuple, list, dict)) or callable(result[1]))):
+    if not (
+        isinstance(result, tuple)
+        and len(result) == 2
+        and isinstance(result[0], torch.nn.Module)
+        and (isinstance(result[1], (tuple, list, dict)) or callable(result[1]))
+    ):
         raise ExplainTargetError(
             f"`{attribute}()` in '{path}' returned {type(result).__name__}, not `(module, inputs)`. Fix: return the "
             "nn.Module and its example inputs: a tuple of positional arguments, a dict of keyword arguments, "
-            "or a function making them.")
+            "or a function making them."
+        )
     module, inputs = result
     return module, tuple(inputs) if isinstance(inputs, list) else inputs
