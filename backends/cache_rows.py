@@ -9,9 +9,10 @@ Prefix caching copies the keys and values of a shared prefix from one row to ano
 Both work on zero-copy torch views of a backend's buffers (`Executable.cache_views`),
 [max_batch, kv_heads, max_seq_len, head_dim] each.
 """
+
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -30,8 +31,9 @@ def int64_contiguous(t: torch.Tensor) -> torch.Tensor:
     return t if t.is_contiguous() else t.contiguous()
 
 
-def checked_feeds(tokens: torch.Tensor, positions: torch.Tensor, max_batch: int,
-                  max_seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def checked_feeds(
+    tokens: torch.Tensor, positions: torch.Tensor, max_batch: int, max_seq_len: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Contiguous int64 tokens/positions [batch, seq] with batch <= max_batch and every position in
     [0, max_seq_len); raises FeedError saying which does not hold. Checked
     with numpy: after a model step, torch ops here cost ~0.1 ms each (cold dispatcher)."""
@@ -49,30 +51,41 @@ def checked_feeds(tokens: torch.Tensor, positions: torch.Tensor, max_batch: int,
 
 def check_rows(first_row: int, batch: int, max_batch: int) -> None:
     if first_row < 0 or first_row + batch > max_batch:
-        raise RowAddressError(f"cache rows [{first_row}, {first_row + batch}) lie outside the {max_batch} "
-                              "compiled rows. Fix: address rows below max_batch (compile with a larger max_batch).")
+        raise RowAddressError(
+            f"cache rows [{first_row}, {first_row + batch}) lie outside the {max_batch} "
+            "compiled rows. Fix: address rows below max_batch (compile with a larger max_batch)."
+        )
 
 
-def run_at_rows(run: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], views: Sequence[torch.Tensor],
-                tokens: torch.Tensor, positions: torch.Tensor, first_row: int) -> torch.Tensor:
-    """`run(tokens, positions)` (which uses rows [0, batch)) against rows [first_row, first_row + batch)."""
+def run_at_rows(
+    run: Callable[..., torch.Tensor],
+    views: Sequence[torch.Tensor],
+    tokens: torch.Tensor,
+    positions: torch.Tensor,
+    first_row: int,
+    tree_feeds: tuple = (),
+) -> torch.Tensor:
+    """`run(tokens, positions, *tree_feeds)` (which uses rows [0, batch)) against rows
+    [first_row, first_row + batch); tree_feeds are (slots, tree) where the graph takes them."""
     batch = tokens.size(0)
     if first_row == 0:
-        return run(tokens, positions)
+        return run(tokens, positions, *tree_feeds)
     if first_row < batch:
-        raise RowAddressError(f"rows [{first_row}, {first_row + batch}) overlap rows [0, {batch}); run such a "
-                              "call one row at a time")
-    used = int(positions.max()) + 1  # a query reads slots <= its position; the call writes no further
+        raise RowAddressError(
+            f"rows [{first_row}, {first_row + batch}) overlap rows [0, {batch}); run such a call one row at a time"
+        )
+    # a query reads slots <= its own; the call writes no further
+    used = int((tree_feeds[0] if tree_feeds else positions).max()) + 1
     _swap(views, batch, first_row, used)
     try:
-        return run(tokens, positions)
+        return run(tokens, positions, *tree_feeds)
     finally:
         _swap(views, batch, first_row, used)
 
 
 def _swap(views: Sequence[torch.Tensor], batch: int, first_row: int, used: int) -> None:
     for cache in views:
-        front, rows = cache[:batch, :, :used], cache[first_row:first_row + batch, :, :used]
+        front, rows = cache[:batch, :, :used], cache[first_row : first_row + batch, :, :used]
         saved = front.clone()
         front.copy_(rows)
         rows.copy_(saved)

@@ -18,9 +18,10 @@ executables subclass `Executable`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 
@@ -124,6 +125,11 @@ class Backend(Protocol):
 
     def load(self, directory: Path, graph, weights: dict[str, torch.Tensor], options: BackendOptions) -> Executable:
         """The executable of an artifact: from its graph and weights, and the backend's own files."""
+
+
+def fed_inputs(graph) -> list:
+    """The graph inputs a caller feeds on every call: tokens, positions (and slots, tree)."""
+    return [v for v in graph.inputs if not v.name.startswith("cache.")]
 
 
 def cache_inputs(graph) -> list:

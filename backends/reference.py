@@ -5,6 +5,7 @@ own, only `kiln.ir.run_graph` and the op registry's reference implementations. I
 buffers like any backend: zeros shaped by the graph's cache inputs, fed on every call and
 replaced by the updated caches the graph returns (outputs[1:]).
 """
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,6 +14,7 @@ import torch
 
 from kiln.backends.cache_rows import check_rows, run_at_rows
 from kiln.backends.executable import BackendOptions, Executable, cache_inputs
+from kiln.backends.token_trees import has_token_trees, refuse_trees, tree_feeds
 from kiln.ir import Graph, evaluate, run_graph, to_torch, verify
 
 NAME = "reference"
@@ -31,26 +33,32 @@ class ReferenceExecutable(Executable):
         self.graph = graph
         self.options = options
         bounds = {name: bound.max for name, bound in graph.symbols.items()}
-        caches = [torch.zeros([evaluate(d, bounds) for d in v.type.shape], dtype=to_torch(v.type.dtype))
-                  for v in cache_inputs(graph)]
+        caches = [
+            torch.zeros([evaluate(d, bounds) for d in v.type.shape], dtype=to_torch(v.type.dtype))
+            for v in cache_inputs(graph)
+        ]
         self.hold_caches(caches, [c.shape for c in caches])
+        self.token_trees = has_token_trees(graph)
 
     def reset(self) -> None:
         """Zero every KV buffer (in place: views of the buffers stay valid)."""
         for cache in self.caches:
             cache.zero_()
 
-    def run(self, tokens: torch.Tensor, positions: torch.Tensor, first_row: int = 0) -> torch.Tensor:
+    def run(
+        self, tokens: torch.Tensor, positions: torch.Tensor, first_row: int = 0, *, slots=None, tree=None
+    ) -> torch.Tensor:
         """Logits [batch, seq, vocab] for int64 tokens/positions [batch, seq]; updates the caches
-        of rows [first_row, first_row + batch)."""
+        of rows [first_row, first_row + batch). `slots`/`tree`: see kiln.backends.token_trees."""
         check_rows(first_row, tokens.size(0), self.caches[0].size(0) if self.caches else self.options.max_batch)
-        return run_at_rows(self._run_front, self.caches, tokens, positions, first_row)
+        extra = tree_feeds(positions, slots, tree) if self.token_trees else refuse_trees(slots, tree)
+        return run_at_rows(self._run_front, self.caches, tokens, positions, first_row, extra)
 
     def cache_views(self) -> list[torch.Tensor]:
         return self.caches
 
-    def _run_front(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        feeds = [tokens.to(torch.int64), positions.to(torch.int64), *self.caches]
+    def _run_front(self, tokens: torch.Tensor, positions: torch.Tensor, *tree_feeds) -> torch.Tensor:
+        feeds = [tokens.to(torch.int64), positions.to(torch.int64), *self.caches, *tree_feeds]
         outputs = run_graph(self.graph, feeds)
         for cache, updated in zip(self.caches, outputs[1:]):  # in place: views of the buffers stay valid
             cache.copy_(updated)
@@ -66,7 +74,9 @@ def lower(graph: Graph, options: BackendOptions) -> ReferenceExecutable:
     return ReferenceExecutable(graph, options)
 
 
-def load(directory: Path, graph: Graph, weights: dict[str, torch.Tensor], options: BackendOptions) -> ReferenceExecutable:
+def load(
+    directory: Path, graph: Graph, weights: dict[str, torch.Tensor], options: BackendOptions
+) -> ReferenceExecutable:
     """Rebuild the executable from an artifact's graph and weights (no files of its own to read)."""
     graph.weights = dict(weights)
     return ReferenceExecutable(graph, options)

@@ -29,9 +29,12 @@ def has_token_trees(graph) -> bool:
 def verifies_trees(graph) -> bool:
     """Whether a token tree may be verified in one call of this graph: it takes the tree inputs,
     and no attention layer needs a key's sequence position apart from its slot (ALiBi biases and
-    sliding windows measure distances in slots, which a tree's siblings make larger)."""
-    return has_token_trees(graph) and not any(
-        n.op == "attention" and (n.attrs.get("alibi") or n.attrs.get("window")) for n in graph.nodes
+    sliding windows shorter than the cache measure distances in slots, which siblings lengthen)."""
+    if not has_token_trees(graph):
+        return False
+    slots = graph.meta.get("kv_cache", {}).get("max_seq_len", 0)
+    return not any(
+        n.op == "attention" and (n.attrs.get("alibi") or 0 < (n.attrs.get("window") or 0) < slots) for n in graph.nodes
     )
 
 
@@ -58,10 +61,11 @@ def tree_feeds(
     return slots.to(torch.int64).contiguous(), tree.contiguous()
 
 
-def refuse_trees(slots, tree) -> None:
-    """For an executable whose graph has no tree inputs: a call that gives them is an error."""
+def refuse_trees(slots, tree) -> tuple:
+    """For an executable whose graph has no tree inputs: no feeds; a call that gives them is an error."""
     if slots is not None or tree is not None:
         raise FeedError(
             "this artifact was compiled without token-tree inputs (slots, tree). Fix: compile it "
             "again with this version of Kiln, or verify drafts as one chain."
         )
+    return ()

@@ -10,6 +10,7 @@ minutes of capture and lowering it used to run first.
 What needs the model's own shape (the KV cache's size) is checked as soon as the model is
 loaded, before the capture: `check_memory`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -27,6 +28,9 @@ from kiln.ir.errors import OptionError
 COMPUTE_DTYPES = {"f32": torch.float32, "f16": torch.float16}
 DEVICE = re.compile(r"(cpu|cuda)(:\d+)?")
 BACKENDS_WITH_TENSOR_PARALLEL = ("inductor", "reference")
+
+
+TOKEN_TREE_BACKENDS = frozenset({"inductor", "reference"})
 
 
 @dataclass(frozen=True)
@@ -72,10 +76,22 @@ class CompileOptions:
     def torch_dtype(self) -> torch.dtype:
         return COMPUTE_DTYPES[self.dtype]
 
+    @property
+    def token_trees(self) -> bool:
+        """Whether the stateful graph takes a token tree (kiln.backends.token_trees): on the backends
+        whose attention lowers one."""
+        return self.backend in TOKEN_TREE_BACKENDS
+
     def backend_options(self) -> BackendOptions:
         """What the passes and the backend are told (the manifest records it)."""
-        return BackendOptions(max_batch=self.max_batch, max_seq_len=self.max_seq_len, dtype=self.dtype,
-                              quantize=self.quantize, quantize_embeddings=self.quantize_embeddings, device=self.device)
+        return BackendOptions(
+            max_batch=self.max_batch,
+            max_seq_len=self.max_seq_len,
+            dtype=self.dtype,
+            quantize=self.quantize,
+            quantize_embeddings=self.quantize_embeddings,
+            device=self.device,
+        )
 
     def manifest_options(self, calibration_source: str | None) -> dict:
         return {**dataclasses.asdict(self.backend_options()), "calibration": calibration_source}
@@ -83,8 +99,10 @@ class CompileOptions:
 
 def _positive_int(name: str, flag: str, value, example: int) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise OptionError(f"{name} must be a whole number of at least 1, got {value!r}. "
-                          f"Fix: pass e.g. {name}={example} ({flag} {example}).")
+        raise OptionError(
+            f"{name} must be a whole number of at least 1, got {value!r}. "
+            f"Fix: pass e.g. {name}={example} ({flag} {example})."
+        )
 
 
 def _check_numbers(options: CompileOptions) -> None:
@@ -101,22 +119,32 @@ def _check_target(options: CompileOptions) -> None:
     if not isinstance(backend, str):
         raise OptionError(f"backend must be a name, got {backend!r}. Fix: backend='inductor' (--backend inductor).")
     if dtype not in COMPUTE_DTYPES:
-        raise OptionError(f"dtype {dtype!r} is not one Kiln compiles. Fix: use one of {sorted(COMPUTE_DTYPES)} "
-                          "(and quantize='int8' or 'int4-g32' for smaller weights).")
+        raise OptionError(
+            f"dtype {dtype!r} is not one Kiln compiles. Fix: use one of {sorted(COMPUTE_DTYPES)} "
+            "(and quantize='int8' or 'int4-g32' for smaller weights)."
+        )
     if not isinstance(device, str) or not DEVICE.fullmatch(device):
-        raise OptionError(f"device {device!r} is not one Kiln targets. Fix: device='cpu', or 'cuda' / 'cuda:N' "
-                          "(--device cpu|cuda[:N]).")
+        raise OptionError(
+            f"device {device!r} is not one Kiln targets. Fix: device='cpu', or 'cuda' / 'cuda:N' "
+            "(--device cpu|cuda[:N])."
+        )
     if dtype != "f32" and (backend != "onnxruntime" or device.split(":")[0] == "cpu"):
-        raise OptionError(f"dtype {dtype!r} is for GPUs: Kiln lowers it with backend='onnxruntime' for "
-                          f"device='cuda' (got backend={backend!r}, device={device!r}); CPUs without native half "
-                          "precision run f16 matmuls far slower than f32. Fix: dtype='f32' on the CPU (with "
-                          "quantize='int8' or 'int4-g32' for smaller weights), or backend='onnxruntime', device='cuda'.")
+        raise OptionError(
+            f"dtype {dtype!r} is for GPUs: Kiln lowers it with backend='onnxruntime' for "
+            f"device='cuda' (got backend={backend!r}, device={device!r}); CPUs without native half "
+            "precision run f16 matmuls far slower than f32. Fix: dtype='f32' on the CPU (with "
+            "quantize='int8' or 'int4-g32' for smaller weights), or backend='onnxruntime', device='cuda'."
+        )
     if device.split(":")[0] != "cpu" and backend != "onnxruntime":
-        raise OptionError(f"device {device!r}: the {backend} backend runs on the CPU only so far. Fix: "
-                          "device='cpu', or backend='onnxruntime' (CUDA through onnxruntime-gpu).")
+        raise OptionError(
+            f"device {device!r}: the {backend} backend runs on the CPU only so far. Fix: "
+            "device='cpu', or backend='onnxruntime' (CUDA through onnxruntime-gpu)."
+        )
     if dtype != "f32" and quantize is not None:  # the quantizer reads f32 weights only
-        raise OptionError(f"quantize={quantize!r} with dtype {dtype!r} is not supported yet: Kiln quantizes f32 "
-                          "weights. Fix: dtype='f32' with quantize, or dtype='f16' without it.")
+        raise OptionError(
+            f"quantize={quantize!r} with dtype {dtype!r} is not supported yet: Kiln quantizes f32 "
+            "weights. Fix: dtype='f32' with quantize, or dtype='f16' without it."
+        )
 
 
 def _check_quantize(options: CompileOptions) -> None:
@@ -124,12 +152,16 @@ def _check_quantize(options: CompileOptions) -> None:
         raise OptionError(f"quantize must be a scheme name, got {options.quantize!r}. Fix: e.g. quantize='int8'.")
     scheme = options.scheme  # an unknown name raises UnknownSchemeError, listing the known ones
     if options.quantize_embeddings and scheme is None:
-        raise OptionError("quantize_embeddings quantizes the lm_head and embedding with the quantize scheme, "
-                          "and no scheme is given. Fix: add --quantize SCHEME (e.g. int8), or drop "
-                          "--quantize-embeddings.")
+        raise OptionError(
+            "quantize_embeddings quantizes the lm_head and embedding with the quantize scheme, "
+            "and no scheme is given. Fix: add --quantize SCHEME (e.g. int8), or drop "
+            "--quantize-embeddings."
+        )
     if options.calibration is not None and not options.needs_calibration:
-        raise OptionError(f"calibration is read only by the data-aware (-awq) schemes, not quantize="
-                          f"{options.quantize!r}. Fix: pick an -awq scheme (e.g. int4-g64-awq), or drop --calibration.")
+        raise OptionError(
+            f"calibration is read only by the data-aware (-awq) schemes, not quantize="
+            f"{options.quantize!r}. Fix: pick an -awq scheme (e.g. int4-g64-awq), or drop --calibration."
+        )
     if options.needs_calibration:
         from kiln.calibration import check_source
 
@@ -143,11 +175,14 @@ def _check_tensor_parallel(options: CompileOptions) -> None:
     from kiln.passes.shard_tensor_parallel import ShardingError
 
     if options.backend not in BACKENDS_WITH_TENSOR_PARALLEL:
-        raise ShardingError(f"the {options.backend} backend cannot run a tensor-parallel graph. "
-                            "Fix: use --backend inductor (or reference), or drop --tensor-parallel")
+        raise ShardingError(
+            f"the {options.backend} backend cannot run a tensor-parallel graph. "
+            "Fix: use --backend inductor (or reference), or drop --tensor-parallel"
+        )
     if options.quantize:
-        raise ShardingError("tensor parallelism does not shard quantized weights yet. "
-                            "Fix: drop --quantize or --tensor-parallel")
+        raise ShardingError(
+            "tensor parallelism does not shard quantized weights yet. Fix: drop --quantize or --tensor-parallel"
+        )
 
 
 def _check_paths(options: CompileOptions) -> None:
@@ -155,7 +190,9 @@ def _check_paths(options: CompileOptions) -> None:
     from kiln.runtime.artifact import check_replaceable
 
     if not isinstance(options.out, (str, Path)) or not str(options.out):
-        raise OptionError(f"out must be a directory path, got {options.out!r}. Fix: e.g. out='model.kiln' (-o model.kiln).")
+        raise OptionError(
+            f"out must be a directory path, got {options.out!r}. Fix: e.g. out='model.kiln' (-o model.kiln)."
+        )
     with _path_errors("out", options.out):
         check_replaceable(Path(options.out))
         _check_writable_dir("out", Path(options.out))
@@ -163,7 +200,9 @@ def _check_paths(options: CompileOptions) -> None:
         dump = Path(options.dump_ir)
         with _path_errors("dump_ir", dump):
             if dump.exists() and not dump.is_dir():
-                raise OptionError(f"dump_ir {dump} exists and is not a directory. Fix: give a directory (--dump-ir DIR).")
+                raise OptionError(
+                    f"dump_ir {dump} exists and is not a directory. Fix: give a directory (--dump-ir DIR)."
+                )
             _check_writable_dir("dump_ir", dump)
 
 
@@ -173,8 +212,9 @@ def _path_errors(name: str, path):
     try:
         yield
     except OSError as error:
-        raise OptionError(f"{name} {str(path)[:80]!r} cannot be used: {error.strerror or error}. "
-                          "Fix: choose another path.") from None
+        raise OptionError(
+            f"{name} {str(path)[:80]!r} cannot be used: {error.strerror or error}. Fix: choose another path."
+        ) from None
 
 
 def _check_writable_dir(name: str, path: Path) -> None:
@@ -212,6 +252,8 @@ def check_memory(config, options: CompileOptions) -> None:
         return
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     if needed > total:
-        raise OptionError(f"max_batch={options.max_batch} x max_seq_len={options.max_seq_len} needs a KV cache of "
-                          f"{needed / 1e9:.1f} GB for this model, more than this machine's {total / 1e9:.1f} GB of "
-                          "memory. Fix: a smaller --max-seq-len or --max-batch.")
+        raise OptionError(
+            f"max_batch={options.max_batch} x max_seq_len={options.max_seq_len} needs a KV cache of "
+            f"{needed / 1e9:.1f} GB for this model, more than this machine's {total / 1e9:.1f} GB of "
+            "memory. Fix: a smaller --max-seq-len or --max-batch."
+        )

@@ -7,8 +7,8 @@ after each phase (`00-captured.kir`, `01-canonicalize.kir`, ...).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from kiln.ir import Graph
 
@@ -37,7 +37,12 @@ def kv_cache_insertion(options) -> Pass:
     def insert(graph: Graph) -> Graph:
         from .insert_kv_cache import insert_kv_cache  # imported when run: a sibling file
 
-        return insert_kv_cache(graph, max_batch=options.max_batch, max_seq_len=options.max_seq_len)
+        return insert_kv_cache(
+            graph,
+            max_batch=options.max_batch,
+            max_seq_len=options.max_seq_len,
+            token_trees=bool(getattr(options, "token_trees", False)),
+        )
 
     return Pass("insert_kv_cache", insert, preserves_signature=False)
 

@@ -11,6 +11,7 @@ What AOTI does for Kiln (torch 2.13, checked by tests/test_inductor_backend.py):
 What it does not do: Inductor's `freezing` (weights folded into the code, oneDNN prepacking)
 needs the weights at compile time and bakes them in, so packages are built unfrozen.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,8 +25,8 @@ from pathlib import Path
 import torch
 from torch.export import Dim
 
-from kiln.backends.executable import BackendOptions
-from kiln.ir import Graph
+from kiln.backends.executable import BackendOptions, fed_inputs
+from kiln.ir import Graph, to_torch
 from kiln.ir.errors import ArtifactError
 
 from .executable import StatefulRunner, apply_threads, dynamic_dims, without_stack_traces
@@ -53,21 +54,22 @@ PACKAGE_CONFIGS = {
 PackageError = ArtifactError  # the AOTInductor package is missing, foreign, or does not match the graph
 
 
-def example_feeds(graph: Graph) -> tuple[torch.Tensor, torch.Tensor]:
-    """Zero tokens/positions with every dynamic dim at 2 (sizes 0 and 1 would specialize)."""
-    sizes = [[1] * v.type.rank for v in graph.inputs[:2]]
+def example_feeds(graph: Graph) -> tuple[torch.Tensor, ...]:
+    """Zero tokens/positions (slots, tree) with every dynamic dim at 2 (sizes 0 and 1 would specialize)."""
+    inputs = fed_inputs(graph)
+    sizes = [[1] * v.type.rank for v in inputs]
     for index, axis, low, high in dynamic_dims(graph):
         sizes[index][axis] = min(max(low, 2), high)
-    return tuple(torch.zeros(s, dtype=torch.int64) for s in sizes)
+    return tuple(torch.zeros(s, dtype=to_torch(v.type.dtype)) for s, v in zip(sizes, inputs))
 
 
 def export_module(graph: Graph, module: torch.fx.GraphModule) -> torch.export.ExportedProgram:
     """torch.export of the FX module, batch/seq dynamic within the graph's symbol bounds."""
-    dims = {}
+    dims, shared_dims = {}, {}
     for index, axis, low, high in dynamic_dims(graph):
-        name = graph.inputs[index].type.shape[axis].name
-        dims.setdefault(index, {})[axis] = Dim(name, min=low, max=high)
-    dynamic_shapes = tuple(dims.get(i) for i in range(2))
+        name = fed_inputs(graph)[index].type.shape[axis].name
+        dims.setdefault(index, {})[axis] = shared_dims.setdefault(name, Dim(name, min=low, max=high))
+    dynamic_shapes = tuple(dims.get(i) for i in range(len(fed_inputs(graph))))
     with torch.no_grad():
         return torch.export.export(module, example_feeds(graph), dynamic_shapes=dynamic_shapes, strict=False)
 
@@ -78,13 +80,19 @@ def write_package(graph: Graph, module: torch.fx.GraphModule, options: BackendOp
     apply_threads(options)
     with without_stack_traces(), warnings.catch_warnings():
         # torch's own deepcopy of its export specs constructs the deprecated LeafSpec: not ours to fix
-        warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated",
-                                category=FutureWarning)
+        warnings.filterwarnings(
+            "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
+        )
         program = export_module(graph, module)
         torch._inductor.aoti_compile_and_package(
-            program, package_path=str(directory / PACKAGE_FILE), inductor_configs=PACKAGE_CONFIGS)
-    info = {"format": PACKAGE_FORMAT, "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "int8_linear": int8_form_of(module)}
+            program, package_path=str(directory / PACKAGE_FILE), inductor_configs=PACKAGE_CONFIGS
+        )
+    info = {
+        "format": PACKAGE_FORMAT,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "int8_linear": int8_form_of(module),
+    }
     (directory / PACKAGE_INFO_FILE).write_text(json.dumps(info, indent=1) + "\n")
     return [PACKAGE_FILE, PACKAGE_INFO_FILE]
 
@@ -99,9 +107,11 @@ class AOTIExecutable(StatefulRunner):
         self.directory = Path(directory)
         info = _read_info(self.directory)
         if info["torch"] != torch.__version__:
-            raise PackageError(f"{self.directory / PACKAGE_FILE} was built by torch {info['torch']}, this is "
-                               f"torch {torch.__version__}, and its compiled library runs with its own torch only. "
-                               "Fix: recompile the artifact with this torch.")
+            raise PackageError(
+                f"{self.directory / PACKAGE_FILE} was built by torch {info['torch']}, this is "
+                f"torch {torch.__version__}, and its compiled library runs with its own torch only. "
+                "Fix: recompile the artifact with this torch."
+            )
         # The FX module is built only to name the constants exactly as at export (no tracing).
         with lowering_int8_as(info.get("int8_linear", "i8")):  # packages older than linear_q8: "i8"
             module = graph_to_fx(graph, weights, state=named_caches)
@@ -111,16 +121,19 @@ class AOTIExecutable(StatefulRunner):
         expected = self.model.get_constant_fqns()
         missing = sorted(set(expected) - set(constants))
         if missing:
-            raise PackageError(f"{self.directory / PACKAGE_FILE} does not match the graph: it needs "
-                               f"constants {missing} that the graph does not have; recompile the artifact")
-        self.model.load_constants({k: constants[k].detach() for k in expected},
-                                  check_full_update=True, user_managed=True)
+            raise PackageError(
+                f"{self.directory / PACKAGE_FILE} does not match the graph: it needs "
+                f"constants {missing} that the graph does not have; recompile the artifact"
+            )
+        self.model.load_constants(
+            {k: constants[k].detach() for k in expected}, check_full_update=True, user_managed=True
+        )
         self._runner = _direct_runner(self.model)
 
-    def _run_front(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _run_front(self, tokens: torch.Tensor, positions: torch.Tensor, *tree_feeds) -> torch.Tensor:
         if self._runner is not None:  # the package's own __call__ re-parses its call spec every call
-            return self._runner([tokens, positions])[0]
-        return self.model(tokens, positions)[0]
+            return self._runner([tokens, positions, *tree_feeds])[0]
+        return self.model(tokens, positions, *tree_feeds)[0]
 
     def save(self, directory: Path) -> list[str]:
         """Copy the package into `directory` (nothing to recompile)."""
@@ -157,8 +170,9 @@ def _load_package(path: Path):
                 return torch._inductor.aoti_load_package(str(path))
             except RuntimeError as error:  # a damaged package, or one whose library this torch cannot run
                 first_line = str(error).strip().split("\n", 1)[0][:300]
-                raise PackageError(f"{path} cannot be loaded ({first_line}). Fix: recompile the artifact with "
-                                   "this Kiln and torch.") from None
+                raise PackageError(
+                    f"{path} cannot be loaded ({first_line}). Fix: recompile the artifact with this Kiln and torch."
+                ) from None
             finally:
                 if previous is None:
                     del os.environ["TMPDIR"]
@@ -171,7 +185,7 @@ def _load_package(path: Path):
 def _remove_stale_staging() -> None:
     """Remove the staging directories of loads whose process died during them (a kill, a crash)."""
     for staging in Path(tempfile.gettempdir()).glob(f"{STAGING_PREFIX}*_*"):
-        pid = staging.name[len(STAGING_PREFIX):].split("_", 1)[0]
+        pid = staging.name[len(STAGING_PREFIX) :].split("_", 1)[0]
         if pid.isdigit() and not _alive(int(pid)):
             shutil.rmtree(staging, ignore_errors=True)
 
@@ -205,8 +219,10 @@ def _read_info(directory: Path) -> dict:
     try:
         info = json.loads((directory / PACKAGE_INFO_FILE).read_text())
     except (OSError, ValueError) as e:
-        raise PackageError(f"cannot read {directory / PACKAGE_INFO_FILE} ({e}); the artifact has no "
-                           "valid inductor package: recompile it with backend='inductor'") from None
+        raise PackageError(
+            f"cannot read {directory / PACKAGE_INFO_FILE} ({e}); the artifact has no "
+            "valid inductor package: recompile it with backend='inductor'"
+        ) from None
     if info.get("format") != PACKAGE_FORMAT or not (directory / PACKAGE_FILE).is_file():
         raise PackageError(f"{directory} holds no inductor package of format {PACKAGE_FORMAT}; recompile the artifact")
     return info

@@ -4,6 +4,8 @@
 // positions [B, T] int64. Query (b, h, t) sees key slots s with
 //   max(0, p - window + 1) <= s <= p,   p = positions[b, t]   (window 0: no lower bound),
 // and query head h reads kv head h / (H / Hkv) (GQA kept grouped: no copy of k or v).
+// With a token tree (bool [B, T, T], optional), of the slots positions[b, 0] + j that hold this
+// call's own tokens, query t sees only those with tree[b, t, j] (its ancestors and itself).
 // A query that sees no slot gets zeros (the IR's attention does the same).
 //
 // Why: decomposed, a grouped attention over a static cache expands k and v to every query
@@ -20,9 +22,11 @@
 
 extern "C" {
 // out[0:D] = softmax(scale * q . k[s] for s in [lo, hi]) @ v[lo:hi+1]; k, v rows D apart.
-// scratch holds hi - lo + 1 floats. hi < lo: out = 0.
+// scratch holds hi - lo + 1 floats. hi < lo: out = 0. seen (or null): slot own_first + j is
+// hidden where !seen[j], for j < own_count (a token tree's row).
 void kiln_attend_one_query(const float* q, const float* k, const float* v, int64_t D, int64_t lo, int64_t hi,
-                           float scale, float* scratch, float* out);
+                           float scale, float* scratch, float* out, const bool* seen, int64_t own_first,
+                           int64_t own_count);
 }
 
 #ifdef KILN_ATTENTION_KERNELS
@@ -60,19 +64,12 @@ inline void axpy(float w, const float* x, float* out, int64_t n) {
 }
 
 // Any head dim: one key at a time.
-void attend_any_dim(const float* q, const float* k, const float* v, int64_t D, int64_t n, float scale, float* scratch,
-                    float* out) {
-  float top = -INFINITY;
-  for (int64_t s = 0; s < n; s++) {
-    scratch[s] = scale * dot(q, k + s * D, D);
-    top = scratch[s] > top ? scratch[s] : top;
-  }
-  float total = 0.f;
-  for (int64_t s = 0; s < n; s++) {
-    scratch[s] = std::exp(scratch[s] - top);
-    total += scratch[s];
-  }
-  for (int64_t s = 0; s < n; s++) axpy(scratch[s], v + s * D, out, D);
+void scores_any_dim(const float* q, const float* k, int64_t D, int64_t n, float scale, float* scores) {
+  for (int64_t s = 0; s < n; s++) scores[s] = scale * dot(q, k + s * D, D);
+}
+
+void weighted_any_dim(const float* p, const float* v, int64_t D, int64_t n, float total, float* out) {
+  for (int64_t s = 0; s < n; s++) axpy(p[s], v + s * D, out, D);
   const float inv = 1.f / total;
   for (int64_t d = 0; d < D; d++) out[d] *= inv;
 }
@@ -118,10 +115,11 @@ void scores_of(const float* q, const float* k, int64_t D, int64_t n, float scale
   for (; i < n; i++) scores[i] = scale * dot(q, k + i * D, D);
 }
 
-// p[i] = e^(p[i] - max p) for i < n; returns their sum.
+// p[i] = e^(p[i] - max p) for i < n; returns their sum (0 when every p[i] is -inf).
 float exponentiate(float* p, int64_t n) {
   float top = -INFINITY;
   for (int64_t i = 0; i < n; i++) top = p[i] > top ? p[i] : top;
+  if (top == -INFINITY) return 0.f;
   const __m256 top8 = _mm256_set1_ps(top);
   __m256 sum = _mm256_setzero_ps();
   int64_t i = 0;
@@ -161,16 +159,31 @@ void weighted_values(const float* p, const float* v, int64_t D, int64_t n, float
 
 // Head dims that are multiples of 8 (every model Kiln meets): scores eight keys at a time, the
 // exponentials eight at a time, the values weighted in registers; other head dims key by key.
+// A tree's hidden slots score -inf (so they cannot set the maximum) and weigh exactly zero.
 extern "C" void kiln_attend_one_query(const float* q, const float* k, const float* v, int64_t D, int64_t lo,
-                                      int64_t hi, float scale, float* scratch, float* out) {
+                                      int64_t hi, float scale, float* scratch, float* out, const bool* seen,
+                                      int64_t own_first, int64_t own_count) {
   for (int64_t d = 0; d < D; d++) out[d] = 0.f;
   if (hi < lo) return;
   const int64_t n = hi - lo + 1;
   k += lo * D;
   v += lo * D;
-  if (D % 8) return attend_any_dim(q, k, v, D, n, scale, scratch, out);
-  scores_of(q, k, D, n, scale, scratch);
-  weighted_values(scratch, v, D, n, exponentiate(scratch, n), out);
+  const bool any_dim = D % 8 != 0;
+  if (any_dim) scores_any_dim(q, k, D, n, scale, scratch);
+  else scores_of(q, k, D, n, scale, scratch);
+  const int64_t first = seen ? (lo > own_first ? lo : own_first) : 0;
+  const int64_t last = seen ? (hi < own_first + own_count - 1 ? hi : own_first + own_count - 1) : -1;
+  for (int64_t s = first; s <= last; s++)
+    if (!seen[s - own_first]) scratch[s - lo] = -INFINITY;
+  float total = exponentiate(scratch, n);
+  for (int64_t s = first; s <= last; s++)
+    if (!seen[s - own_first]) {
+      total -= scratch[s - lo];
+      scratch[s - lo] = 0.f;
+    }
+  if (!(total > 0.f)) return;  // every slot hidden
+  if (any_dim) weighted_any_dim(scratch, v, D, n, total, out);
+  else weighted_values(scratch, v, D, n, total, out);
 }
 
 #else  // ---------------------------------------------------------------- torch binding TU
@@ -209,8 +222,16 @@ static inline std::pair<int64_t, int64_t> visible(int64_t p, int64_t window, int
   return {lo, hi};
 }
 
+static void check_tree(const at::Tensor& tree, const at::Tensor& q) {
+  const int64_t B = q.size(0), T = q.size(2);
+  TORCH_CHECK(tree.scalar_type() == at::kBool && tree.dim() == 3 && tree.size(0) == B && tree.size(1) == T &&
+                  tree.size(2) == T,
+              "kiln::cached_attention: tree must be bool [batch, seq, seq]");
+}
+
 static at::Tensor few_queries(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                              const at::Tensor& positions, double scale, int64_t window) {
+                              const at::Tensor& positions, double scale, int64_t window,
+                              const std::optional<at::Tensor>& tree) {
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
   const int64_t Hkv = k.size(1), S = k.size(2), groups = H / Hkv;
   at::Tensor out = at::empty({B, H, T, D}, q.options());
@@ -218,6 +239,7 @@ static at::Tensor few_queries(const at::Tensor& q, const at::Tensor& k, const at
   const float* kp = k.data_ptr<float>();
   const float* vp = v.data_ptr<float>();
   const int64_t* pos = positions.data_ptr<int64_t>();
+  const bool* seen = tree ? tree->data_ptr<bool>() : nullptr;
   float* op = out.data_ptr<float>();
   // Tasks ordered (b, kv head, group, t): the queries of one kv head are neighbours, so a thread
   // streams that head's keys and values once and reuses them from cache.
@@ -229,7 +251,8 @@ static at::Tensor few_queries(const at::Tensor& q, const at::Tensor& k, const at
       const auto [lo, hi] = visible(pos[b * T + t], window, S);
       const int64_t row = (b * Hkv + h / groups) * S * D;
       kiln_attend_one_query(qp + ((b * H + h) * T + t) * D, kp + row, vp + row, D, lo, hi, (float)scale,
-                            scratch.data(), op + ((b * H + h) * T + t) * D);
+                            scratch.data(), op + ((b * H + h) * T + t) * D, seen ? seen + (b * T + t) * T : nullptr,
+                            pos[b * T], T);
     }
   });
   return out;
@@ -237,7 +260,8 @@ static at::Tensor few_queries(const at::Tensor& q, const at::Tensor& k, const at
 
 // Longer chunks: SDPA over the slots [0, last position] with a boolean visibility mask.
 static at::Tensor many_queries(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
-                               const at::Tensor& positions, double scale, int64_t window) {
+                               const at::Tensor& positions, double scale, int64_t window,
+                               const std::optional<at::Tensor>& tree) {
   const int64_t B = q.size(0), S = k.size(2);
   const int64_t used = std::min<int64_t>(positions.max().item<int64_t>() + 1, S);
   at::Tensor keys = k.narrow(0, 0, B).narrow(2, 0, used), values = v.narrow(0, 0, B).narrow(2, 0, used);
@@ -245,6 +269,13 @@ static at::Tensor many_queries(const at::Tensor& q, const at::Tensor& k, const a
   at::Tensor query_pos = positions.view({B, 1, positions.size(1), 1});
   at::Tensor mask = slot <= query_pos;
   if (window > 0) mask = mask & (slot > query_pos - window);
+  if (tree) {  // the call's own slots: visible where the tree says
+    const int64_t T = positions.size(1);
+    at::Tensor own = slot.view({1, 1, used}) - positions.narrow(1, 0, 1).view({B, 1, 1});
+    at::Tensor inside = (own >= 0) & (own < T);
+    at::Tensor seen = at::gather(*tree, 2, own.clamp(0, T - 1).expand({B, T, used}));
+    mask = mask & (inside.logical_not() | seen).view({B, 1, T, used});
+  }
   at::Tensor out = at::scaled_dot_product_attention(q, keys, values, mask, 0.0, false, scale,
                                                     /*enable_gqa=*/q.size(1) != k.size(1));
   // A query that sees no slot gets zeros, not NaN (as the IR's attention).
@@ -252,19 +283,26 @@ static at::Tensor many_queries(const at::Tensor& q, const at::Tensor& k, const a
 }
 
 at::Tensor cached_attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
-                            const at::Tensor& positions_in, double scale, int64_t window) {
+                            const at::Tensor& positions_in, double scale, int64_t window,
+                            const std::optional<at::Tensor>& tree_in) {
   check(q_in, k_in, v_in, positions_in);
+  std::optional<at::Tensor> tree;
+  if (tree_in) {
+    check_tree(*tree_in, q_in);
+    tree = tree_in->contiguous();
+  }
   at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
   at::Tensor positions = positions_in.contiguous();
   if (q.numel() == 0) return at::empty(q.sizes(), q.options());
-  if (q.size(2) <= kFewQueries) return few_queries(q, k, v, positions, scale, window);
-  return many_queries(q, k, v, positions, scale, window);
+  if (q.size(2) <= kFewQueries) return few_queries(q, k, v, positions, scale, window, tree);
+  return many_queries(q, k, v, positions, scale, window, tree);
 }
 
 }  // namespace kiln_attention
 
 TORCH_LIBRARY_FRAGMENT(kiln, m) {
-  m.def("cached_attention(Tensor q, Tensor k, Tensor v, Tensor positions, float scale, int window) -> Tensor");
+  m.def("cached_attention(Tensor q, Tensor k, Tensor v, Tensor positions, float scale, int window, "
+        "Tensor? tree=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kiln, CPU, m) { m.impl("cached_attention", &kiln_attention::cached_attention); }

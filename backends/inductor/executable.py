@@ -13,6 +13,7 @@ the torch.compile backend is a wrapper that increments it, then calls Inductor's
 `save` writes an AOTInductor package (see aoti_package.py); `load` runs that package without
 tracing or compiling anything.
 """
+
 from __future__ import annotations
 
 from contextlib import contextmanager
@@ -24,7 +25,8 @@ import torch.fx.config
 from torch._inductor.compile_fx import compile_fx
 
 from kiln.backends.cache_rows import check_rows, checked_feeds, run_at_rows
-from kiln.backends.executable import BackendOptions, Executable, cache_inputs
+from kiln.backends.executable import BackendOptions, Executable, cache_inputs, fed_inputs
+from kiln.backends.token_trees import has_token_trees, refuse_trees, tree_feeds
 from kiln.ir import Graph, evaluate, to_torch, verify
 from kiln.ir.errors import OptionError
 from kiln.ir.ops.collectives import check_world, tensor_parallel_size
@@ -54,14 +56,16 @@ def without_stack_traces():
 def allocate_caches(graph: Graph) -> dict[str, torch.Tensor]:
     """Zero KV buffers for the graph's cache inputs, by input name (symbols at their upper bound)."""
     bounds = {name: bound.max for name, bound in graph.symbols.items()}
-    return {v.name: torch.zeros([evaluate(d, bounds) for d in v.type.shape], dtype=to_torch(v.type.dtype))
-            for v in cache_inputs(graph)}
+    return {
+        v.name: torch.zeros([evaluate(d, bounds) for d in v.type.shape], dtype=to_torch(v.type.dtype))
+        for v in cache_inputs(graph)
+    }
 
 
 def dynamic_dims(graph: Graph) -> list[tuple[int, int, int, int]]:
     """(input index, axis, min, max) for each tokens/positions dim that is a bounded symbol."""
     dims = []
-    for index, v in enumerate(graph.inputs[:2]):
+    for index, v in enumerate(fed_inputs(graph)):
         for axis, d in enumerate(v.type.shape):
             if isinstance(d, sympy.Symbol) and d.name in graph.symbols:
                 bound = graph.symbols[d.name]
@@ -77,8 +81,10 @@ class StatefulRunner(Executable):
 
     def _init_state(self, graph: Graph, options: BackendOptions) -> dict[str, torch.Tensor]:
         if options.device != "cpu":
-            raise OptionError(f"the inductor backend runs on the CPU only so far, not {options.device!r}. "
-                              "Fix: device='cpu', or backend='onnxruntime' for CUDA.")
+            raise OptionError(
+                f"the inductor backend runs on the CPU only so far, not {options.device!r}. "
+                "Fix: device='cpu', or backend='onnxruntime' for CUDA."
+            )
         verify(graph)
         if tensor_parallel_size(graph) > 1:  # fail here, not inside a compiled collective
             check_world(tensor_parallel_size(graph))
@@ -101,14 +107,18 @@ class StatefulRunner(Executable):
     def cache_views(self) -> list[torch.Tensor]:
         return self.caches
 
-    def run(self, tokens: torch.Tensor, positions: torch.Tensor, first_row: int = 0) -> torch.Tensor:
+    def run(
+        self, tokens: torch.Tensor, positions: torch.Tensor, first_row: int = 0, *, slots=None, tree=None
+    ) -> torch.Tensor:
         """Logits f32[batch, seq, vocab]; writes the tokens' keys/values into cache rows
-        [first_row, first_row + batch) (the compiled step addresses rows from 0: others are swapped in)."""
+        [first_row, first_row + batch) (the compiled step addresses rows from 0: others are swapped in).
+        `slots`/`tree`: see kiln.backends.token_trees."""
         feeds = self.check_feeds(tokens, positions)
         check_rows(first_row, tokens.size(0), self.max_batch)
-        return run_at_rows(self._run_front, self.caches, *feeds, first_row)
+        extra = tree_feeds(feeds[1], slots, tree) if has_token_trees(self.graph) else refuse_trees(slots, tree)
+        return run_at_rows(self._run_front, self.caches, *feeds, first_row, extra)
 
-    def _run_front(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _run_front(self, tokens: torch.Tensor, positions: torch.Tensor, *tree_feeds) -> torch.Tensor:
         """The compiled step over cache rows [0, batch) (JIT or AOTInductor: each subclass its own)."""
         raise NotImplementedError
 
@@ -134,14 +144,14 @@ class InductorExecutable(StatefulRunner):
         self.compile_count += 1
         return compile_fx(gm, example_inputs)
 
-    def _mark_dynamic(self, feeds: tuple[torch.Tensor, torch.Tensor]) -> None:
+    def _mark_dynamic(self, feeds: tuple[torch.Tensor, ...]) -> None:
         # Sizes 0/1 always specialize, and a symbol whose range is {1, 2} is not worth a dynamic graph.
         for index, axis, low, high in self._dynamic_dims:
             if feeds[index].size(axis) > 1 and high > 2:
                 torch._dynamo.mark_dynamic(feeds[index], axis, min=max(low, 2), max=high)
 
-    def _run_front(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        feeds = (tokens, positions)
+    def _run_front(self, tokens: torch.Tensor, positions: torch.Tensor, *tree_feeds) -> torch.Tensor:
+        feeds = (tokens, positions, *tree_feeds)
         self._mark_dynamic(feeds)
         shape_class = tuple(min(size, 2) for size in feeds[0].shape)  # what the compiled graphs guard on
         with torch.no_grad():

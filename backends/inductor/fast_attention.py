@@ -4,7 +4,8 @@ Why: Inductor decomposes a grouped, position-masked attention into copies of k a
 query head and scores over every slot of the buffer, each decode step (attention_kernel.py says
 what that cost). The kernel reads each kv head once, only up to each query's position.
 
-It takes the stateful form: positions given, no extra mask, no softcap or ALiBi, f32 q/k/v. Otherwise,
+It takes the stateful form: positions given (a token tree too), no extra mask, no softcap or ALiBi,
+f32 q/k/v. Otherwise,
 when the CPU or compiler cannot build the kernel (warned once), or when
 `KILN_ATTENTION_KERNEL=torch` asks for the decomposed one (benchmarks comparing the two), the
 composite `scaled_dot_product_attention` lowering stays.
@@ -36,9 +37,9 @@ def wanted() -> bool:
 
 
 def lower_cached_attention(b, node, args, attrs):
-    """attention(q, k, v, positions) -> kiln.cached_attention(q, k, v, positions, scale, window)."""
+    """attention(q, k, v, positions, tree?) -> kiln.cached_attention(q, k, v, positions, scale, window, tree)."""
     q, k, v, mask, positions, tree = node.inputs
-    if mask is not None or tree is not None or positions is None or attrs["softcap"] or attrs["alibi"]:
+    if mask is not None or positions is None or attrs["softcap"] or attrs["alibi"]:
         return None
     if any(t.type.dtype != "f32" for t in (q, k, v)) or not isinstance(q.type.shape[3], int):
         return None
@@ -54,6 +55,7 @@ def lower_cached_attention(b, node, args, attrs):
         position_ids,
         float(scale),
         int(attrs["window"] or 0),
+        *([args[5]] if tree is not None else []),
     )
 
 
