@@ -1,5 +1,10 @@
 """Capture a causal LM's stateless forward `(tokens, positions) -> logits` into Kiln IR.
 
+A reward model (a `*ForSequenceClassification` with one label) is captured the same way, its
+score head in place of the lm_head: the graph's output is every position's score
+f32[batch, seq, 1] where a causal LM's logits would be, so the passes, backends and KV cache
+serve it unchanged; the runtime picks the position Hugging Face pools (runtime/rewards.py).
+
 The model runs with `use_cache=False`: the KV cache is the compiler's job (the
 `insert_kv_cache` pass), so no Python cache object ever enters the trace. torch.export traces
 with `batch` and `seq` symbolic; the program is decomposed to core ATen except for
@@ -24,15 +29,27 @@ EXAMPLE_BATCH, EXAMPLE_SEQ = 2, 17  # not 0/1: torch.export would specialize tho
 
 
 class StatelessForward(torch.nn.Module):
-    """`(tokens, positions) -> logits` (f32) around a Hugging Face causal LM, no KV cache."""
+    """`(tokens, positions) -> logits` (f32) around a Hugging Face causal LM, no KV cache; for a
+    reward model, every position's score (Hugging Face pools one of them after the head)."""
 
     def __init__(self, lm: torch.nn.Module):
         super().__init__()
         self.lm = lm
+        self.reward = is_reward_model(lm)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         # f32 logits whatever the model's dtype (the runtime's contract; exact for f16/bf16)
+        if self.reward:
+            base = getattr(self.lm, self.lm.base_model_prefix)
+            hidden = base(input_ids=tokens, position_ids=positions, use_cache=False).last_hidden_state
+            return self.lm.score(hidden).float()
         return self.lm(input_ids=tokens, position_ids=positions, use_cache=False).logits.float()
+
+
+def is_reward_model(lm: torch.nn.Module) -> bool:
+    """A Hugging Face sequence classifier: a base model and a linear `score` head."""
+    return type(lm).__name__.endswith("ForSequenceClassification") and isinstance(
+        getattr(lm, "score", None), torch.nn.Linear)
 
 
 def decompositions() -> dict:
@@ -133,7 +150,9 @@ def model_meta(lm) -> dict:
         windows = [window if t == "sliding_attention" else 0 for t in layer_types]
     else:
         windows = [window if getattr(text, "use_sliding_window", True) else 0] * layers
+    reward = {"task": "reward", "pad_token_id": text.pad_token_id} if is_reward_model(lm) else {}
     return {
+        **reward,
         "architecture": (getattr(config, "architectures", None) or [type(lm).__name__])[0],
         "model_type": config.model_type,
         "vocab_size": text.vocab_size,

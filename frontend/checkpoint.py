@@ -30,10 +30,10 @@ if TYPE_CHECKING:  # transformers is imported lazily: it takes seconds
 
 @dataclass
 class LoadedModel:
-    """A causal LM loaded for capture.
+    """A causal LM (or a reward model: `is_reward_model`) loaded for capture.
 
     Attributes:
-        model: the transformers causal LM, fp32, in eval mode.
+        model: the transformers causal LM (or sequence classifier), fp32, in eval mode.
         config: its transformers config.
         tokenizer_path: the checkpoint's `tokenizer.json`.
         checkpoint_dir: the local Hugging Face directory it was loaded from.
@@ -48,7 +48,9 @@ class LoadedModel:
 
 
 def load_model(source: str | os.PathLike) -> LoadedModel:
-    """Load the causal LM at `source`, a local Hugging Face directory or `.gguf` file.
+    """Load the causal LM at `source`, a local Hugging Face directory or `.gguf` file. A checkpoint
+    whose config names a `*ForSequenceClassification` architecture with one label (a reward
+    model, e.g. LlamaForSequenceClassification) loads as that class.
 
     Raises ModelNotFoundError when `source` is not on this machine, and CheckpointError when it
     is there but not loadable (no config, no safetensors weights, no tokenizer.json, not a
@@ -58,9 +60,10 @@ def load_model(source: str | os.PathLike) -> LoadedModel:
     config = _load_config(checkpoint_dir)
 
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    model, loading_info = AutoModelForCausalLM.from_pretrained(
+    model_class = AutoModelForSequenceClassification if is_reward_config(config) else AutoModelForCausalLM
+    model, loading_info = model_class.from_pretrained(
         checkpoint_dir,
         config=config,
         dtype=torch.float32,
@@ -78,6 +81,27 @@ def load_model(source: str | os.PathLike) -> LoadedModel:
         checkpoint_dir=checkpoint_dir,
         source_hash=checkpoint_sha256(checkpoint_dir),
     )
+
+
+def is_reward_config(config: PretrainedConfig) -> bool:
+    """Whether `config` describes a reward model: a `*ForSequenceClassification` architecture
+    (CheckpointError unless it has the one label a scalar reward needs)."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES
+
+    architectures = getattr(config, "architectures", None) or []
+    if not any(name.endswith("ForSequenceClassification") for name in architectures):
+        return False
+    if config.model_type not in MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES:
+        raise CheckpointError(
+            f"'{architectures[0]}' names a sequence classifier, but transformers has none for "
+            f"`{config.model_type}` models. Fix: pass a reward model of an architecture transformers "
+            "has a *ForSequenceClassification class for (Llama, Qwen2, Mistral, Gemma, GPT-2, ...).")
+    if config.num_labels != 1:
+        raise CheckpointError(
+            f"{architectures[0]} with {config.num_labels} labels is a classifier, not a reward model; Kiln "
+            "compiles sequence classifiers with one label (a scalar reward). Fix: pass a reward model "
+            "checkpoint (num_labels=1), or its causal LM.")
+    return True
 
 
 def attention_implementation(config: PretrainedConfig) -> str:

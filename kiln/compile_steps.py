@@ -185,6 +185,7 @@ class CompileSteps:
                 "options": options.manifest_options(calibration_source),
                 "graph_stats": {**graph_stats(built.graph), "compile_s": round(time.perf_counter() - self.started, 3)},
                 "graph_breaks": breaks.counts,
+                **task_field(built.graph),
             })
 
     def remember(self, path: Path) -> None:
@@ -241,6 +242,12 @@ class CompiledPerRank:
 
     def save(self, directory) -> list[str]:
         return []
+
+
+def task_field(graph) -> dict:
+    """{"task": "reward"} for a reward model (the runtime refuses to generate with it); nothing
+    for a causal LM, whose manifests stay as they were."""
+    return {"task": "reward"} if graph.meta.get("model", {}).get("task") == "reward" else {}
 
 
 def graph_stats(graph) -> dict:

@@ -22,13 +22,13 @@ class ContextLengthError(GenerationError):
         max_seq_len: the compiled limit.
     """
 
-    def __init__(self, prompt_tokens: int, max_seq_len: int, index: int | None = None) -> None:
+    def __init__(self, prompt_tokens: int, max_seq_len: int, index: int | None = None, kind: str = "prompt") -> None:
         self.prompt_tokens = prompt_tokens
         self.max_seq_len = max_seq_len
-        which = "The prompt" if index is None else f"Prompt {index}"
+        which = f"The {kind}" if index is None else f"{kind.capitalize()} {index}"
         super().__init__(
             f"{which} has {prompt_tokens} tokens but the artifact was compiled with "
-            f"max_seq_len={max_seq_len}. Fix: shorten the prompt, or recompile with "
+            f"max_seq_len={max_seq_len}. Fix: shorten the {kind}, or recompile with "
             f"`--max-seq-len {_next_power_of_two(prompt_tokens + 1)}` or more."
         )
 

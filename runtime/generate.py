@@ -27,6 +27,7 @@ from kiln.runtime.engine_batch import EngineBatch, Exclusive
 from kiln.runtime.errors import ContextLengthError, GenerationError, TokenizerError
 from kiln.runtime.request_handle import RequestHandle
 from kiln.runtime.results import GenerationResult
+from kiln.runtime.rewards import check_reward_ids, reward_of
 from kiln.runtime.sampler import SamplingParams
 from kiln.runtime.samples import generate_samples
 from kiln.runtime.scoring import TokenScores, score_tokens
@@ -63,7 +64,20 @@ class LLM:
     @property
     def vocab_size(self) -> int | None:
         """How many token ids the model takes (valid ids are 0 .. vocab_size - 1)."""
+        if self.task == "reward":  # its output is one score per position, not a logit per id
+            return self._model_meta.get("vocab_size") or (self.tokenizer.vocab_size if self.tokenizer else None)
         return model_vocab_size(self.executable, self.graph, self.tokenizer)
+
+    @property
+    def task(self) -> str:
+        """"generate" for a causal LM, "reward" for a reward model (its manifest says so)."""
+        return "reward" if self.manifest.get("task") == "reward" or self._model_meta.get("task") == "reward" \
+            else "generate"
+
+    @property
+    def _model_meta(self) -> dict:
+        graph = self.graph if self.graph is not None else getattr(self.executable, "graph", None)
+        return getattr(graph, "meta", {}).get("model", {})
 
     @property
     def max_seq_len(self) -> int:
@@ -109,12 +123,18 @@ class LLM:
 
         `n` samples per prompt (given, even 1: a list of results per prompt), `best_of` draws that
         many and keeps the n likeliest; the prompt is prefilled once for all (runtime/samples.py).
+        `reward_model` (a reward artifact from kiln.load) ranks the samples by its reward of prompt
+        + sample text instead, highest first: the best `n` of `best_of` by reward.
         """
         n, best_of = sampling.pop("n", None), sampling.pop("best_of", None)
-        if n is not None or best_of is not None:
+        reward_model = sampling.pop("reward_model", None)
+        if reward_model is not None and n is None and best_of is None:
+            raise GenerationError("reward_model ranks the samples of n / best_of, and none were asked for. Fix: "
+                                  "pass best_of (e.g. best_of=4) to keep the best by reward.")
+        if n is not None or best_of is not None or reward_model is not None:
             return generate_samples(self, prompts, 1 if n is None else n, best_of, seed, dict(
                 max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop=stop,
-                ignore_eos=ignore_eos, stop_token_ids=stop_token_ids, **sampling))
+                ignore_eos=ignore_eos, stop_token_ids=stop_token_ids, **sampling), reward_model)
         return self.stream(prompts, max_new_tokens, temperature, top_k, top_p, seed, stop, ignore_eos,
                            stop_token_ids, **sampling).results
 
@@ -186,6 +206,7 @@ class LLM:
         `.token_logprobs`, `.total`, and with `top_n` the likeliest alternatives per token. Text
         is tokenized as the prompt of `generate` (special tokens added) and the continuation without
         special tokens; or pass token id lists. Waits until no other request runs."""
+        self._require_generator()
         prompt_ids = self._encode_one(prompt)
         continuation_ids = (self._require_tokenizer().encode(continuation, add_special_tokens=False)
                             if isinstance(continuation, str) else self._encode_one(continuation))
@@ -194,7 +215,49 @@ class LLM:
         with self.engine.exclusive() as executable:
             return score_tokens(executable, prompt_ids, continuation_ids, top_n)
 
+    def reward(self, texts):
+        """A reward model's scalar reward of one text (-> float) or of a list of texts (-> list of
+        floats), as Hugging Face's sequence classifier scores them (runtime/rewards.py). A text is
+        a str (tokenized with special tokens, as `tokenizer(text)` does: an already-templated
+        conversation is just text), a list of token ids, or a conversation (a list of message
+        dicts, rendered by the chat template without a generation prompt). Waits until no other
+        request runs."""
+        if self.task != "reward":
+            raise GenerationError("This artifact is a causal LM: it generates and scores tokens but gives no reward. "
+                                  "Fix: compile a reward model (a *ForSequenceClassification checkpoint with one "
+                                  "label) and call reward on it; llm.score(prompt, continuation) gives "
+                                  "log-probabilities.")
+        single, id_lists = self._reward_inputs(texts)
+        for i, ids in enumerate(id_lists):
+            check_reward_ids(ids, self.max_seq_len, None if single else i)
+            check_token_ids(ids, self.vocab_size, "the text" if single else f"text {i}")
+        pad = self._model_meta.get("pad_token_id")
+        with self.engine.exclusive() as executable:
+            rewards = [reward_of(executable, ids, pad) for ids in id_lists]
+        return rewards[0] if single else rewards
+
     # -- internals -----------------------------------------------------------------------
+    def _require_generator(self) -> None:
+        if self.task == "reward":
+            source = self._model_meta.get("architecture", "a sequence classifier")
+            raise GenerationError(f"This artifact is a reward model ({source}): it scores whole texts and does not "
+                                  "generate. Fix: call llm.reward(texts), or load an artifact compiled from a causal "
+                                  "LM to generate.")
+
+    def _reward_inputs(self, texts) -> tuple[bool, list[list[int]]]:
+        """(whether one text was given, the texts' token ids): str, token ids or a conversation each."""
+        def one(text) -> list[int]:
+            if _is_conversation(text):
+                return self._require_tokenizer().encode_chat(list(text), add_generation_prompt=False)
+            return self._encode_one(text)
+
+        if isinstance(texts, str) or _is_token_list(texts) or _is_conversation(texts):
+            return True, [one(texts)]
+        if isinstance(texts, (list, tuple)) and texts:
+            return False, [one(text) for text in texts]
+        raise GenerationError(f"reward takes a text, a list of token ids or a conversation, or a non-empty list of "
+                              f"those; got {texts!r:.60}.")
+
     def _require_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
             raise TokenizerError("This artifact has no tokenizer. Fix: pass prompts as lists of token ids, "
@@ -205,6 +268,7 @@ class LLM:
               constraint=None):
         """Validate everything up front: (whether one prompt was given, the prompts' token ids,
         the request, one seed per prompt)."""
+        self._require_generator()
         single, token_lists = self._encode_prompts(prompts)
         if max_new_tokens < 0:
             raise GenerationError(f"max_new_tokens must be >= 0, got {max_new_tokens}.")
@@ -310,6 +374,10 @@ def _is_seed(value) -> bool:
     except (TypeError, ValueError, OverflowError):  # None, nan, inf, ...
         return False
     return whole and not isinstance(value, bool) and 0 <= value < SEED_LIMIT
+
+
+def _is_conversation(x) -> bool:
+    return isinstance(x, (list, tuple)) and len(x) > 0 and all(isinstance(m, dict) for m in x)
 
 
 def _is_token_list(x) -> bool:

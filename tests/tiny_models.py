@@ -236,6 +236,21 @@ def save_tiny_checkpoint(arch: str, out_dir: str | Path, seed: int = 0, **overri
     return out_dir
 
 
+def save_tiny_reward_model(arch: str, out_dir: str | Path, seed: int = 0, **overrides) -> Path:
+    """The tiny `arch` model as a reward model (its `*ForSequenceClassification`, one label: a
+    score head over the last hidden state), weights seeded by `seed`, saved to `out_dir`."""
+    from transformers import AutoModelForSequenceClassification
+
+    out_dir = Path(out_dir)
+    torch.manual_seed(seed)
+    model = AutoModelForSequenceClassification.from_config(tiny_config(arch, **{"num_labels": 1, **overrides}),
+                                                           dtype=torch.float32)
+    model.save_pretrained(out_dir)
+    (out_dir / "tokenizer.json").write_text(tokenizer_json())
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2) + "\n")
+    return out_dir
+
+
 def save_tiny_gguf(llama_dir: str | Path, gguf_path: str | Path) -> Path:
     """Write the llama checkpoint at `llama_dir` as an F32 GGUF file, the way llama.cpp does.
 
