@@ -104,6 +104,7 @@ class CompileSteps:
         with self.step("load", f"load {self.model}"), _quiet_loading():
             self.loaded = load_model(self.checkpoint_dir)
         check_memory(self.loaded.model.config, self.options)
+        check_reward_options(self.loaded.model, self.options)
         return self.loaded
 
     def calibration_tokens(self):
@@ -242,6 +243,19 @@ class CompiledPerRank:
 
     def save(self, directory) -> list[str]:
         return []
+
+
+def check_reward_options(model, options: CompileOptions) -> None:
+    """OptionError for what a reward model cannot be compiled with: tensor parallelism shards the
+    lm_head by vocabulary rows, and a score head has one."""
+    from kiln.frontend.capture import is_reward_model
+    from kiln.ir.errors import OptionError
+
+    if options.tensor_parallel > 1 and is_reward_model(model):
+        raise OptionError(
+            f"{type(model).__name__} is a reward model, whose one-column score head cannot be "
+            "sharded by vocabulary. Fix: compile it with tensor_parallel=1."
+        )
 
 
 def task_field(graph) -> dict:

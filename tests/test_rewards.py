@@ -8,6 +8,7 @@ import torch
 import kiln
 from kiln.frontend.checkpoint import load_model
 from kiln.frontend.errors import CheckpointError
+from kiln.ir.errors import OptionError
 from kiln.runtime import rewards
 from kiln.runtime.errors import ContextLengthError, GenerationError, TokenIdError
 from tiny_models import save_tiny_reward_model
@@ -140,6 +141,12 @@ def test_a_sequence_classifier_of_several_labels_is_refused(tmp_path):
     source = save_tiny_reward_model("llama", tmp_path / "classifier", num_labels=3)
     with pytest.raises(CheckpointError, match="3 labels is a classifier, not a reward model"):
         load_model(source)
+
+
+def test_a_reward_model_is_not_sharded(tmp_path):
+    source = save_tiny_reward_model("llama", tmp_path / "rm")
+    with pytest.raises(OptionError, match="reward model.*Fix: compile it with tensor_parallel=1"):
+        kiln.compile(str(source), out=tmp_path / "m.kiln", backend="reference", max_seq_len=MAX_SEQ, tensor_parallel=2)
 
 
 SAMPLED = dict(max_new_tokens=6, temperature=1.0)
