@@ -440,6 +440,12 @@ def _serve_arguments(commands) -> None:
         help="draft every request's tokens by prompt lookup inside the engine (n-grams of its own "
         "context, verified in the decode step: greedy output unchanged)",
     )
+    serve.add_argument(
+        "--reward-model",
+        metavar="ARTIFACT",
+        help="a reward model's artifact: completions' best_of answers the samples it rewards most "
+        "(instead of the likeliest)",
+    )
     _pin_argument(serve)
 
 
@@ -477,7 +483,7 @@ def _serve(args) -> int:
     import json
 
     import kiln
-    from kiln.runtime.server import serve
+    from kiln.runtime.server import check_served_models, serve
 
     try:
         ranks = json.loads((Path(args.artifact) / "manifest.json").read_text()).get("tensor_parallel", 1)
@@ -489,6 +495,8 @@ def _serve(args) -> int:
             "Fix: serve an unsharded artifact (compile without --tensor-parallel)."
         )
     llm = kiln.load(args.artifact, expected_sha256=args.expect_sha256)
+    reward_model = kiln.load(args.reward_model) if args.reward_model else None
+    check_served_models(llm, reward_model)
     llm.engine.max_queue = args.max_queue
     name = args.model_name or Path(args.artifact).resolve().name.removesuffix(".kiln")
     print(
@@ -507,6 +515,7 @@ def _serve(args) -> int:
         args.allowed_hosts,
         api_key,
         args.speculative,
+        reward_model,
     )
     return 0
 

@@ -5,7 +5,9 @@ Sample j is seeded with the request's seed + j (a request without a seed draws o
 is what the same request with n=1 gives. The first sample prefills the prompt and the others
 copy its keys and values (the engine's prefix sharing, for prompts of 16 tokens or more).
 `best_of` draws that many and answers the `n` with the highest cumulative log-probability (as
-OpenAI's API does; it cannot be streamed). A single answer is just a group of one.
+OpenAI's API does; it cannot be streamed). A single answer is just a group of one. A server
+given a reward model (`kiln serve --reward-model`) answers the `n` it rewards most instead, as
+`llm.generate(..., reward_model=)` ranks them (runtime/samples.py).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from kiln.ir.errors import KilnError
 from kiln.runtime.errors import ConstraintError
 from kiln.runtime.generate import SEED_LIMIT
 from kiln.runtime.openai_errors import APIError, from_kiln_error, invalid
-from kiln.runtime.samples import MAX_SAMPLES, cumulative_logprob
+from kiln.runtime.samples import MAX_SAMPLES, cumulative_logprob, prompt_texts
 
 
 def sample_counts(n: int, best_of: int | None, stream: bool) -> tuple[int, int]:
@@ -113,14 +115,32 @@ def ranking_logprobs(logprobs: int | None, n: int, best_of: int) -> int | None:
     return 0 if logprobs is None and best_of > n else logprobs
 
 
-def best_results(results: list, n: int, logprobs: int | None) -> list:
-    """The `n` results to answer: the likeliest when more were drawn, their log-probabilities left
-    out when the request asked for none (`logprobs` None)."""
+def best_results(results: list, n: int, logprobs: int | None, rewards: list[float] | None = None) -> list:
+    """The `n` results to answer: the likeliest when more were drawn (the most rewarded, given
+    `rewards`, one per result), their log-probabilities left out when the request asked for none
+    (`logprobs` None)."""
     if len(results) > n:
-        results = sorted(results, key=cumulative_logprob, reverse=True)[:n]
+        if rewards is None:
+            results = sorted(results, key=cumulative_logprob, reverse=True)[:n]
+        else:
+            order = sorted(range(len(results)), key=rewards.__getitem__, reverse=True)
+            results = [results[i] for i in order[:n]]
         if logprobs is None:
             results = [dataclasses.replace(result, logprobs=None) for result in results]
     return results
+
+
+async def sample_rewards(reward_model, llm, prompt, results: list, n: int) -> list[float] | None:
+    """Each result's reward of prompt + sample text by `reward_model`, when it ranks them (more
+    drawn than answered); None otherwise. Runs off the event loop; a text the reward model
+    cannot take (too long for its context) is a 400 naming best_of."""
+    if reward_model is None or len(results) <= n:
+        return None
+    (text,) = prompt_texts(llm, [prompt], [results[0].prompt_token_ids])
+    try:
+        return await asyncio.to_thread(reward_model.reward, [text + result.text for result in results])
+    except KilnError as error:
+        raise invalid(f"The reward model cannot rank these samples: {error}", "best_of") from None
 
 
 async def collect(samples: Samples, timer, request, failed) -> list:

@@ -1,6 +1,7 @@
 """An OpenAI-compatible HTTP server over the continuous-batching engine.
 
     kiln serve model.kiln [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--speculative prompt_lookup]
+                          [--reward-model reward.kiln]
     app = create_app(kiln.load("model.kiln"))          # any ASGI server can run it
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (the model's chat template), GET
@@ -30,7 +31,7 @@ from kiln.ir.errors import KilnError
 from kiln.runtime import openai_protocol as api
 from kiln.runtime.api_key import ApiKeyCheck
 from kiln.runtime.body_limit import DEFAULT_MAX_BODY_BYTES, BodyLimit
-from kiln.runtime.errors import ConstraintError
+from kiln.runtime.errors import ConstraintError, GenerationError
 from kiln.runtime.host_check import HostCheck, default_allowed_hosts
 from kiln.runtime.openai_echo import echoed_prompt, prompt_text
 from kiln.runtime.openai_errors import APIError, internal, invalid, model_not_found
@@ -59,6 +60,7 @@ from kiln.runtime.openai_samples import (
     finished,
     ranking_logprobs,
     sample_counts,
+    sample_rewards,
     submit_samples,
 )
 from kiln.runtime.server_metrics import RequestTimer, ServerMetrics
@@ -76,13 +78,17 @@ def create_app(
     allowed_hosts: list[str] | None = None,
     api_key: str | None = None,
     speculative: str | None = None,
+    reward_model=None,
 ) -> FastAPI:
     """The ASGI app serving `llm` (a loaded `kiln.LLM`) under `model_name` (default: the artifact's
     source directory name). `allowed_hosts`: the `Host` header values (port aside) answered; any
     other is a 400, which keeps a web page on another name (DNS rebinding) from reaching a
     loopback server. None answers any host; "*" in the list does too. `api_key`: every path but
     /health then needs `Authorization: Bearer <api_key>` (runtime/api_key.py). `speculative`
-    ("prompt_lookup"): every unconstrained request drafts by prompt lookup inside the engine."""
+    ("prompt_lookup"): every unconstrained request drafts by prompt lookup inside the engine.
+    `reward_model` (a reward artifact from kiln.load): completions' best_of answers the samples it
+    rewards most instead of the likeliest."""
+    check_served_models(llm, reward_model)
     name = model_name or _default_name(llm)
     created = int(time.time())
     metrics = ServerMetrics(getattr(llm, "engine", None))
@@ -133,7 +139,9 @@ def create_app(
     @app.post("/v1/completions", openapi_extra=_operation(api.CompletionRequest, api.CompletionResponse))
     async def completions(request: Request):
         return await _counted(
-            metrics, "completions", lambda request_id: _completion(llm, name, request, metrics, request_id, speculative)
+            metrics,
+            "completions",
+            lambda request_id: _completion(llm, name, request, metrics, request_id, speculative, reward_model),
         )
 
     @app.post(
@@ -146,6 +154,20 @@ def create_app(
         )
 
     return app
+
+
+def check_served_models(llm, reward_model) -> None:
+    """GenerationError unless `llm` generates and `reward_model` (if any) is a reward model."""
+    if getattr(llm, "task", "generate") == "reward":
+        raise GenerationError(
+            "The artifact to serve is a reward model, which scores texts but does not generate. Fix: serve a "
+            "causal LM, and pass the reward model with --reward-model to rank best_of samples."
+        )
+    if reward_model is not None and getattr(reward_model, "task", None) != "reward":
+        raise GenerationError(
+            "The --reward-model artifact is not a reward model. Fix: pass an artifact compiled from a "
+            "*ForSequenceClassification checkpoint with one label."
+        )
 
 
 def _unexpected(request: Request, error: Exception) -> Response:
@@ -215,7 +237,13 @@ def _openapi(app: FastAPI):
 
 # -- the two generation endpoints ----------------------------------------------------------------
 async def _completion(
-    llm, name: str, request: Request, metrics: ServerMetrics, request_id: str, speculative: str | None
+    llm,
+    name: str,
+    request: Request,
+    metrics: ServerMetrics,
+    request_id: str,
+    speculative: str | None,
+    reward_model=None,
 ) -> Response:
     timer = metrics.timer()
     req = await parse_body(request, api.CompletionRequest)
@@ -234,8 +262,9 @@ async def _completion(
     echo = None
     if req.echo:  # the prompt's log-probabilities, with the engine held alone
         echo = await asyncio.to_thread(echoed_prompt, llm, prompt, drawn[0].prompt_token_ids, req.logprobs)
+    rewards = await sample_rewards(reward_model, llm, prompt, drawn, n)
     choices = []
-    for index, result in enumerate(best_results(drawn, n, req.logprobs)):
+    for index, result in enumerate(best_results(drawn, n, req.logprobs, rewards)):
         logprobs = None
         if req.logprobs is not None:
             logprobs = await asyncio.to_thread(completion_logprobs, llm, result, echo)
@@ -437,17 +466,19 @@ def serve(
     allowed_hosts: list[str] | None = None,
     api_key: str | None = None,
     speculative: str | None = None,
+    reward_model=None,
 ) -> None:
     """Serve `llm` until interrupted (loopback only unless `host` says otherwise; Host headers
     other than `allowed_hosts`, by default `default_allowed_hosts(host)`, are refused; with
-    `api_key`, requests without it are refused, /health aside; `speculative` as create_app): uvicorn in a
+    `api_key`, requests without it are refused, /health aside; `speculative` and `reward_model` as
+    create_app): uvicorn in a
     thread of its own, the engine's model calls in the calling (main) thread, where torch's
     OpenMP pool runs at full speed (Engine.run_in_this_thread says why)."""
     import uvicorn
 
     if allowed_hosts is None:
         allowed_hosts = default_allowed_hosts(host)
-    app = create_app(llm, model_name, max_body_bytes, allowed_hosts, api_key, speculative)
+    app = create_app(llm, model_name, max_body_bytes, allowed_hosts, api_key, speculative, reward_model)
     server = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level=log_level))
     stop = threading.Event()
 
