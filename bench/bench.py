@@ -26,9 +26,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cpu_contention import CpuMeter  # noqa: E402
-from genai_baseline import GenaiRunner, build_genai_model  # noqa: E402
-from llamacpp_baseline import LlamaCppRunner, quantized_gguf  # noqa: E402
+from cpu_contention import CpuMeter
+from genai_baseline import GenaiRunner, build_genai_model
+from llamacpp_baseline import LlamaCppRunner, quantized_gguf
 
 RESULTS = Path(__file__).parent / "results"
 BASELINES = (

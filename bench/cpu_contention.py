@@ -46,7 +46,7 @@ class Measurement:
 class CpuMeter:
     """`with CpuMeter() as m: ...` then `m.result` holds wall time and others' CPU time."""
 
-    def __enter__(self) -> "CpuMeter":
+    def __enter__(self) -> CpuMeter:
         self._busy, self._own, self._wall = _machine_busy_seconds(), _own_seconds(), time.perf_counter()
         return self
 

@@ -53,9 +53,8 @@ PROMPTS = [[5, 17, 33, 8, 91, 2, 40], [7, 7, 12, 60, 3, 19, 25, 44, 11, 80, 4, 9
 
 def prepare(directory: Path, dtype: str) -> None:
     sys.path.insert(0, str(ROOT / "tests"))
-    from tiny_models import save_tiny_checkpoint
-
     import kiln
+    from tiny_models import save_tiny_checkpoint
 
     for arch in ARCHES:
         checkpoint = save_tiny_checkpoint(arch, directory / arch, seed=0)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench import measure  # noqa: E402
+from bench import measure
 
 
 class GraphRunner:

@@ -162,7 +162,6 @@ def _compiled_linear(w, M, K, mode):
 
 def _ort_matmul(w, M, K):
     import numpy as np
-    import onnx
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 
@@ -210,7 +209,7 @@ def build_methods(N, K, M, selected, want_compiled):
         try:
             ws = [make_w(base_w if i == 0 else base_w + 1e-3 * i) for i in range(copies)]
             fn(ws[0])
-        except Exception as e:  # report, keep going
+        except Exception as e:  # noqa: BLE001 - report, keep going
             print(f"  [{name}] unavailable: {type(e).__name__}: {str(e).splitlines()[0][:120]}", file=sys.stderr)
             return
         i = [0]
@@ -227,7 +226,7 @@ def build_methods(N, K, M, selected, want_compiled):
         try:
             fn = mk()
             fn()
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - report, keep going
             print(f"  [{name}] unavailable: {type(e).__name__}: {str(e).splitlines()[0][:120]}", file=sys.stderr)
             return
 
@@ -390,7 +389,7 @@ def model_sweep(selected, rounds, tokens, compiled):
             if want(name) or want("compiled"):
                 try:
                     fns[name] = (_compile_linears(ws, kind, mode), nbytes)
-                except Exception as e:
+                except Exception as e:  # noqa: BLE001 - report, keep going
                     print(
                         f"  [{name}] unavailable: {type(e).__name__}: {str(e).splitlines()[0][:120]}", file=sys.stderr
                     )

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cpu_contention import paired_medians, print_paired_rows  # noqa: E402
+from cpu_contention import paired_medians, print_paired_rows
 
 REPO = Path(__file__).resolve().parent.parent
 KERNEL = "backends/inductor/int4_kernel.cpp"

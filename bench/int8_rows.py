@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cpu_contention import paired_medians, print_paired_rows  # noqa: E402
+from cpu_contention import paired_medians, print_paired_rows
 
 LAYERS = 30
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]  # (N, K): qkv, o, gate_up, down
@@ -69,7 +69,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--isa", choices=("vnni", "avx2"), default="vnni", help="the new op's kernel")
     args = ap.parse_args()
-    from kiln.backends.inductor import gemv_kernel as gk, int8_kernel as ik
+    from kiln.backends.inductor import gemv_kernel as gk
+    from kiln.backends.inductor import int8_kernel as ik
 
     gk.ensure_loaded()
     ik.ensure_loaded()

@@ -20,7 +20,6 @@ Results accumulate in bench/results/quantization.json (one entry per scheme, bac
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import fcntl
 import gc
 import json

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cpu_contention import CONTENDED_CORES, CpuMeter  # noqa: E402
+from cpu_contention import CONTENDED_CORES, CpuMeter
 
 RESULTS = Path(__file__).parent / "results"
 CODE_PROMPT = """Rename the variable `total` to `running_sum` in this function and return the code.
@@ -68,7 +68,7 @@ class TimedDrafter:
         self.inner, self.seconds = inner, 0.0
 
     @classmethod
-    def heads(cls, llm, kind: str) -> "TimedDrafter":
+    def heads(cls, llm, kind: str) -> TimedDrafter:
         return cls(llm._heads_drafter(kind))
 
     def _timed(self, method, *args):
@@ -111,7 +111,7 @@ def main(argv=None) -> int:
         drafts[f"{args.draft_quantize} self-draft"] = compiled(
             Path(f"out/bench-spec-{args.backend}-{args.draft_quantize}.kiln"), args.backend, args.draft_quantize
         )
-    except Exception as error:  # a scheme this backend cannot lower yet: report, keep going
+    except Exception as error:  # noqa: BLE001 - a scheme this backend cannot lower yet: report, keep going
         print(f"note: no {args.draft_quantize} draft on {args.backend}: {error}", file=sys.stderr)
     for kind in sorted(target.manifest.get("speculators", {})):
         drafts[f"{kind} heads"] = functools.partial(TimedDrafter.heads, target, kind)

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cpu_contention import CpuMeter  # noqa: E402
+from cpu_contention import CpuMeter
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -74,7 +74,8 @@ def main(argv=None) -> int:
                     torch.set_num_threads(1)
                     config = TrainConfig(head=choice, draft_vocab=size, steps=args.steps)
                     trainer = Trainer(heads, corpus, vocab_index(vocab_ids, head.weight.shape[0]), config)
-                    trainer.run(lambda line: print(f"[{size} {choice}] {line}", flush=True), 50, lambda: None, 10**9)
+                    tag = f"[{size} {choice}]"
+                    trainer.run(lambda line, tag=tag: print(f"{tag} {line}", flush=True), 50, lambda: None, 10**9)
                     accepted = f"{trainer.evaluate()[1]:.2f}"
                 one, two = draft_ms(heads, corpus, 1), draft_ms(heads, corpus, 2)
             lines.append(

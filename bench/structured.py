@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cpu_contention import CpuMeter  # noqa: E402
+from cpu_contention import CpuMeter
 
 RESULTS = Path(__file__).parent / "results"
 PROMPT = (

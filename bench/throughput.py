@@ -4,9 +4,10 @@
         [--new-tokens 32] [--threads 2]
 
 Each level submits `--requests` requests of mixed prompt lengths (16-120 tokens) to one engine
-through `llm.submit` from a client thread (the engine runs in the main thread, as in `kiln serve`), at most `concurrency` in flight at a time (a new one as soon as one ends),
-every request generating exactly `--new-tokens` tokens (EOS ignored). The artifact is compiled
-with max_batch equal to the highest level. Reported per level: total generated tokens/s (wall),
+through `llm.submit` from a client thread (the engine runs in the main thread, as in `kiln serve`),
+at most `concurrency` in flight at a time (a new one as soon as one ends), every request
+generating exactly `--new-tokens` tokens (EOS ignored). The artifact is compiled with max_batch
+equal to the highest level. Reported per level: total generated tokens/s (wall),
 requests/s, mean TTFT, per-request decode tokens/s, and the CPU time other processes took
 (runs where they took more than a quarter core are flagged `*`). Writes bench/results/throughput.md.
 """
@@ -18,13 +19,12 @@ import random
 import statistics
 import sys
 import threading
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from cpu_contention import CpuMeter  # noqa: E402
+from cpu_contention import CpuMeter
 
 RESULTS = Path(__file__).parent / "results"
 

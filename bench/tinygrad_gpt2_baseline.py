@@ -21,12 +21,12 @@ import sys
 from pathlib import Path
 
 os.environ.setdefault("DEV", "CPU")
-from tinygrad import Tensor, TinyJit, UOp, dtypes  # noqa: E402
-from tinygrad.nn.state import safe_load  # noqa: E402
+from tinygrad import Tensor, TinyJit, UOp, dtypes
+from tinygrad.nn.state import safe_load
 
 sys.path.insert(0, str(Path(__file__).parent))
-from gpt2_small import gpt2_small_dir  # noqa: E402
-from tinygrad_gpt2 import serve_reps, timed_reps  # noqa: E402
+from gpt2_small import gpt2_small_dir
+from tinygrad_gpt2 import serve_reps, timed_reps
 
 LAYERS, DIM, HEADS, MAX_CONTEXT = 12, 768, 12, 256
 

@@ -204,7 +204,10 @@ def _to_copy(cx, x, *args, **kwargs):
 @handles(aten.where.self, aten.where.ScalarOther, aten.where.ScalarSelf, aten.where.Scalar)
 def _where(cx, cond, a, b):
     dtype = _meta(cx).dtype
-    operand = lambda t: cx.value(t) if isinstance(t, torch.fx.Node) else cx.constant(t, from_torch(dtype))
+
+    def operand(t):
+        return cx.value(t) if isinstance(t, torch.fx.Node) else cx.constant(t, from_torch(dtype))
+
     return cx.call("where", cx.value(cond), operand(a), operand(b))
 
 

@@ -15,7 +15,7 @@ import torch
 import torch.fx
 
 from kiln.ir import Graph, TensorType, Value, from_torch, symbol
-from kiln.ir.dims import dims_equal, format_dim, normalize
+from kiln.ir.dims import dims_equal, normalize
 
 from .errors import KilnError, UnsupportedOpError
 

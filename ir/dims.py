@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Union
 
 import sympy
 
-Dim = Union[int, sympy.Expr]
+Dim = int | sympy.Expr
 
 _RESERVED = {"true", "false", "none", "inf", "nan"}
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")

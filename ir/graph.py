@@ -37,8 +37,8 @@ class Value:
 
     name: str
     type: TensorType
-    producer: "Node | None" = None
-    users: "list[Node]" = field(default_factory=list, repr=False)
+    producer: Node | None = None
+    users: list[Node] = field(default_factory=list, repr=False)
 
     def __repr__(self) -> str:
         return f"%{self.name}: {self.type}"

@@ -6,7 +6,7 @@ and checks every intermediate against its declared type.
 
 from __future__ import annotations
 
-from typing import Mapping, Sequence
+from collections.abc import Mapping, Sequence
 
 import sympy
 import torch
@@ -92,4 +92,4 @@ def run_graph(
     return [env[id(v)] for v in graph.outputs]
 
 
-__all__ = ["run_graph", "bind_symbols", "InterpreterError", "free_symbols", "freeze_attr"]
+__all__ = ["InterpreterError", "bind_symbols", "free_symbols", "freeze_attr", "run_graph"]

@@ -5,8 +5,9 @@ keeping their own lists of op names."""
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from .errors import KilnError
 from .tensor_type import TensorType

@@ -26,17 +26,17 @@ class TensorType:
     def symbols(self) -> set[str]:
         return set().union(*(free_symbols(d) for d in self.shape)) if self.shape else set()
 
-    def with_shape(self, shape) -> "TensorType":
+    def with_shape(self, shape) -> TensorType:
         return TensorType(self.dtype, tuple(shape))
 
-    def with_dtype(self, dtype: str) -> "TensorType":
+    def with_dtype(self, dtype: str) -> TensorType:
         return TensorType(dtype, self.shape)
 
     def __str__(self) -> str:
         return f"{self.dtype}[{', '.join(format_dim(d) for d in self.shape)}]"
 
     @staticmethod
-    def parse(text: str) -> "TensorType":
+    def parse(text: str) -> TensorType:
         m = re.fullmatch(r"\s*([a-z0-9]+)\[(.*)\]\s*", text)
         if not m:
             raise ValueError(f"not a tensor type: {text!r}")

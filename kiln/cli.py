@@ -224,10 +224,10 @@ def _explain(argv) -> int:
     import json
 
     from kiln.frontend.breaks.analysis import analyze
-    from kiln.frontend.breaks.targets import load_target
     from kiln.frontend.breaks.report_html import render_html
     from kiln.frontend.breaks.report_markdown import render_markdown
     from kiln.frontend.breaks.report_model import make_report
+    from kiln.frontend.breaks.targets import load_target
 
     target = args.target
     if target is None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from lm_eval.api.model import TemplateLM

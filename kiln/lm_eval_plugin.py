@@ -6,7 +6,8 @@ fixed table; it has no entry-point discovery. So Kiln registers itself:
   - `install()` adds an import hook that registers `kiln` right after `lm_eval.models` runs (the
     registry must be filled by lm-eval first: an empty registry is what makes lm-eval import its
     table). The one-line startup file kiln_lm_eval.pth (`import kiln.lm_eval_plugin as
-    _kiln_lm_eval; _kiln_lm_eval.install()`), placed in site-packages, runs it in every interpreter; it imports nothing else.
+    _kiln_lm_eval; _kiln_lm_eval.install()`), placed in site-packages, runs it in every
+    interpreter; it imports nothing else.
   - `register()` does it at once, for Python code calling `lm_eval.simple_evaluate`.
   - `python -m kiln.lm_eval_plugin ARGS...` is `lm_eval ARGS...` with the model registered, for
     an installation without the startup file.

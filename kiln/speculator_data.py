@@ -152,7 +152,7 @@ def load_corpus(path: Path, key: str) -> Corpus | None:
         return None
     try:
         saved = torch.load(path, weights_only=True)
-    except Exception:  # an unreadable cache is collected again
+    except Exception:  # noqa: BLE001 - an unreadable cache is collected again
         return None
     if not isinstance(saved, dict) or saved.pop("key", None) != key:
         return None

@@ -142,7 +142,7 @@ class Trainer:
             return
         try:
             state = torch.load(path, weights_only=True)
-        except Exception as error:  # a damaged checkpoint: start over
+        except Exception as error:  # noqa: BLE001 - a damaged checkpoint: start over
             report(f"ignoring the unreadable checkpoint {path} ({error.__class__.__name__})")
             return
         if state.get("config") != dataclasses.asdict(self.config):

@@ -47,11 +47,12 @@ def sample_bindings(graph: Graph) -> dict[str, int]:
 
 def run_subgraph(graph: Graph, nodes: list[Node], value: Value, bindings: dict[str, int]) -> torch.Tensor:
     """`value` computed by the reference kernels under `bindings`."""
-    concrete = lambda a: (
-        tuple(concrete(x) for x in a)
-        if isinstance(a, tuple)
-        else (evaluate(a, bindings) if isinstance(a, sympy.Expr) else a)
-    )
+
+    def concrete(a):
+        if isinstance(a, tuple):
+            return tuple(concrete(x) for x in a)
+        return evaluate(a, bindings) if isinstance(a, sympy.Expr) else a
+
     env = {id(v): graph.weights[name] for name, v in graph.params.items() if name in graph.weights}
     with torch.no_grad():
         for node in nodes:

@@ -58,7 +58,8 @@ def _affine(y: Node, x: Value, graph: Graph) -> tuple[Value | None, Value | None
     last = y
     for op in ("mul", "add"):
         user = sole_reader(last.output, graph)
-        split = split_operands(user, lambda v: v is last.output) if user is not None and user.op == op else None
+        applies = user is not None and user.op == op
+        split = split_operands(user, lambda v, out=last.output: v is out) if applies else None
         if split is None or not is_vector_over_last_dim(split[1], x) or not same_type(user.output, x):
             continue
         if op == "mul":

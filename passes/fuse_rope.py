@@ -61,7 +61,7 @@ def _rotary_terms(add: Node) -> tuple[Value, Value, Value] | None:
         if split is None:
             continue
         x = _halves_of(split[0])[0]
-        direct = split_operands(first, lambda v: v is x)
+        direct = split_operands(first, lambda v, x=x: v is x)
         if direct is not None:
             return x, direct[1], split[1]
     return None
@@ -69,7 +69,10 @@ def _rotary_terms(add: Node) -> tuple[Value, Value, Value] | None:
 
 def _is_unit_reshape(node: Node) -> bool:
     """A reshape that only adds or drops dims of size 1 (the element order and indexing stay)."""
-    drop_ones = lambda shape: [d for d in shape if d != 1]
+
+    def drop_ones(shape):
+        return [d for d in shape if d != 1]
+
     before, after = drop_ones(node.inputs[0].type.shape), drop_ones(node.output.type.shape)
     return len(before) == len(after) and all(dims_equal(a, b) for a, b in zip(before, after))
 
@@ -132,11 +135,12 @@ class RopeTables:
         """`value` computed by the reference kernels with positions = [[0, 1, ..., max_positions-1]]."""
         batch, seq = positions.type.shape
         bindings = {d.name: size for d, size in ((batch, 1), (seq, max_positions)) if isinstance(d, sympy.Symbol)}
-        concrete = lambda a: (
-            tuple(concrete(x) for x in a)
-            if isinstance(a, tuple)
-            else (evaluate(a, bindings) if isinstance(a, sympy.Expr) else a)
-        )
+
+        def concrete(a):
+            if isinstance(a, tuple):
+                return tuple(concrete(x) for x in a)
+            return evaluate(a, bindings) if isinstance(a, sympy.Expr) else a
+
         env = self.env
         env.setdefault(id(positions), torch.arange(max_positions, dtype=to_torch(positions.type.dtype))[None])
         with torch.no_grad():

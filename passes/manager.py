@@ -11,9 +11,9 @@ and fails if the outputs moved.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping
 
 import torch
 
@@ -77,7 +77,7 @@ class PassManager:
         self._check_feeds: Mapping[str, torch.Tensor] | None = None
         self._atol = 1e-4
 
-    def check_with_interpreter(self, sample_feeds: Mapping[str, torch.Tensor], atol: float = 1e-4) -> "PassManager":
+    def check_with_interpreter(self, sample_feeds: Mapping[str, torch.Tensor], atol: float = 1e-4) -> PassManager:
         """Test mode: compare interpreter outputs before and after every signature-preserving pass.
         Inputs a pass adds (KV buffers) are fed zeros when their shapes are static."""
         self._check_feeds, self._atol = dict(sample_feeds), atol

@@ -10,7 +10,7 @@ which the graph keeps current).
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 from kiln.ir import Graph, Node, Value, ops_with
 from kiln.ir.dims import dims_equal

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import sympy
 import torch
 
 from kiln.ir import Graph, Node, TensorType, Value, ops_with
@@ -326,13 +325,13 @@ class _Sharder:
         )
 
     def _elementwise_layout(self, where: str, inputs: list, layouts: list) -> Layout:
-        split = {l for l in layouts if l is not None}
+        split = {part for part in layouts if part is not None}
         if len(split) != 1:
             raise ShardingError(f"{where}: its operands are split differently")
         layout = split.pop()
-        for value, l in zip(inputs, layouts):
+        for value, part in zip(inputs, layouts):
             if (
-                l is None
+                part is None
                 and value is not None
                 and value.type.rank >= -layout.axis
                 and value.type.shape[layout.axis] != 1

@@ -54,7 +54,7 @@ class Hypotheses:
     logprobs: list[list[TokenLogprob]]
     scores: torch.Tensor  # float32 [k]
 
-    def gather(self, index: torch.Tensor) -> "Hypotheses":
+    def gather(self, index: torch.Tensor) -> Hypotheses:
         picked = index.tolist()
         return Hypotheses([self.tokens[i] for i in picked], [self.logprobs[i] for i in picked], self.scores[index])
 
@@ -142,7 +142,11 @@ class BeamSearch:
             running = next_running
             generated += 1
             improvable = improvable and self._improvable(running.scores, finished.scores, is_finished, generated)
-            if not improvable or bool(torch.all(is_finished)) and opts.early_stopping is True or bool(torch.all(ends)):
+            if (
+                not improvable
+                or (bool(torch.all(is_finished)) and opts.early_stopping is True)
+                or bool(torch.all(ends))
+            ):
                 return finished
             rows = self._fork(parent_rows, len(self.prompt) + generated - 1)
             logits = self._decode(rows, [beam[-1] for beam in running.tokens], len(self.prompt) + generated - 1)
@@ -250,7 +254,7 @@ class BeamSearch:
             self.max_seq_len,
             self.decoder_factory() if self.decoder_factory else None,
         )
-        for token, logprob in zip(tokens, logprobs):
+        for _token, logprob in zip(tokens, logprobs):
             request.push(logprob)
         request.prefill_s, request.decode_s = self.prefill_s, elapsed - self.prefill_s
         request.ttft_s = elapsed  # no token is final before the search ends

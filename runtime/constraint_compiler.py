@@ -59,7 +59,7 @@ class ConstraintCompiler:
         return matcher
 
 
-_compilers: "weakref.WeakKeyDictionary[object, ConstraintCompiler]" = weakref.WeakKeyDictionary()
+_compilers: weakref.WeakKeyDictionary[object, ConstraintCompiler] = weakref.WeakKeyDictionary()
 _compilers_lock = threading.Lock()
 
 

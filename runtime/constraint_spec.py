@@ -14,8 +14,9 @@ for everyday patterns.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from kiln.runtime.errors import ConstraintError
 

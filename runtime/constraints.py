@@ -28,7 +28,7 @@ class CompiledConstraint:
         self.description = description
         self.fast_forward = fast_forward
 
-    def start(self) -> "Constraint":
+    def start(self) -> Constraint:
         """A fresh state for one row (a copy of the compiled matcher, microseconds)."""
         return Constraint(self._prototype.deep_copy(), self.description, self.fast_forward)
 

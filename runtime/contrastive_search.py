@@ -39,7 +39,7 @@ from kiln.runtime.results import GenerationResult
 from kiln.runtime.row_prefill import prefill_row0
 from kiln.runtime.token_ids import check_request_ids, model_vocab_size
 
-_SOLVERS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()  # graph -> HiddenStates
+_SOLVERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # graph -> HiddenStates
 
 
 class HiddenStates:

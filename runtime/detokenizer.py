@@ -9,7 +9,7 @@ it no longer ends in an incomplete character.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 REPLACEMENT = "\ufffd"
 

@@ -8,9 +8,9 @@ after a context the drafter did not see grow, it proposes nothing (the target de
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Sequence
 
 import torch
 
@@ -26,7 +26,7 @@ class HeadsDrafter:
     @classmethod
     def from_artifact(
         cls, directory, manifest: dict, graph, kind: str | None = None, min_confidence: float = 0.0
-    ) -> "HeadsDrafter":
+    ) -> HeadsDrafter:
         """The heads of `kind` stored in the artifact at `directory` (ArtifactError if there are
         none, they are damaged or belong to another model)."""
         head = output_head(graph)

@@ -83,7 +83,7 @@ class HiddenFromLogits:
         self.offset = head.bias[self.rows] if head.bias is not None else None
 
     @classmethod
-    def for_head(cls, head: OutputHead, candidates: torch.Tensor) -> "HiddenFromLogits":
+    def for_head(cls, head: OutputHead, candidates: torch.Tensor) -> HiddenFromLogits:
         """Rows among `candidates` (token ids, most useful first: e.g. the most frequent tokens,
         whose rows are well trained): the first 2 x hidden of them."""
         hidden = head.weight.shape[1]

@@ -10,7 +10,7 @@ likely token (bans are the caller's word and drop what they name).
 from __future__ import annotations
 
 from collections import Counter
-from typing import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 

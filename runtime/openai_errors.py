@@ -13,7 +13,6 @@ from starlette.responses import JSONResponse
 from kiln.ir.errors import KilnError
 from kiln.runtime.errors import ContextLengthError, QueueFullError, TokenIdError
 
-
 RETRY_AFTER_S = 1  # what a 429 (queue full) asks the client to wait, in seconds
 
 

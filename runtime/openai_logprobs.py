@@ -21,8 +21,8 @@ constrained decoding (one view per tokenizer, shared with it), and:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from kiln.runtime import openai_protocol as api
 

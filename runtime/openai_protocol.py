@@ -19,7 +19,6 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serial
 
 from kiln.runtime.sampler import REPETITION_PENALTY_RANGE
 
-
 STRICT = dict(strict=True)  # JSON types as sent: no "0.5" -> 0.5 or "yes" -> True (an int still fills a float)
 
 

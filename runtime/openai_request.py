@@ -75,7 +75,7 @@ def _check_text(text: str, path: tuple, what: str = "") -> None:
     if surrogate is not None:
         param = _param(path)
         raise invalid(
-            f"Invalid value for {what}{param!r}: the text holds a lone surrogate {ascii(surrogate.group())} "
+            f"Invalid value for {what}{param!r}: the text holds a lone surrogate {surrogate.group()!a} "
             f"at character {surrogate.start()}, which is not Unicode text. Fix: send valid UTF-8 (a "
             "character beyond U+FFFF escaped as a pair of surrogates).",
             param,

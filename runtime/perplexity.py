@@ -13,8 +13,8 @@ whose kernels may differ from prefill's (e.g. int8-rounded activations in low-bi
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import torch
 

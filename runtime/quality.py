@@ -125,8 +125,8 @@ class QualityResult:
         how = "full distributions" if self.top_k is None else f"reference top-{self.top_k} + rest"
         return "\n".join(
             [
-                f"tokens scored     {self.tokens} ({self.windows} windows of {self.length}, from position {self.first}; "
-                f"{how})",
+                f"tokens scored     {self.tokens} ({self.windows} windows of {self.length}, "
+                f"from position {self.first}; {how})",
                 f"KLD               mean {self.mean_kld:.6f} ± {self.kld_stderr:.6f}, median {self.median_kld:.6f}, "
                 f"p99 {self.p99_kld:.6f}, max {self.max_kld:.6f}",
                 f"delta p           mean {100 * self.delta_p_mean:+.3f}%, RMS {100 * self.delta_p_rms:.3f}%",

@@ -83,7 +83,7 @@ class ReferenceLogits:
         return path
 
     @classmethod
-    def load(cls, path: str | Path) -> "ReferenceLogits":
+    def load(cls, path: str | Path) -> ReferenceLogits:
         from safetensors import SafetensorError, safe_open
 
         try:

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
 from kiln.runtime.constraints import CompiledConstraint
 from kiln.runtime.detokenizer import IncrementalDecoder
+from kiln.runtime.draft_tree import DraftTree
 from kiln.runtime.results import GenerationResult, GenerationStats
 from kiln.runtime.sampler import Sampler, SamplingParams, TokenLogprob
 from kiln.runtime.stop_strings import StopStringMatcher
@@ -200,54 +201,82 @@ class Request:
         return piece + self.stop.flush()
 
     # -- speculative steps ------------------------------------------------------------------------
-    def draft(self, max_seq_len: int) -> list[int]:
-        """The drafter's guesses for the tokens after the newest one, within what the token budget
-        and the cache leave (the target adds a token of its own after them); ids checked by the caller.
-        None while prompt tokens are fed: the first new token always comes from the prompt alone,
+    def draft(self, max_seq_len: int, trees: bool = False, vocab_size: int | None = None) -> DraftTree:
+        """The drafter's guesses for the tokens after the newest one (a tree where the caller
+        verifies `trees`, else its first path), within what the token budget and the cache leave
+        (the target adds a token of its own after them), without ids the model lacks.
+        Empty while prompt tokens are fed: the first new token always comes from the prompt alone,
         so a seeded sample does not depend on how the prompt was chunked or cached."""
         if self.drafter is None or self.constraint is not None or not self.generating or self.fed < len(self.prompt):
-            return []
+            return DraftTree.chain([])
         room = min(max_seq_len - 1 - self.fed, self.max_new - len(self.tokens) - 1)
-        return list(self.drafter.propose(self.prompt + self.tokens, room)[:room]) if room > 0 else []
+        if room <= 0:
+            return DraftTree.chain([])
+        proposal = self.drafter.propose(self.prompt + self.tokens, room)
+        if not isinstance(proposal, DraftTree):
+            proposal = DraftTree.chain(proposal)
+        elif not trees:
+            proposal = DraftTree.chain(proposal.first_path())
+        tree = proposal.within(vocab_size, max_nodes=len(proposal))
+        # every path within the budget: a tree deeper than `room` keeps its nodes up to that depth
+        if max(tree.depths(), default=0) > room:
+            keep = [i for i, depth in enumerate(tree.depths()) if depth <= room]
+            tree = DraftTree(tuple(tree.tokens[i] for i in keep), tuple(tree.parents[i] for i in keep))
+        return tree
 
     def verify(self, logits: torch.Tensor, draft: list[int]) -> tuple[str, int]:
-        """Judge `draft` with the target's logits [1 + len(draft), vocab] after the newest token
-        and each draft token: emit the accepted drafts, then the target's own token. Returns the
-        text emitted and how many drafts were accepted (their keys and values are valid)."""
+        """`verify_tree` of a chain: returns the text emitted and how many drafts were accepted."""
+        piece, path = self.verify_tree(logits, DraftTree.chain(draft))
+        return piece, len(path)
+
+    def verify_tree(self, logits: torch.Tensor, tree: DraftTree) -> tuple[str, list[int]]:
+        """Judge the drafts with the target's logits [1 + len(tree), vocab] after the newest token
+        and after each node: from the newest token down, the target picks among the node's
+        children (`judge`); each accepted child is emitted and the walk goes on from it; the first
+        choice that is no child is emitted and ends the step (a leaf's next token is free). Returns
+        the text emitted and the accepted nodes, root first (their keys and values are valid)."""
         self.target_steps += 1
         self.model_steps += 1
-        pieces, accepted = [], 0
-        for i, guess in enumerate(draft):
-            choice = self.judge(logits[i], guess)
-            pieces.append(self.push(choice))
-            if choice.token != guess or not self.generating:
+        pieces, path, at = [], [], -1
+        while True:
+            children = tree.children(at)
+            if not children:
+                if self.generating:  # the target's token after the last accepted draft is free
+                    pieces.append(self._sample(logits[at + 1]))
                 break
-            accepted += 1
-        else:
-            if self.generating:  # every draft accepted: the target's token after the last one is free
-                pieces.append(self._sample(logits[len(draft)]))
-        self.drafted_tokens += len(draft)
-        self.accepted_tokens += accepted
-        self.drafter.feedback(len(draft), accepted)
-        return "".join(pieces), accepted
+            choice = self.judge(logits[at + 1], [tree.tokens[c] for c in children])
+            pieces.append(self.push(choice))
+            hit = next((c for c in children if tree.tokens[c] == choice.token), None)
+            if hit is None or not self.generating:
+                break
+            path.append(hit)
+            at = hit
+        self.drafted_tokens += len(tree)
+        self.accepted_tokens += len(path)
+        self.drafter.feedback(max(tree.depths(), default=0), len(path))
+        return "".join(pieces), path
 
-    def judge(self, logits: torch.Tensor, guess: int) -> TokenLogprob:
-        """The token to emit where the drafter guessed `guess`: greedy, the target's argmax;
-        sampled, `guess` with probability p(guess), else a draw from p without it (drafts are
-        deterministic, so this is the standard accept/reject rule: every emitted token is
-        distributed as the target's processed distribution)."""
+    def judge(self, logits: torch.Tensor, guesses: list[int]) -> TokenLogprob:
+        """The token to emit where the drafter guessed one of `guesses` (distinct): greedy, the
+        target's argmax; sampled, each guess in turn with its probability under what the earlier
+        rejected guesses leave of p, else a draw from that rest (drafts are deterministic, so this
+        is the accept/reject rule of speculative sampling over several candidates: every emitted
+        token is distributed as the target's processed distribution)."""
         sampler = self.sampler
         raw = logits.detach().float().cpu()
         processed = sampler.process(raw, self.prompt, self.tokens)
         if self.settings.sampling.greedy:
             token = int(processed.numpy().argmax())
         else:
-            probs = torch.softmax(processed, dim=-1)
-            if float(torch.rand((), generator=sampler.generator)) < float(probs[guess]):
-                token = guess
-            else:
-                rest = probs.clone()
+            rest = torch.softmax(processed, dim=-1)
+            token = None
+            for guess in guesses:
+                if float(torch.rand((), generator=sampler.generator)) * float(rest.sum()) < float(rest[guess]):
+                    token = guess
+                    break
+                rest = rest.clone()
                 rest[guess] = 0.0
+            if token is None:
                 token = int(torch.multinomial(rest / rest.sum(), 1, generator=sampler.generator))
         return sampler._with_logprobs(raw, token)
 

@@ -4,7 +4,7 @@ at once (2,048 positions x 49,152 vocabulary entries of f32 are 400 MB)."""
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -10,8 +10,8 @@ depend only on its logits, its context and its seed, never on what else shares t
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
-from typing import Sequence
 
 import numpy as np
 import torch

@@ -44,15 +44,6 @@ from kiln.runtime.openai_request import (
     single_prompt,
     with_drafter,
 )
-from kiln.runtime.openai_tools import (
-    ToolDeltas,
-    ToolPlan,
-    chat_prompt,
-    constrain_answer,
-    finish_reason,
-    plan_tools,
-    tool_message,
-)
 from kiln.runtime.openai_samples import (
     Samples,
     best_results,
@@ -62,6 +53,15 @@ from kiln.runtime.openai_samples import (
     sample_counts,
     sample_rewards,
     submit_samples,
+)
+from kiln.runtime.openai_tools import (
+    ToolDeltas,
+    ToolPlan,
+    chat_prompt,
+    constrain_answer,
+    finish_reason,
+    plan_tools,
+    tool_message,
 )
 from kiln.runtime.server_metrics import RequestTimer, ServerMetrics
 from kiln.runtime.sse import event, event_stream

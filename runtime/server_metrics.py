@@ -73,7 +73,7 @@ class ServerMetrics:
     def exposition(self) -> bytes:
         return generate_latest(self.registry)
 
-    def timer(self) -> "RequestTimer":
+    def timer(self) -> RequestTimer:
         """Latency bookkeeping for one request, started now."""
         return RequestTimer(self)
 

@@ -24,10 +24,12 @@ Drafters:
 from __future__ import annotations
 
 import time
-from typing import Protocol, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
+from kiln.runtime.draft_tree import DraftTree
 from kiln.runtime.request import GenerationSettings, Request
 from kiln.runtime.results import GenerationResult
 from kiln.runtime.token_ids import check_request_ids, known_prefix, model_vocab_size
@@ -46,20 +48,30 @@ class Drafter(Protocol):
 
 
 class PromptLookupDrafter:
-    """Drafts by n-gram lookup in the context itself."""
+    """Drafts by n-gram lookup in the context itself: what followed the longest recent n-gram's
+    most recent earlier occurrence, and, with `branches` > 1, what followed its other recent
+    occurrences too, as one token tree (a caller that verifies chains takes its first path)."""
 
-    def __init__(self, max_ngram: int = 3, max_draft: int = 8, min_draft: int = 1, min_ngram: int = 1):
+    def __init__(
+        self, max_ngram: int = 3, max_draft: int = 8, min_draft: int = 1, min_ngram: int = 1, branches: int = 3
+    ):
         self.max_ngram, self.max_draft, self.min_draft, self.min_ngram = max_ngram, max_draft, min_draft, min_ngram
+        self.branches = branches
         self.length = max_draft
 
-    def propose(self, context: Sequence[int], max_tokens: int) -> list[int]:
+    def propose(self, context: Sequence[int], max_tokens: int) -> DraftTree:
         limit = min(self.length, max_tokens)
         for n in range(min(self.max_ngram, len(context) - 1), self.min_ngram - 1, -1):
             tail = list(context[-n:])
-            for start in range(len(context) - n - 1, -1, -1):  # the most recent earlier match
+            continuations = []
+            for start in range(len(context) - n - 1, -1, -1):  # the most recent earlier matches first
                 if list(context[start : start + n]) == tail:
-                    return list(context[start + n : start + n + limit])
-        return []
+                    continuations.append(list(context[start + n : start + n + limit]))
+                    if len(continuations) == self.branches:
+                        break
+            if continuations:
+                return DraftTree.of_continuations(continuations, max_nodes=limit + (self.branches - 1) * limit // 2)
+        return DraftTree.chain([])
 
     def feedback(self, drafted: int, accepted: int) -> None:
         if drafted and accepted == drafted:
@@ -158,6 +170,8 @@ class SpeculativeGeneration:
         position = len(context) - 1  # the newest token's slot
         room = min(self.max_seq_len - 1 - position, request.max_new - len(request.tokens) - 1)
         draft = self.drafter.propose(context, room) if room > 0 else []
+        if isinstance(draft, DraftTree):  # one call verifies one chain here
+            draft = draft.first_path()
         # a drafter's guesses as the target can take them: within the room left, ids it knows
         draft = list(draft[: known_prefix(draft[:room], self.vocab_size)])
         feed = [context[-1], *draft]

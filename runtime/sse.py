@@ -9,7 +9,7 @@ longer change the status, so it is sent as an OpenAI error object event before [
 from __future__ import annotations
 
 import json
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from pydantic import BaseModel
 from starlette.responses import StreamingResponse

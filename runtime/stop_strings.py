@@ -6,7 +6,7 @@ so nothing after (or part of) a stop string is ever emitted.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 
 class StopStringMatcher:

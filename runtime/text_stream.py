@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 from kiln.runtime.results import GenerationResult
 
@@ -10,8 +10,8 @@ from kiln.runtime.results import GenerationResult
 class TextStream:
     """Iterate for text as it completes: str pieces for one prompt, (prompt index, piece) pairs
     for a list. `batches` are iterables of (row, piece) with `rows` and `results()`: an
-    EngineBatch, or speculative generations of one prompt each. After the iteration, `results` holds the GenerationResults (as `generate`
-    would have returned them: one result, or a list)."""
+    EngineBatch, or speculative generations of one prompt each. After the iteration, `results`
+    holds the GenerationResults (as `generate` would have returned them: one result, or a list)."""
 
     def __init__(self, batches: list, single: bool):
         self._batches = batches

@@ -9,7 +9,7 @@ id is checked once, where it enters, at the cost of one min/max pass over the pr
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 from kiln.runtime.errors import TokenIdError
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import functools
 import json
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from tokenizers import Tokenizer as _HFTokenizer
 
@@ -60,7 +60,7 @@ class Tokenizer:
         self.chat_template = chat_template or select_chat_template(self.config.get("chat_template"))
 
     @classmethod
-    def from_dir(cls, directory: str | Path) -> "Tokenizer":
+    def from_dir(cls, directory: str | Path) -> Tokenizer:
         """Load tokenizer.json (required) and the optional config files next to it."""
         directory = Path(directory)
         path = directory / "tokenizer.json"
@@ -71,7 +71,7 @@ class Tokenizer:
             )
         try:
             tok = _HFTokenizer.from_file(str(path))
-        except Exception as e:  # the Rust library raises a bare Exception on malformed files
+        except Exception as e:  # noqa: BLE001 - the Rust library raises a bare Exception on malformed files
             raise TokenizerError(f"{path} cannot be loaded ({e}). Fix: restore the file from the model.") from None
         template_file = directory / "chat_template.jinja"
         template = template_file.read_text(encoding="utf-8") if template_file.is_file() else None
@@ -140,7 +140,7 @@ def _check_unicode(text) -> None:
     surrogate = re.search("[\ud800-\udfff]", text) if isinstance(text, str) else None
     if surrogate is not None:
         raise GenerationError(
-            f"The text holds a lone surrogate {ascii(surrogate.group())} at character "
+            f"The text holds a lone surrogate {surrogate.group()!a} at character "
             f"{surrogate.start()}, which is not Unicode text and has no tokens. Fix: pass valid "
             "Unicode (decode input with errors='replace' if it may hold broken escapes)."
         )

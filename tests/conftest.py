@@ -12,10 +12,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from tiny_models import ARCHITECTURES, save_tiny_checkpoint
 
 from kiln.frontend.default_model import default_gguf_path, default_model_dir
 from kiln.frontend.errors import ModelNotFoundError
+from tiny_models import ARCHITECTURES, save_tiny_checkpoint
 
 # Tests compile the same tiny models under different monkeypatched settings, which no cache key
 # sees: they compile afresh (tests/test_compile_cache.py turns the cache on in a tmp directory).

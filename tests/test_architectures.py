@@ -14,6 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hf_oracle import hf_greedy, prompts
 from kiln.backends.executable import BackendOptions
 from kiln.backends.registry import get_backend
 from kiln.frontend.capture import capture_causal_lm
@@ -22,8 +23,6 @@ from kiln.ir import parse_graph, print_graph, run_graph
 from kiln.passes.pipeline import run_pipeline
 from kiln.runtime.generate import LLM
 from kiln.runtime.tokenizer import Tokenizer
-
-from hf_oracle import hf_greedy, prompts
 from tiny_models import EOS_TOKEN_ID, FAMILIES
 
 NEW_TOKENS = 32

@@ -5,10 +5,10 @@ KV rows by copying the parent's prefix, one decode call over all beams per step.
 import pytest
 import torch
 
+from hf_oracle import prompts
 from kiln.runtime import beam_search
 from kiln.runtime.errors import GenerationError
 from kiln.runtime.generate import LLM
-from hf_oracle import prompts
 from search_models import searchable
 from test_engine import CallLog
 from tiny_models import ARCHITECTURES, EOS_TOKEN_ID, FAMILIES

@@ -7,7 +7,6 @@ from kiln.frontend.capture import capture_causal_lm, capture_module
 from kiln.frontend.checkpoint import load_model
 from kiln.frontend.errors import UnsupportedOpError
 from kiln.ir import parse_graph, print_graph, run_graph, verify
-
 from tiny_models import ARCHITECTURES, VOCAB_SIZE, save_tiny_checkpoint
 
 

@@ -11,12 +11,12 @@ import json
 
 import pytest
 from fastapi.testclient import TestClient
-from tiny_models import tokenizer_config
 
 import kiln
 from kiln.runtime.errors import TokenizerError
 from kiln.runtime.generate import LLM
 from kiln.runtime.server import create_app
+from tiny_models import tokenizer_config
 
 MODEL = "tiny"
 # Qwen2.5's way with tools, cut to its core
@@ -25,7 +25,8 @@ TOOL_TEMPLATE = (
     "{% if message.role == 'assistant' and message.tool_calls %}<|im_start|>assistant\n"
     '{% for call in message.tool_calls %}<tool_call>{"name": "{{ call.function.name }}", '
     '"arguments": {{ call.function.arguments | tojson }}}</tool_call>{% endfor %}<|im_end|>\n'
-    "{% elif message.role == 'tool' %}<|im_start|>user\n<tool_response>{{ message.content }}</tool_response><|im_end|>\n"
+    "{% elif message.role == 'tool' %}<|im_start|>user\n"
+    "<tool_response>{{ message.content }}</tool_response><|im_end|>\n"
     "{% else %}<|im_start|>{{ message.role }}\n{{ message.content }}<|im_end|>\n{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )

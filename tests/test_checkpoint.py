@@ -7,11 +7,11 @@ import json
 
 import pytest
 import torch
-from tiny_models import VOCAB_SIZE, save_tiny_checkpoint, save_tiny_gguf
 
 from kiln.frontend import default_model
 from kiln.frontend.checkpoint import checkpoint_sha256, load_model
 from kiln.frontend.errors import CheckpointError, KilnError, ModelNotFoundError
+from tiny_models import VOCAB_SIZE, save_tiny_checkpoint, save_tiny_gguf
 
 PROMPT_IDS = torch.tensor([[5, 70, 300, 11, 42, 99, 7, 256, 17, 400, 33, 120, 8, 64, 200, 3, 77, 150, 9, 21]])
 

@@ -261,7 +261,7 @@ def test_random_values_of_every_flag_give_one_line_errors_and_no_traceback(tmp_p
     ]
     mains += [(cli.kiln_main, parser, [name]) for name, parser in sorted(kiln_commands.items())]
     outcomes = {"slow": 0, "exit": 0}
-    for round_ in range(120):
+    for _ in range(120):
         for main, parser, prefix in mains:
             positional = [str(tmp_path / "model")] * sum(
                 1 for a in parser._actions if not a.option_strings and not isinstance(a, argparse._HelpAction)

@@ -75,7 +75,7 @@ def first(cache_root, model_dir, tmp_path_factory):
 
 
 def test_the_callback_receives_every_phase_of_a_compile(first):
-    path, events = first
+    _, events = first
     assert phases(events, "start") == COMPILED and phases(events) == COMPILED
     done = [e for e in events if e.kind == "done"]
     assert all(re.fullmatch(rf"{re.escape(e.title)}: done in \d+\.\ds", e) for e in done)  # the line's form

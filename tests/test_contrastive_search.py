@@ -5,10 +5,10 @@ method itself); its candidates run in one decode call per token."""
 import pytest
 import torch
 
+from hf_oracle import prompts
 from kiln.runtime import row_prefill
 from kiln.runtime.errors import GenerationError
 from kiln.runtime.generate import LLM
-from hf_oracle import prompts
 from search_models import searchable
 from test_engine import CallLog, executable
 from test_generate_loop import tiny_stateful_graph  # noqa: F401 - test_engine's executable needs it

@@ -6,12 +6,10 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 import kiln
-from kiln.frontend.checkpoint import load_model
-
 from hf_oracle import eos_ids, hf_greedy, prompts
+from kiln.frontend.checkpoint import load_model
 from tiny_models import ARCHITECTURES
 
 NEW_TOKENS = 64

@@ -105,7 +105,7 @@ def test_a_freed_row_admits_the_next_waiting_request_at_once():
     llm = LLM(log)
     with llm.engine.exclusive():
         handles = [llm.submit([5 + i, 9], max_new_tokens=n) for i, n in enumerate((2, 10, 3))]
-    first, second, third = (h.result(timeout=60) for h in handles)
+    _, second, third = (h.result(timeout=60) for h in handles)
     assert third.token_ids == alone([7, 9], max_new_tokens=3).token_ids
     assert third.stats.ttft_s < second.stats.ttft_s + second.stats.decode_s  # it started before the 2nd ended
     assert max(batch for batch, _, _ in log.calls) <= 2
@@ -285,8 +285,8 @@ def test_speculative_sampling_in_a_request_keeps_the_target_distribution():
         request = Request([0], settings, seed, max_seq_len=16)
         request.fed = 1  # the prompt is in the cache: the next step drafts
         draft = request.draft(16)
-        assert draft == [1, 1]
-        request.verify(logits, draft)
+        assert draft.tokens == (1, 1) and draft.is_chain
+        request.verify_tree(logits, draft)
         counts[request.tokens[0]] += 1
     for token, p in enumerate([0.6, 0.3, 0.1]):
         assert abs(counts[token] / 1500 - p) < 0.035, counts

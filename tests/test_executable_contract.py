@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_generate_loop import MAX_SEQ_LEN, tiny_stateful_graph
 
 from kiln.backends.executable import Backend, BackendOptions, Executable, capabilities
 from kiln.backends.reference import ReferenceExecutable
 from kiln.backends.registry import BACKEND_MEMBERS, BACKENDS, get_backend
+from test_generate_loop import MAX_SEQ_LEN, tiny_stateful_graph
 
 
 @pytest.mark.parametrize("name", sorted(BACKENDS))

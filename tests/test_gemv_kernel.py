@@ -2,8 +2,8 @@
 
 The ops `kiln::linear_f32` / `kiln::linear_i8` must match F.linear for the SmolLM2-135M shapes
 at decode (M = 1), small batches (M = 2..8), many rows (M = 9..64: verification, batched decode,
-with the AVX-512 and the AVX2 kernel) and prefill (M <= 128 the same kernel, M > 128 the MKL path), with and without bias,
-any leading dims, 1 or 2 threads, and inside `torch.compile(fullgraph=True)`.
+with the AVX-512 and the AVX2 kernel) and prefill (M <= 128 the same kernel, M > 128 the MKL
+path), with and without bias, any leading dims, 1 or 2 threads, and inside `torch.compile(fullgraph=True)`.
 """
 
 from __future__ import annotations

@@ -15,10 +15,10 @@ import torch
 from kiln.backends.executable import BackendOptions
 from kiln.backends.reference import ReferenceExecutable
 from kiln.ir import Graph, TensorType, symbol
-from kiln.runtime.request import GenerationSettings
 from kiln.runtime.engine_batch import EngineBatch
 from kiln.runtime.errors import ContextLengthError
 from kiln.runtime.generate import LLM
+from kiln.runtime.request import GenerationSettings
 from kiln.runtime.stop_strings import StopStringMatcher
 from kiln.runtime.tokenizer import Tokenizer
 from tiny_models import VOCAB_SIZE, tokenizer_config, tokenizer_json

@@ -66,7 +66,7 @@ def test_a_node_cannot_be_placed_twice_or_next_to_a_stranger():
 
 
 def test_replace_all_uses_moves_reads_and_keeps_the_output_name():
-    graph, x, exp, neg = graph_with_chain()
+    graph, _, exp, neg = graph_with_chain()
     cheaper = graph.create("abs", [exp.output])
     graph.insert_after(neg, cheaper)
     graph.replace_all_uses(neg.output, cheaper.output)
@@ -108,7 +108,7 @@ def test_rename_claims_the_new_name_and_releases_the_old():
 
 
 def test_raw_list_edits_of_nodes_keep_users_current():
-    graph, x, exp, neg = graph_with_chain()
+    graph, _, exp, _ = graph_with_chain()
     extra = graph.create("abs", [exp.output])
     graph.nodes.append(extra)
     graph.nodes.pop(0)

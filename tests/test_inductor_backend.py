@@ -64,7 +64,7 @@ def build_toy_transformer(layers: int = 2, window: int = 0, softcap: float = 0.0
     for i in range(layers):
         h = g.call("rms_norm", x, param(f"l{i}.attn_norm", HIDDEN, scale=1.0), eps=1e-5)
 
-        def heads(w, n):
+        def heads(w, n, h=h):
             y = g.call("reshape", g.call("linear", h, w, None), shape=[batch, seq, n, HEAD_DIM])
             return g.call("permute", y, perm=[0, 2, 1, 3])
 

@@ -14,13 +14,6 @@ import json
 
 import pytest
 from fastapi.testclient import TestClient
-from tiny_models import (
-    BYTE_FALLBACK_SPECIAL_TOKENS,
-    EOS_TOKEN_ID,
-    byte_fallback_tokenizer_json,
-    tokenizer_config,
-    tokenizer_json,
-)
 
 from kiln.backends.executable import BackendOptions
 from kiln.backends.reference import ReferenceExecutable
@@ -29,6 +22,13 @@ from kiln.runtime.openai_logprobs import TokenBytes, token_spans, token_string
 from kiln.runtime.server import create_app
 from kiln.runtime.tokenizer import Tokenizer
 from test_generate_loop import MAX_SEQ_LEN, tiny_stateful_graph
+from tiny_models import (
+    BYTE_FALLBACK_SPECIAL_TOKENS,
+    EOS_TOKEN_ID,
+    byte_fallback_tokenizer_json,
+    tokenizer_config,
+    tokenizer_json,
+)
 
 TEXTS = ["日本の首都は東京です", "Paris 😀 and 🇫🇷!", "naïve café, Ελλάδα", "The capital of France is Paris."]
 MODEL = "tiny"
@@ -142,7 +142,7 @@ def test_bytes_that_are_no_utf8_do_not_derail_the_offsets_after_them(any_tokeniz
 
 
 def test_a_token_that_is_whole_characters_is_named_by_its_text():
-    assert token_string(" Paris".encode()) == " Paris" and token_string("日".encode()) == "日"
+    assert token_string(b" Paris") == " Paris" and token_string("日".encode()) == "日"
     assert token_string(b" \xe6\x97") == "bytes: \\xe6\\x97"
 
 
@@ -158,7 +158,7 @@ def served(request):
 
 
 def test_completion_logprobs_of_cjk_tokens(served):
-    client, tokenizer = served
+    client, _ = served
     # the regex makes the random model write CJK; with logprobs every forced token is scored
     response = client.post(
         "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 20, "logprobs": 2, "regex": "東京😀"}
@@ -178,7 +178,7 @@ def test_completion_logprobs_of_cjk_tokens(served):
 
 
 def test_chat_logprob_bytes_join_to_the_message(served):
-    client, tokenizer = served
+    client, _ = served
     response = client.post(
         "/v1/chat/completions",
         json={

@@ -6,13 +6,13 @@ from dataclasses import replace
 
 import pytest
 import torch
-from tiny_models import TRAINING_TEXT
 
 from kiln.backends import reference
 from kiln.backends.executable import BackendOptions
 from kiln.passes.mixed_precision import choose_int8_layers, layer_of, layer_sensitivity, layer_weights, quantize_mixed
 from kiln.passes.quant_schemes import get_scheme
 from kiln.runtime.quality import compare_executables
+from tiny_models import TRAINING_TEXT
 
 LENGTH = 64
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import kiln
+from hf_oracle import eos_ids, hf_greedy, prompts
 from kiln.backends import onnxruntime as ort_backend
 from kiln.backends import reference
 from kiln.backends.executable import BackendOptions
@@ -16,8 +17,6 @@ from kiln.ir import Graph, TensorType
 from kiln.passes.pipeline import run_pipeline
 from kiln.runtime.generate import LLM
 from kiln.runtime.tokenizer import Tokenizer
-
-from hf_oracle import eos_ids, hf_greedy, prompts
 from tiny_models import ARCHITECTURES, VOCAB_SIZE
 
 NEW_TOKENS = 64
@@ -100,7 +99,7 @@ def test_smollm2_shaped_graph_uses_group_query_attention_and_fused_norms(statefu
 
 def test_group_query_attention_reads_packed_qkv_and_applies_rope(stateful_graph):
     model = ort_backend.graph_to_onnx(stateful_graph("llama")[0]).model
-    gqa = [n for n in model.graph.node if n.op_type == "GroupQueryAttention"][0]
+    gqa = next(n for n in model.graph.node if n.op_type == "GroupQueryAttention")
     attrs = {a.name: onnx.helper.get_attribute_value(a) for a in gqa.attribute}
     assert gqa.input[1] == gqa.input[2] == ""  # packed q/k/v in the query input
     assert attrs["do_rotary"] == 1 and gqa.input[7] and gqa.input[8]  # cos/sin caches

@@ -7,12 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import TRAINING_TEXT
 
-from kiln.backends import reference
 from kiln.backends.executable import BackendOptions
 from kiln.runtime.quality import QualityResult, compare, compare_executables, compare_many, quality
 from kiln.runtime.reference_logits import QualityError, ReferenceLogits, reference_logits, truncated
+from tiny_models import TRAINING_TEXT
 
 LENGTH = 64
 

@@ -329,9 +329,8 @@ RARE = "\U0009d537"
 
 @pytest.fixture(scope="module")
 def lacking_llm(tmp_path_factory) -> LLM:
-    from tiny_models import tokenizer_config, tokenizer_json
-
     from kiln.runtime.tokenizer import Tokenizer
+    from tiny_models import tokenizer_config, tokenizer_json
 
     directory = tmp_path_factory.mktemp("lacking_tokenizer")
     (directory / "tokenizer.json").write_text(tokenizer_json(lacking_bytes=(0xF1, 0xF2)))

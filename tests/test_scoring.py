@@ -5,10 +5,10 @@ import pytest
 import torch
 
 import kiln
+from hf_oracle import prompts
 from kiln.frontend.checkpoint import load_model
 from kiln.runtime import scoring
 from kiln.runtime.errors import ContextLengthError, GenerationError, TokenIdError
-from hf_oracle import prompts
 
 MAX_SEQ = 64
 

@@ -10,11 +10,11 @@ import urllib.request
 
 import openai
 import pytest
-from served import served, tiny_llama_artifact
 
 import kiln
 from kiln.cli import kiln_main
 from kiln.runtime.server import create_app
+from served import served, tiny_llama_artifact
 
 MODEL = "tiny-llama"
 KEY = "sk-test-0123456789abcdef"

@@ -7,12 +7,12 @@ from __future__ import annotations
 import openai
 import pytest
 import torch
-from served import served, tiny_llama_artifact
 
 import kiln
 from kiln.frontend.checkpoint import load_model
 from kiln.runtime.openai_logprobs import TokenBytes, token_string
 from kiln.runtime.server import create_app
+from served import served, tiny_llama_artifact
 
 MODEL = "tiny-llama"
 PROMPT = "The capital of France is Paris, and the capital of Italy is"

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import openai
 import pytest
-from served import record_submits, served, tiny_llama_artifact
 
 import kiln
 from kiln.runtime.samples import cumulative_logprob
 from kiln.runtime.server import create_app
+from served import record_submits, served, tiny_llama_artifact
 
 MODEL = "tiny-llama"
 PROMPT = "The capital of France is Paris. The capital of Germany is Berlin. The capital of Italy is"  # 16+ tokens

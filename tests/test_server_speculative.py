@@ -16,11 +16,11 @@ import urllib.request
 
 import openai
 import pytest
-from served import record_submits, served, tiny_llama_artifact
 
 import kiln
 from kiln.runtime.errors import GenerationError
 from kiln.runtime.server import create_app
+from served import record_submits, served, tiny_llama_artifact
 
 MODEL = "tiny-llama"
 # repetitive: its own n-grams come back, so lookup finds drafts

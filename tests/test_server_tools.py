@@ -11,14 +11,14 @@ import json
 import jsonschema
 import openai
 import pytest
-from served import served
-from tiny_models import save_tiny_checkpoint
 
 import kiln
 from kiln.runtime import openai_protocol as api
 from kiln.runtime.openai_tools import chat_prompt, plan_tools
 from kiln.runtime.server import create_app
 from kiln.runtime.tool_calls import parse_tool_calls
+from served import served
+from tiny_models import save_tiny_checkpoint
 
 MODEL = "tiny-llama"
 WEATHER = {
@@ -68,7 +68,8 @@ TOOL_TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def llm(tmp_path_factory):
-    """The tiny Llama with room for the tools in its prompt (context 1024: the tiny tokenizer spends a token on every few characters)."""
+    """The tiny Llama with room for the tools in its prompt (context 1024: the tiny tokenizer spends
+    a token on every few characters)."""
     source = save_tiny_checkpoint("llama", tmp_path_factory.mktemp("tools") / "llama", max_position_embeddings=1024)
     return kiln.load(
         kiln.compile(str(source), out=source.parent / "m.kiln", backend="reference", max_seq_len=1024, max_batch=2)

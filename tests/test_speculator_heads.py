@@ -8,7 +8,6 @@ import torch
 
 import kiln
 from kiln.runtime.errors import ArtifactError
-from kiln.runtime.heads_drafter import HeadsDrafter
 from kiln.runtime.last_hidden import HiddenFromLogits, SpeculatorError, output_head
 from kiln.runtime.speculator_heads import heads_file
 from kiln.speculator_data import frequency_ranking

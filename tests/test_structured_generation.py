@@ -16,9 +16,9 @@ import pytest
 import kiln
 from kiln.runtime.constraint_compiler import compile_constraint
 from kiln.runtime.constraint_spec import constraint_spec
-from kiln.runtime.request import GenerationSettings
 from kiln.runtime.engine_batch import EngineBatch
 from kiln.runtime.errors import ConstraintError
+from kiln.runtime.request import GenerationSettings
 from kiln.runtime.sampler import SamplingParams
 
 PERSON = {

@@ -13,18 +13,17 @@ import pytest
 import torch
 
 import kiln
+from hf_oracle import eos_ids, hf_greedy, prompts
 from kiln.backends.executable import BackendOptions
 from kiln.frontend.checkpoint import load_model
 from kiln.ir import run_graph
 from kiln.runtime.artifact import read_artifact
 
-from hf_oracle import eos_ids, hf_greedy, prompts
-
 tinygrad_backend = pytest.importorskip("kiln.backends.tinygrad")
-from kiln.backends.tinygrad import (
+from kiln.backends.tinygrad import (  # noqa: E402
     CompilerNotFoundError,
     FeedError,
-    TinygradArtifactError,  # noqa: E402
+    TinygradArtifactError,
     check_lowering_table,
     compiled_program_count,
 )
@@ -76,7 +75,7 @@ def test_all_ops_match_the_interpreter():
     for value, e, a in zip(graph.outputs, expected, actual):
         result = torch.from_numpy(a.numpy())
         assert result.dtype == e.dtype and result.shape == e.shape, value.name
-        torch.testing.assert_close(result, e, atol=1e-5, rtol=1e-5, msg=lambda m: f"{value.name}: {m}")
+        torch.testing.assert_close(result, e, atol=1e-5, rtol=1e-5, msg=lambda m, name=value.name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize(
@@ -87,6 +86,7 @@ def test_linear_q_in_both_forms_matches_the_interpreter(bits, group_size, symmet
     """Up to 8 rows take the grouped form (sums on the codes, scaled per group), more rows, or a
     K the groups do not divide, the dequantize-then-multiply form; both are f32 arithmetic."""
     from tinygrad import Tensor
+
     from kiln.backends.tinygrad.quantized_lowerings import takes_grouped_form
     from test_quantization import quantized_linear_graph
 

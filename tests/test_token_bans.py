@@ -8,11 +8,11 @@ import pytest
 import torch
 from transformers.generation.logits_process import MinNewTokensLengthLogitsProcessor, NoBadWordsLogitsProcessor
 
+from hf_oracle import prompts
 from kiln.runtime.bad_words import word_spellings
 from kiln.runtime.errors import GenerationError, TokenIdError, TokenizerError
 from kiln.runtime.generate import LLM
 from kiln.runtime.sampler import Sampler, SamplingParams
-from hf_oracle import prompts
 from search_models import searchable
 from test_engine import executable
 from test_generate_loop import tiny_stateful_graph  # noqa: F401 - test_engine's executable needs it

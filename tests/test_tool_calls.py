@@ -7,13 +7,13 @@ from __future__ import annotations
 import json
 
 import pytest
-from tiny_models import EOS_TOKEN_ID, VOCAB_SIZE, tokenizer_config, tokenizer_json
 
 from kiln.runtime.constraint_compiler import compile_constraint
 from kiln.runtime.constraint_spec import constraint_spec
 from kiln.runtime.errors import ConstraintError
 from kiln.runtime.tokenizer import Tokenizer
 from kiln.runtime.tool_calls import ParsedMessage, ToolCallParser, call_text, parse_tool_calls, tool_grammar
+from tiny_models import EOS_TOKEN_ID, VOCAB_SIZE, tokenizer_config, tokenizer_json
 
 WEATHER = {
     "name": "get_weather",

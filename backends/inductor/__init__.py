@@ -15,12 +15,13 @@ from __future__ import annotations
 
 import torch
 
-from . import fast_linear  # registers Kiln's GEMV kernel as the lowering of fp32 linears
-from . import fast_attention  # registers Kiln's cached-attention kernel for attention over KV buffers
 from kiln.backends.errors import FeedError, LoweringError
 from kiln.ir.errors import UnsupportedOpError
 from kiln.ir.ops.collectives import tensor_parallel_size
 
+# imported for what they register: Kiln's cached-attention kernel for attention over KV buffers,
+# and its GEMV kernel as the lowering of fp32 linears
+from . import fast_attention, fast_linear  # noqa: F401
 from .aoti_package import AOTIExecutable, PackageError
 from .aoti_package import load as load_package
 from .executable import InductorExecutable, lower
@@ -49,19 +50,19 @@ def load(directory, graph, weights, options):
 
 
 __all__ = [
+    "FX_LOWERINGS",
     "NAME",
-    "backend_version",
-    "lower",
-    "load",
-    "InductorExecutable",
     "AOTIExecutable",
     "FeedError",
-    "PackageError",
-    "FX_LOWERINGS",
+    "InductorExecutable",
     "LoweringError",
+    "PackageError",
     "UnsupportedOpError",
+    "backend_version",
     "check_lowering_table",
     "graph_to_fx",
-    "register_linear_lowering",
+    "load",
+    "lower",
     "register_attention_lowering",
+    "register_linear_lowering",
 ]

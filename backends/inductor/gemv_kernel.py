@@ -54,15 +54,15 @@ from kiln.backends.errors import LoweringError
 from kiln.ir.errors import KilnError, OptionError
 
 __all__ = [
+    "SMALL_M",
+    "KernelBuildError",
     "ensure_loaded",
     "library_path",
+    "linear_f32",
+    "linear_i8",
     "pack_linear_weight",
     "pack_linear_weight_int8",
     "packed_layout",
-    "linear_f32",
-    "linear_i8",
-    "SMALL_M",
-    "KernelBuildError",
 ]
 
 _SRC = Path(__file__).with_name("gemv_kernel.cpp")
@@ -254,7 +254,7 @@ def _has_fake(op: str) -> bool:
         from torch._library.simple_registry import singleton
 
         return singleton.find(op).fake_impl.kernel is not None
-    except Exception:  # private API moved: assume not registered
+    except Exception:  # noqa: BLE001 - private API moved: assume not registered
         return False
 
 

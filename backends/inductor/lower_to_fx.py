@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import operator
 import re
-from typing import Callable, Mapping
+from collections.abc import Callable, Mapping
 
 import sympy
 import torch

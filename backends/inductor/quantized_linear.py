@@ -11,8 +11,10 @@
   reading the IR's packed u8 [N, K/2] weight, scales and zero points as they are; for symmetric
   weights decode reads an f16 copy of the scales made at lowering (as llama.cpp's Q4_0 stores
   them: 4.5 instead of 5 bits read per weight, each scale within 2^-11 of the f32 one).
-- anything else (other group sizes, no AVX2/compiler, or KILN_LINEAR_KERNEL=torch) -> dequantize
-  + F.linear in torch ops, which Inductor compiles like the rest of the graph.
+- anything else (8-bit groups smaller than the row such as int8-g32, fractional zero points,
+  other group sizes, no AVX2/compiler, or KILN_LINEAR_KERNEL=torch) -> dequantize + F.linear in
+  torch ops, which Inductor compiles like the rest of the graph. f16 scales in the IR are copied
+  to f32 for the kernels at lowering.
 - `embedding_q` gathers the rows first, then dequantizes only those.
 PyTorch's own CPU kernels (`aten._weight_int4pack_mm_for_cpu`, `aten._weight_int8pack_mm`) were
 measured 7-12 times slower than the fp32 GEMV here, so they are not used (see int4_kernel.py).
@@ -120,7 +122,7 @@ def _int8_kernel(b, node, args, attrs):
         return None
     from . import int8_kernel
 
-    flat_scales = b.add_constant(node.inputs[2].name + ".flat", scales.reshape(-1).contiguous())
+    flat_scales = b.add_constant(node.inputs[2].name + ".flat", scales.reshape(-1).float().contiguous())
     if _int8_form_here(qweight.shape[1]) == "q8":
         packed = b.add_constant(node.inputs[1].name + ".q8", int8_kernel.pack_int8_weight(qweight))
         return b.call(torch.ops.kiln.linear_q8, args[0], packed, flat_scales, args[4])
@@ -134,9 +136,19 @@ def _int4_kernel(b, node, args, attrs):
     if not isinstance(k, int) or k % 64 or (group_size != 32 and group_size % 64) or not int4_kernel_available():
         return None
     scales, decode_scales = b.constant(args[2]), None
+    zeros = None if args[3] is None else b.constant(args[3])
+    if zeros is not None and zeros.dtype != torch.uint8:
+        return None  # fractional zero points: the kernel folds integer ones only
+    f32_scales = args[2]
+    if scales is not None and scales.dtype != torch.float32:  # f16 in the IR: the kernel's f32 copy
+        f32_scales = b.add_constant(node.inputs[2].name + ".f32", scales.float().contiguous())
     if args[3] is None and scales is not None:  # symmetric: decode reads f16 scales
-        decode_scales = b.add_constant(node.inputs[2].name + ".f16", scales.to(torch.float16).contiguous())
-    return b.call(torch.ops.kiln.linear_q4, *args[:5], group_size, decode_scales)
+        decode_scales = (
+            args[2]
+            if scales.dtype == torch.float16
+            else b.add_constant(node.inputs[2].name + ".f16", scales.to(torch.float16).contiguous())
+        )
+    return b.call(torch.ops.kiln.linear_q4, args[0], args[1], f32_scales, *args[3:5], group_size, decode_scales)
 
 
 def lower_linear_q(b, node, args, attrs):

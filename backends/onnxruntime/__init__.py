@@ -25,7 +25,7 @@ from .errors import ArtifactError, FeedError, OnnxLoweringError, ProviderError
 from .executable import OrtExecutable, OrtModelForAnotherMachine
 from .model_files import DATA_FILE, MODEL_FILE, check_model, write_model
 from .op_lowerings import ONNX_LOWERINGS, check_lowering_table
-from .providers import check_supported, choose_provider, target_provider
+from .providers import check_supported, target_provider
 from .to_onnx import OnnxProgram, graph_to_onnx
 
 NAME = "onnxruntime"
@@ -67,21 +67,21 @@ def load(directory: Path, graph: Graph, weights: dict[str, torch.Tensor], option
 
 
 __all__ = [
+    "DATA_FILE",
+    "MODEL_FILE",
     "NAME",
-    "backend_version",
-    "lower",
-    "load",
-    "OrtExecutable",
-    "OnnxProgram",
-    "graph_to_onnx",
-    "write_model",
-    "check_model",
-    "check_supported",
     "ONNX_LOWERINGS",
-    "check_lowering_table",
     "FeedError",
     "OnnxLoweringError",
+    "OnnxProgram",
+    "OrtExecutable",
     "ProviderError",
-    "MODEL_FILE",
-    "DATA_FILE",
+    "backend_version",
+    "check_lowering_table",
+    "check_model",
+    "check_supported",
+    "graph_to_onnx",
+    "load",
+    "lower",
+    "write_model",
 ]

@@ -20,8 +20,8 @@ usual; what nothing reads is pruned when the model is built.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import numpy as np
 
@@ -69,8 +69,12 @@ def plan_contrib_ops(graph: Graph, attention_dtypes: frozenset[str] = frozenset(
 def _plan_attention(graph: Graph, node: Node, outputs, plan: Plan) -> None:
     q, k, v, mask, positions, tree = node.inputs
     writes = [k.producer, v.producer]
-    if mask is not None or tree is not None or positions is not graph.inputs[1] or \
-            any(w is None or w.op != "kv_write" for w in writes):
+    if (
+        mask is not None
+        or tree is not None
+        or positions is not graph.inputs[1]
+        or any(w is None or w.op != "kv_write" for w in writes)
+    ):
         return
     if node.attrs["alibi"]:
         return  # GroupQueryAttention has no ALiBi: the plain lowering adds the bias

@@ -30,7 +30,6 @@ from kiln.ir import to_torch
 
 from .errors import FeedError, ProviderError
 from .model_files import DATA_FILE, MODEL_FILE, read_info
-from .to_onnx import LOGIT_POSITIONS, SEQLENS_K, TOTAL_LENGTH
 from .providers import (
     check_lengths_fed,
     check_supported,
@@ -39,6 +38,7 @@ from .providers import (
     provider_list,
     session_options,
 )
+from .to_onnx import LOGIT_POSITIONS, SEQLENS_K, TOTAL_LENGTH
 
 
 class OrtExecutable(Executable):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import itertools
 import re
-from typing import Iterable
+from collections.abc import Iterable
 
 import numpy as np
 import onnx

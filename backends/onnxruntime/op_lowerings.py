@@ -11,7 +11,7 @@ the IR's result type where they differ.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 from onnx import helper

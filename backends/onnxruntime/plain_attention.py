@@ -43,8 +43,10 @@ def lower_kv_write(b: OnnxBuilder, node: Node) -> str:
 def lower_attention(b: OnnxBuilder, node: Node) -> str:
     q, k, v, mask, positions, tree = node.inputs
     if tree is not None:
-        raise OnnxLoweringError("attention over a token tree is not lowered to ONNX yet. Fix: compile without "
-                                "token trees for the onnxruntime backend.")
+        raise OnnxLoweringError(
+            "attention over a token tree is not lowered to ONNX yet. Fix: compile without "
+            "token trees for the onnxruntime backend."
+        )
     attrs = node.attrs
     q_heads, kv_heads, head_dim = q.type.shape[1], k.type.shape[1], q.type.shape[3]
     if not all(isinstance(d, int) for d in (q_heads, kv_heads, head_dim, v.type.shape[3])):

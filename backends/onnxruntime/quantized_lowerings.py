@@ -8,7 +8,11 @@ and packed zero points, so the weight is re-laid once at lowering:
   ORT blocks sharing its scale and zero point); no such block: the weight is dequantized at
   lowering and runs as a float MatMul / Gather;
 - 8-bit codes shift to unsigned (q + 128 against ORT's default zero point 128); 4-bit codes
-  keep ORT's default zero point 8, the IR's symmetric one.
+  keep ORT's default zero point 8, the IR's symmetric one;
+- f16 scales become f32 (MatMulNBits wants x's type); fractional zero points (float `zeros`)
+  go to MatMulNBits as f32, which then computes in f32 whatever the accuracy level, and make
+  `embedding_q` a Gather over the table dequantized here (GatherBlockQuantized takes integer
+  zero points only).
 MatMulNBits runs at accuracy level 4 by default (activations rounded to int8 per block for an
 integer dot product: ORT's fast CPU path); `KILN_ORT_ACCURACY_LEVEL=0` keeps them f32 (the IR's
 exact result, slower), read when the lowering module is imported and written into each node.
@@ -82,9 +86,16 @@ def _blocked(q: np.ndarray, scales: np.ndarray, zeros: np.ndarray | None, bits: 
     return padded.reshape(n, blocks, block), np.ascontiguousarray(block_scales), block_zeros
 
 
+def float_parts(scales: np.ndarray, zeros: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
+    """Scales as f32, and float (fractional) zero points as f32; integer zero points kept u8."""
+    if zeros is not None and zeros.dtype != np.uint8:
+        zeros = zeros.astype(np.float32)
+    return scales.astype(np.float32), zeros
+
+
 def lower_linear_q(b: OnnxBuilder, node: Node) -> str:
     x, qweight, scales, zeros, bias = node.inputs
-    weight = [b.weight(qweight), b.weight(scales), None if zeros is None else b.weight(zeros)]
+    weight = [b.weight(qweight), *float_parts(b.weight(scales), None if zeros is None else b.weight(zeros))]
     out = matmul_nbits(b, b.value(x), *weight, b.value(bias) if bias is not None else "", node.attrs, qweight.name)
     b.declare(out, node.output.type.dtype, node.output.type.shape)
     return out
@@ -115,7 +126,9 @@ def matmul_nbits(
         b.initializer(f"{name}.nbits", pack_nibbles(codes) if bits == 4 else codes),
         b.initializer(f"{name}.nbits_scales", block_scales),
     ]
-    if block_zeros is not None:
+    if block_zeros is not None and block_zeros.dtype != np.uint8:
+        inputs.append(b.initializer(f"{name}.nbits_zeros", np.ascontiguousarray(block_zeros)))
+    elif block_zeros is not None:
         even = np.full((n, blocks + blocks % 2), DEFAULT_ZERO[4], np.uint8)
         even[:, :blocks] = block_zeros
         inputs.append(b.initializer(f"{name}.nbits_zeros", pack_nibbles(even)))
@@ -145,12 +158,12 @@ def lower_embedding_q(b: OnnxBuilder, node: Node) -> str:
     bits, group_size = node.attrs["bits"], node.attrs["group_size"]
     block = ort_block_size(group_size)
     q = b.weight(qweight)
-    if block is None or q is None or qweight_in(q, bits) % block:
-        w = dequantized(q, b.weight(scales), None if zeros is None else b.weight(zeros), bits, group_size)
+    float_scales, zero_points = float_parts(b.weight(scales), None if zeros is None else b.weight(zeros))
+    fractional = zero_points is not None and zero_points.dtype != np.uint8
+    if block is None or q is None or qweight_in(q, bits) % block or fractional:
+        w = dequantized(q, float_scales, zero_points, bits, group_size)
         return b.op("Gather", b.initializer(f"{qweight.name}.dequantized", w), b.value(ids), axis=0)
-    codes, block_scales, block_zeros = _blocked(
-        q, b.weight(scales), None if zeros is None else b.weight(zeros), bits, group_size, block
-    )
+    codes, block_scales, block_zeros = _blocked(q, float_scales, zero_points, bits, group_size, block)
     n = codes.shape[0]
     data = pack_nibbles(codes.reshape(n, -1)) if bits == 4 else codes.reshape(n, -1)
     inputs = [

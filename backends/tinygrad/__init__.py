@@ -29,17 +29,17 @@ def backend_version() -> str:
 
 __all__ = [
     "NAME",
-    "backend_version",
-    "lower",
-    "load",
-    "TinygradExecutable",
+    "TENSOR_LOWERINGS",
+    "CompilerNotFoundError",
     "FeedError",
     "TinygradArtifactError",
-    "CompilerNotFoundError",
     "TinygradDeviceError",
+    "TinygradExecutable",
     "UnsupportedOpError",
-    "TENSOR_LOWERINGS",
+    "backend_version",
     "check_lowering_table",
     "compiled_program_count",
+    "load",
+    "lower",
     "require_cpu_compiler",
 ]

@@ -52,8 +52,10 @@ def lower_attention(ctx, node, args, attrs):
     """attention(q, k, v, mask?, positions?) {scale, causal, window, softcap, alibi}."""
     q, k, v, mask, positions, tree = args
     if tree is not None:
-        raise LoweringError("attention over a token tree is not lowered to tinygrad yet. Fix: compile without "
-                            "token trees for the tinygrad backend.")
+        raise LoweringError(
+            "attention over a token tree is not lowered to tinygrad yet. Fix: compile without "
+            "token trees for the tinygrad backend."
+        )
     scale = attrs["scale"] if attrs["scale"] is not None else q.shape[-1] ** -0.5
     if ctx.starts is not None and ctx.written_in_place(node.inputs[1]) and ctx.written_in_place(node.inputs[2]):
         return _attention_to_written_keys(ctx, q, k, v, mask, scale, attrs)

@@ -8,7 +8,7 @@ again: replays run the captured kernels.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from tinygrad import Tensor, dtypes
 

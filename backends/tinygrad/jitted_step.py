@@ -11,7 +11,7 @@ them, `seq` a bound Variable, so every length up to `chunk` replays the same ker
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 from tinygrad import Context, Tensor, TinyJit, UOp, dtypes

@@ -14,7 +14,7 @@ tinygrad chose differently. `kv_write` and `attention` live in cache_attention.p
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 from tinygrad import Tensor, dtypes
 

@@ -46,7 +46,7 @@ def dequantize(qweight: Tensor, scales: Tensor, zeros: Tensor | None, bits: int,
     k = q.shape[1]
     q = q.cast(dtypes.float32)
     zero = SYMMETRIC_ZERO[bits] if zeros is None else expand_groups(zeros.cast(dtypes.float32), group_size, k)
-    return (q - zero) * expand_groups(scales, group_size, k)
+    return (q - zero) * expand_groups(scales.cast(dtypes.float32), group_size, k)  # f16 scales too
 
 
 def grouped_product(
@@ -69,7 +69,8 @@ def grouped_product(
         dots = (x * qweight.cast(dtypes.float32).reshape(n, groups, splits, block)).sum(-1)
         x_sums = x.sum(-1)
     zero = SYMMETRIC_ZERO[bits] if zeros is None else zeros.cast(dtypes.float32).unsqueeze(-1)
-    partial = (dots.contiguous() - zero * x_sums) * scales.unsqueeze(-1)  # [.., N, groups, splits]
+    scale = scales.cast(dtypes.float32).unsqueeze(-1)  # f16 scales too
+    partial = (dots.contiguous() - zero * x_sums) * scale  # [.., N, groups, splits]
     return partial.sum((-2, -1))
 
 

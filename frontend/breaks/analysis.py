@@ -13,8 +13,8 @@ from __future__ import annotations
 import linecache
 import os
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch.utils._pytree import tree_leaves

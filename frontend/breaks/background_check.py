@@ -53,7 +53,7 @@ class BackgroundBreakCheck:
     def clean_result(self) -> CleanBreaks | None:
         """The child's result if the forward is clean; None if the parent must check itself
         (breaks found, or the child failed)."""
-        _, stderr = self._process.communicate()
+        self._process.communicate()
         try:
             data = json.loads(self._out.read_text()) if self._process.returncode == 0 else None
         except ValueError:

@@ -13,8 +13,8 @@ import ast
 import functools
 import linecache
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from .recording import SourceFrame
 

@@ -23,7 +23,8 @@ th{background:#f4f4f6}td.num{text-align:right;white-space:nowrap}
 code,pre{font-family:ui-monospace,monospace;font-size:12.5px}
 pre{background:#f6f8fa;padding:8px;overflow-x:auto}.hit{background:#fff3c4;display:block}
 .left{color:#b3261e;font-weight:600}.gone{color:#1b7f3b;font-weight:600}.summary{font-size:1.1em}
-details{border:1px solid #e2e2e6;border-radius:6px;padding:.4em .8em;margin:.5em 0}summary{cursor:pointer;font-weight:600}
+details{border:1px solid #e2e2e6;border-radius:6px;padding:.4em .8em;margin:.5em 0}
+summary{cursor:pointer;font-weight:600}
 dl{display:grid;grid-template-columns:9em 1fr;gap:.3em 1em}dt{font-weight:600;color:#555}dd{margin:0}
 figure{margin:1em 0;overflow-x:auto}figcaption{color:#555;font-size:.9em}
 """

@@ -289,5 +289,5 @@ def make_report(target: str, sections: list[Section]) -> Report:
             versions[package] = version(package)
         except PackageNotFoundError:
             versions[package] = "not installed"
-    created = datetime.datetime.now(datetime.timezone.utc).replace(microsecond=0).isoformat()
+    created = datetime.datetime.now(datetime.UTC).replace(microsecond=0).isoformat()
     return Report(target, sections, versions, created)

@@ -171,7 +171,7 @@ def _copier(inputs):
     """Fresh deep copies of `inputs` (calls may mutate them, e.g. a cache object)."""
     try:
         copy.deepcopy(inputs)
-    except Exception as error:  # noqa: BLE001 (any object may refuse copying)
+    except Exception as error:  # any object may refuse copying
         raise ExplainTargetError(
             f"The example inputs cannot be copied ({error}), and calls may change them. Fix: return a "
             "function that makes fresh inputs instead: `return module, lambda: {...}`."

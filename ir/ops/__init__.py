@@ -1,3 +1,3 @@
 """The built-in op set. Importing this package registers every op."""
 
-from . import elementwise, reduction, shape, nn, attention, fused, quantized, collectives, routing  # noqa: F401
+from . import attention, collectives, elementwise, fused, nn, quantized, reduction, routing, shape  # noqa: F401

@@ -8,7 +8,6 @@ from ..registry import REQUIRED, OpDef, register
 from ..tensor_type import TensorType
 from .shape_rules import broadcast_shapes, result_dtype
 
-
 ELEMENTWISE = frozenset({"elementwise"})
 COMMUTATIVE = frozenset({"elementwise", "commutative"})
 

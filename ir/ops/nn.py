@@ -5,7 +5,6 @@ import torch.nn.functional as F
 
 from ..dims import dims_equal, format_dim
 from ..registry import REQUIRED, OpDef, OpError, register
-from ..tensor_type import TensorType
 from .shape_rules import broadcast_shapes
 
 

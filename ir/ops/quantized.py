@@ -11,8 +11,11 @@ last one may be shorter when group_size does not divide K; per-channel is group_
 - bits 8: qweight i8 [N, K], symmetric only: zeros omitted, z = 0.
 - bits 4: qweight u8 [N, K / 2], two values 0..15 per byte, element 2j in the LOW nibble and 2j+1
   in the high one (ONNX Runtime's MatMulNBits B layout, row by row). zeros omitted: symmetric,
-  z = 8; else zeros u8 [N, groups] holding 0..15, one per byte.
-- scales f32 [N, groups], groups = ceil(K / group_size).
+  z = 8; else zeros [N, groups]: u8 holding 0..15, one per byte (an integer zero point), or the
+  scales' float dtype (a fractional one: the grid's offset is free, as in llama.cpp's Q4_1/Q4_K
+  `d * q + m`, with z = -m / d).
+- scales f32 or f16 [N, groups], groups = ceil(K / group_size) (f16: half the bytes; the product
+  is still computed in f32).
 
 This file is a contract shared by the quantize pass and every backend: change it with all of them.
 """
@@ -26,6 +29,7 @@ from ..dims import dims_equal, format_dim
 from ..registry import REQUIRED, OpDef, OpError, register
 
 QWEIGHT_DTYPES = {8: "i8", 4: "u8"}
+SCALE_DTYPES = ("f32", "f16")
 SYMMETRIC_ZERO = {8: 0, 4: 8}  # z when `zeros` is omitted
 
 
@@ -62,7 +66,7 @@ def dequantize(
     q = unpack_int4(qweight) if bits == 4 else qweight
     k = q.shape[1]
     z = SYMMETRIC_ZERO[bits] if zeros is None else expand_groups(zeros.float(), group_size, k)
-    return (q.float() - z) * expand_groups(scales, group_size, k)
+    return (q.float() - z) * expand_groups(scales.float(), group_size, k)
 
 
 def _check_quantized_weight(op: str, qweight, scales, zeros, bits, group_size):
@@ -80,15 +84,24 @@ def _check_quantized_weight(op: str, qweight, scales, zeros, bits, group_size):
         raise OpError(f"{op}: qweight {qweight} needs a static in-features dim")
     k = in_features(cols, bits)
     groups = group_count(k, group_size)
-    if scales.dtype != "f32" or scales.rank != 2 or not dims_equal(scales.shape[0], n) or scales.shape[1] != groups:
+    if (
+        scales.dtype not in SCALE_DTYPES
+        or scales.rank != 2
+        or not dims_equal(scales.shape[0], n)
+        or scales.shape[1] != groups
+    ):
         raise OpError(
-            f"{op}: scales must be f32[{format_dim(n)}, {groups}] (K={k}, group_size={group_size}), got {scales}"
+            f"{op}: scales must be f32 or f16 [{format_dim(n)}, {groups}] (K={k}, group_size={group_size}), "
+            f"got {scales}"
         )
     if zeros is not None:
         if bits == 8:
             raise OpError(f"{op}: 8-bit weights are symmetric; omit zeros")
-        if zeros.dtype != "u8" or zeros.shape != scales.shape:
-            raise OpError(f"{op}: zeros must be u8 shaped like scales {scales}, got {zeros}")
+        if zeros.dtype not in ("u8", scales.dtype) or zeros.shape != scales.shape:
+            raise OpError(
+                f"{op}: zeros must be u8 (integer zero points) or {scales.dtype} (fractional ones, the scales' "
+                f"dtype) shaped like scales {scales}, got {zeros}"
+            )
     return n, k
 
 
@@ -110,7 +123,7 @@ def _embedding_q_infer(qweight, scales, ids, zeros, bits, group_size):
     _, k = _check_quantized_weight("embedding_q", qweight, scales, zeros, bits, group_size)
     if ids.dtype not in ("i64", "i32"):
         raise OpError(f"embedding_q: ids must be integers, got {ids.dtype}")
-    return scales.with_shape(ids.shape + (k,))
+    return scales.with_shape(ids.shape + (k,)).with_dtype("f32")
 
 
 def embedding_q_reference(qweight, scales, ids, zeros, bits, group_size):
