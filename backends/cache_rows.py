@@ -96,8 +96,12 @@ def copy_prefix(views: Sequence[torch.Tensor], source_row: int, target_row: int,
     copy_slots(views, source_row, target_row, 0, length)
 
 
-def copy_slots(views: Sequence[torch.Tensor], source_row: int, target_row: int, start: int, end: int) -> None:
-    """Copy the keys and values of slots [start, end) from one row to another."""
-    if source_row != target_row and end > start:
+def copy_slots(
+    views: Sequence[torch.Tensor], source_row: int, target_row: int, start: int, end: int, to_start: int | None = None
+) -> None:
+    """Copy the keys and values of slots [start, end) from one row to another (to slots from
+    `to_start` when given: a slot moved within one row)."""
+    to_start = start if to_start is None else to_start
+    if (source_row, start) != (target_row, to_start) and end > start:
         for cache in views:
-            cache[target_row, :, start:end].copy_(cache[source_row, :, start:end])
+            cache[target_row, :, to_start : to_start + end - start].copy_(cache[source_row, :, start:end])

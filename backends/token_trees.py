@@ -38,6 +38,12 @@ def verifies_trees(graph) -> bool:
     )
 
 
+def executable_verifies_trees(executable) -> bool:
+    """`verifies_trees` of an executable's graph (False for one that shows none: a test's stand-in)."""
+    graph = getattr(executable, "graph", None)
+    return graph is not None and verifies_trees(graph)
+
+
 @functools.lru_cache(maxsize=64)
 def _lower_triangle(seq: int) -> torch.Tensor:
     return torch.ones(seq, seq, dtype=torch.bool).tril()

@@ -15,6 +15,7 @@ real token will overwrite, which no query can see before that.
 A request's output does not depend on what runs beside it: rows never read each other's slots,
 and each request samples from its own seeded generator.
 """
+
 from __future__ import annotations
 
 import logging
@@ -27,13 +28,15 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from kiln.backends.cache_rows import copy_prefix
+from kiln.backends.cache_rows import copy_prefix, copy_slots
 from kiln.backends.executable import capabilities
+from kiln.backends.token_trees import executable_verifies_trees
+from kiln.runtime.draft_tree import DraftTree
 from kiln.runtime.errors import QueueFullError
 from kiln.runtime.kv_slots import KvSlots, common_prefix_length
 from kiln.runtime.request import GenerationSettings, Request, RequestStatus
 from kiln.runtime.request_handle import RequestHandle
-from kiln.runtime.token_ids import check_request_ids, known_prefix, model_vocab_size
+from kiln.runtime.token_ids import check_request_ids, model_vocab_size
 
 log = logging.getLogger(__name__)
 
@@ -45,8 +48,15 @@ SHARED_PREFILL = 16  # prompt tokens worth waiting for another request to prefil
 class Engine:
     """The scheduler. `submit` from any thread; a daemon thread runs the steps."""
 
-    def __init__(self, executable, decoder_factory=None, prefill_chunk: int = PREFILL_CHUNK,
-                 max_queue: int = MAX_QUEUE, prefix_caching: bool = True, vocab_size: int | None = None):
+    def __init__(
+        self,
+        executable,
+        decoder_factory=None,
+        prefill_chunk: int = PREFILL_CHUNK,
+        max_queue: int = MAX_QUEUE,
+        prefix_caching: bool = True,
+        vocab_size: int | None = None,
+    ):
         self.executable = executable
         self.max_batch = executable.options.max_batch
         self.max_seq_len = executable.options.max_seq_len
@@ -55,6 +65,8 @@ class Engine:
         self.prefill_chunk = max(2, prefill_chunk)
         self.max_queue = max_queue
         self.capabilities = capabilities(executable)  # the optional ones (backends/executable.py)
+        # drafts as token trees: where a tree is verified in one call and accepted slots can be moved
+        self.verifies_trees = self.capabilities.copies_rows and executable_verifies_trees(executable)
         self.slots = KvSlots(self.max_batch, prefix_caching, self.capabilities.copies_rows)
         # a prompt chunk needs its last position's logits only, where the executable can skip the rest
         self._last_only = {"last_only": True} if self.capabilities.selects_logits else {}
@@ -76,8 +88,16 @@ class Engine:
     def slots_in_use(self) -> int:
         return self.slots.in_use
 
-    def submit(self, prompt: list[int], settings: GenerationSettings, seed: int, bounded: bool = True,
-               sink: queue.SimpleQueue | None = None, tag=None, background: bool = True) -> RequestHandle:
+    def submit(
+        self,
+        prompt: list[int],
+        settings: GenerationSettings,
+        seed: int,
+        bounded: bool = True,
+        sink: queue.SimpleQueue | None = None,
+        tag=None,
+        background: bool = True,
+    ) -> RequestHandle:
         """Queue a request (its settings validated by the caller; its token ids checked here, as
         an id outside the vocabulary would fail the model call); `bounded` refuses it when
         max_queue wait. `background=False` leaves the stepping to the caller (`drive`) unless the
@@ -179,7 +199,7 @@ class Engine:
             decoding = [r for r in self.running if r.unfed == 1]
             if decoding:
                 self._guarded(decoding, self._decode, decoding)
-        except Exception as error:  # noqa: BLE001 - a scheduler bug: fail the requests, keep the engine
+        except Exception as error:
             log.exception("engine step failed; failing every request in flight")
             self._fail_all(error)
         return bool(self.running or self.waiting)
@@ -209,7 +229,7 @@ class Engine:
         request.status = RequestStatus.RUNNING
         request.kv_row, request.fed = placement.row, placement.reused
         request.reused = placement.reused
-        self.slots.occupy(request.kv_row, request, request.prompt[:placement.reused])
+        self.slots.occupy(request.kv_row, request, request.prompt[: placement.reused])
         self.running.append(request)
         if placement.copy_from is not None:
             copy_prefix(self.executable.cache_views(), placement.copy_from, placement.row, placement.reused)
@@ -232,10 +252,11 @@ class Engine:
 
     def _feed_chunk(self, request: Request) -> None:
         start = time.perf_counter()
-        tokens = request.pending()[:self.prefill_chunk]
+        tokens = request.pending()[: self.prefill_chunk]
         positions = torch.arange(request.fed, request.fed + len(tokens), dtype=torch.int64)[None]
-        logits = self.executable.run(torch.tensor([tokens], dtype=torch.int64), positions, first_row=request.kv_row,
-                                     **self._last_only)
+        logits = self.executable.run(
+            torch.tensor([tokens], dtype=torch.int64), positions, first_row=request.kv_row, **self._last_only
+        )
         self.slots.fed(request.kv_row, tokens, request.fed)
         request.fed += len(tokens)
         if not request.unfed:
@@ -253,13 +274,17 @@ class Engine:
         # Python lists, one tensor each at the end: element-wise writes into a tensor cost
         # microseconds apiece, which the engine would pay every token.
         tokens = [0] * batch_rows
-        positions = [min(len(self.slots.contents[kv_row]), self.max_seq_len - 1)  # placeholders
-                     for kv_row in range(batch_rows)]
+        positions = [
+            min(len(self.slots.contents[kv_row]), self.max_seq_len - 1)  # placeholders
+            for kv_row in range(batch_rows)
+        ]
         for request in requests:
             tokens[request.kv_row], positions[request.kv_row] = request.newest(), request.fed
-        logits = self.executable.run(torch.from_numpy(np.array(tokens, dtype=np.int64).reshape(batch_rows, 1)),
-                                     torch.from_numpy(np.array(positions, dtype=np.int64).reshape(batch_rows, 1)),
-                                     **self._logits_out(batch_rows))
+        logits = self.executable.run(
+            torch.from_numpy(np.array(tokens, dtype=np.int64).reshape(batch_rows, 1)),
+            torch.from_numpy(np.array(positions, dtype=np.int64).reshape(batch_rows, 1)),
+            **self._logits_out(batch_rows),
+        )
         # rows of logits through numpy views: torch indexing is dispatcher work per row per token
         numpy_logits = logits.numpy()[:, 0] if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
         for kv_row in range(batch_rows):
@@ -268,47 +293,87 @@ class Engine:
             kv_row = request.kv_row
             self.slots.fed(kv_row, [tokens[kv_row]], request.fed)
             request.fed += 1
-            self._accept(request, torch.from_numpy(numpy_logits[kv_row]) if numpy_logits is not None
-                         else logits[kv_row, 0])
+            self._accept(
+                request, torch.from_numpy(numpy_logits[kv_row]) if numpy_logits is not None else logits[kv_row, 0]
+            )
         elapsed = time.perf_counter() - start
         for request in requests:
             request.decode_s += elapsed
 
-    def _draft(self, request: Request) -> list[int]:
-        """The request's drafts (none without a drafter), cut before any id the model lacks."""
-        draft = request.draft(self.max_seq_len)
-        return draft[:known_prefix(draft, self.vocab_size)]
+    def _draft(self, request: Request) -> DraftTree:
+        """The request's drafts (none without a drafter): a tree where the executable verifies
+        token trees and can move a row's slots, else a chain."""
+        return request.draft(self.max_seq_len, trees=self.verifies_trees, vocab_size=self.vocab_size)
 
-    def _verify(self, requests: list[Request], drafts: list[list[int]]) -> None:
+    def _verify(self, requests: list[Request], drafts: list[DraftTree]) -> None:
         """Speculative decoding in the engine: one call over KV rows [0, the highest decoding one]
-        feeding each decoding request its newest token and its drafts, rows padded to the longest
-        draft with their last token (pads and rejected drafts write slots past the request's
-        tokens, which the next step overwrites before any query reads them; a pad past the cache's
-        end lands on the last slot, which holds junk or that same token at that same position).
-        Each request keeps its accepted drafts and adds the target's own token after them."""
+        feeding each decoding request its newest token and its draft tree's nodes in the slots
+        after it (`kiln.backends.token_trees`; a chain needs no tree inputs), rows padded to the
+        widest draft with copies of their last node (pads and rejected drafts write slots past the
+        request's tokens, which the next step overwrites before any query reads them; a pad past
+        the cache's end lands on the last slot, where it writes what that slot's own node writes).
+        Each request keeps its accepted drafts, moved to the slots right after its newest token,
+        and adds the target's own token after them."""
         start = time.perf_counter()
-        last_slot = self.max_seq_len - 1
         width = 1 + max(len(d) for d in drafts)
         batch_rows = max(r.kv_row for r in requests) + 1
-        tokens = [[0] * width for _ in range(batch_rows)]
-        positions = [[min(len(self.slots.contents[kv_row]) + j, last_slot) for j in range(width)]  # placeholders
-                     for kv_row in range(batch_rows)]
+        trees = not all(d.is_chain for d in drafts)
+        feeds = [self._pad_feed(kv_row, width) for kv_row in range(batch_rows)]
         for request, draft in zip(requests, drafts):
-            feed = [request.newest(), *draft]
-            tokens[request.kv_row] = feed + [feed[-1]] * (width - len(feed))
-            positions[request.kv_row] = [min(request.fed + j, last_slot) for j in range(width)]
-        logits = self.executable.run(torch.tensor(tokens, dtype=torch.int64), torch.tensor(positions, dtype=torch.int64))
+            feeds[request.kv_row] = self._draft_feed(request, draft, width)
+        tokens, positions, slots, visible = (torch.stack([torch.as_tensor(f[k]) for f in feeds]) for k in range(4))
+        extra = {"slots": slots, "tree": visible} if trees else {}
+        logits = self.executable.run(tokens, slots if not trees else positions, **extra)
         for kv_row in range(batch_rows):
-            self.slots.scribbled(kv_row, positions[kv_row][0])
+            self.slots.scribbled(kv_row, int(slots[kv_row, 0]))
         for request, draft in zip(requests, drafts):
-            fed = request.fed
-            piece, accepted = request.verify(logits[request.kv_row, :1 + len(draft)].float().cpu(), draft)
-            self.slots.fed(request.kv_row, tokens[request.kv_row][:1 + accepted], fed)
-            request.fed += 1 + accepted
+            fed, newest = request.fed, int(tokens[request.kv_row, 0])
+            piece, path = request.verify_tree(logits[request.kv_row, : 1 + len(draft)].float().cpu(), draft)
+            self._keep_path(request.kv_row, fed, path)
+            self.slots.fed(request.kv_row, [newest, *(draft.tokens[node] for node in path)], fed)
+            request.fed += 1 + len(path)
             self._emitted(request, piece)
         elapsed = time.perf_counter() - start
         for request in requests:
             request.decode_s += elapsed
+
+    def _draft_feed(self, request: Request, draft: DraftTree, width: int) -> tuple:
+        """(tokens, positions, slots, visibility) of a request's row: its newest token, then the
+        draft's nodes at the positions of their depths, then pads repeating the last node."""
+        last_slot = self.max_seq_len - 1
+        tokens = [request.newest(), *draft.tokens]
+        depths = [0, *draft.depths()]
+        seen = draft.visibility()
+        pad = width - len(tokens)
+        tokens += [tokens[-1]] * pad
+        depths += [depths[-1]] * pad
+        slots = [min(request.fed + j, last_slot) for j in range(width)]
+        if pad:  # a pad sees what the node it repeats sees (and so writes what it writes)
+            rows = torch.cat([seen, seen[-1:].expand(pad, -1)])
+            seen = torch.cat([rows, torch.zeros(width, pad, dtype=torch.bool)], dim=1)
+            seen[len(draft) + 1 :, len(draft) + 1 :] |= torch.eye(pad, dtype=torch.bool)
+        positions = [request.fed + depth for depth in depths]
+        return tokens, positions, slots, seen
+
+    def _pad_feed(self, kv_row: int, width: int) -> tuple:
+        """A row no request decodes in: placeholders past what it holds."""
+        last_slot = self.max_seq_len - 1
+        slots = [min(len(self.slots.contents[kv_row]) + j, last_slot) for j in range(width)]
+        return [0] * width, slots, slots, torch.ones(width, width, dtype=torch.bool).tril()
+
+    def _keep_path(self, kv_row: int, fed: int, path: list[int]) -> None:
+        """Move the accepted nodes' keys and values to the slots right after the newest token's
+        (node i was written at slot fed + 1 + i; a chain's accepted nodes are there already)."""
+        for depth, node in enumerate(path, start=1):
+            if node + 1 != depth:
+                copy_slots(
+                    self.executable.cache_views(),
+                    kv_row,
+                    kv_row,
+                    fed + 1 + node,
+                    fed + 1 + node + 1,
+                    to_start=fed + depth,
+                )
 
     def _logits_out(self, batch_rows: int) -> dict:
         """`out=` for a decode call over `batch_rows` rows when the executable can write logits

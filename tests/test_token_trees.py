@@ -16,6 +16,8 @@ import kiln
 from hf_oracle import prompts
 from kiln.backends.errors import FeedError
 from kiln.backends.token_trees import has_token_trees, verifies_trees
+from kiln.runtime.draft_tree import DraftTree
+from kiln.runtime.request import GenerationSettings, Request
 from tiny_models import ARCHITECTURES
 
 MAX_SEQ_LEN = 64
@@ -106,3 +108,84 @@ def test_a_misshapen_tree_is_refused(tiny_model_dirs):
     positions = torch.arange(3)[None]
     with pytest.raises(FeedError, match="tree must be bool"):
         llm.executable.run(torch.ones(1, 3, dtype=torch.long), positions, tree=torch.ones(1, 3, 2, dtype=torch.bool))
+
+
+def test_draft_trees_merge_continuations_and_keep_what_the_model_knows():
+    tree = DraftTree.of_continuations([[4, 5, 6], [4, 7], [8]], max_nodes=10)
+    assert tree.tokens == (4, 5, 6, 7, 8) and tree.parents == (-1, 0, 1, 0, -1)
+    assert tree.depths() == [1, 2, 3, 2, 1] and tree.first_path() == [4, 5, 6] and not tree.is_chain
+    assert DraftTree.of_continuations([[4, 5, 6], [4, 7]], max_nodes=3).tokens == (4, 5, 6)
+    kept = tree.within(vocab_size=7, max_nodes=10)  # 7 and 8 are no ids of a 7-token vocabulary
+    assert kept.tokens == (4, 5, 6) and kept.is_chain
+    seen = tree.visibility()  # over the newest token, then the nodes
+    assert seen[3].tolist() == [True, True, True, True, False, False]  # node 2 (6) sees 4, 5, itself
+    assert seen[4].tolist() == [True, True, False, False, True, False]  # node 3 (7) sees 4 and itself
+
+
+class KnowsOnASideBranch:
+    """Drafts a tree whose first branch is wrong and whose second is the plain continuation, so
+    every accepted node sits off the chain's slots and must be moved."""
+
+    def __init__(self, prompt, answer):
+        self.prompt, self.answer = prompt, answer
+
+    def propose(self, context, max_tokens):
+        done = len(context) - len(self.prompt)
+        right = self.answer[done : done + min(3, max_tokens)]
+        wrong = [(token + 1) % 50 + 3 for token in right]
+        return DraftTree.of_continuations([wrong[:2], right], max_nodes=8)
+
+    def feedback(self, drafted, accepted):
+        pass
+
+
+@pytest.mark.parametrize("backend", ["reference", "inductor"])
+def test_trees_in_the_engine_equal_plain_greedy(tiny_model_dirs, backend, monkeypatch):
+    llm = compiled(tiny_model_dirs("llama"), backend)
+    assert llm.engine.verifies_trees
+    batch = [prompts([7], seed=2)[0], prompts([4], seed=6)[0]]
+    plain = [r.token_ids for r in llm.generate(batch, max_new_tokens=12, ignore_eos=True)]
+    settings = [
+        GenerationSettings(max_new_tokens=12, drafter_factory=lambda p=p, a=a: KnowsOnASideBranch(p, a))
+        for p, a in zip(batch, plain)
+    ]
+    handles = [llm.engine.submit(p, s, seed=0) for p, s in zip(batch, settings)]
+    results = [h.result(timeout=120) for h in handles]
+    assert [r.token_ids for r in results] == plain
+    assert all(r.stats.accepted_tokens >= 8 and r.stats.target_steps <= 4 for r in results)
+    lookup = llm.generate([branching_prompt() * 2], max_new_tokens=12, ignore_eos=True, speculative="prompt_lookup")
+    assert (
+        lookup[0].token_ids == llm.generate([branching_prompt() * 2], max_new_tokens=12, ignore_eos=True)[0].token_ids
+    )
+
+
+def branching_prompt() -> list[int]:
+    """'5 6' is followed by three different pairs: prompt lookup drafts trees."""
+    return [5, 6, 7, 8, 9, 5, 6, 10, 11, 12, 5, 6, 13, 14, 15, 5, 6]
+
+
+def test_sampling_among_several_drafted_children_keeps_the_target_distribution():
+    """Request.judge over the children [1, 2]: the emitted token follows [0.6, 0.3, 0.1]."""
+    import collections
+
+    from kiln.runtime.sampler import SamplingParams
+
+    class Branches:
+        def propose(self, context, max_tokens):
+            return DraftTree.of_continuations([[1], [2]], max_nodes=4)
+
+        def feedback(self, drafted, accepted):
+            pass
+
+    settings = GenerationSettings(max_new_tokens=4, sampling=SamplingParams(temperature=1.0), drafter_factory=Branches)
+    logits = torch.tensor([0.6, 0.3, 0.1]).log().expand(3, 3)
+    counts = collections.Counter()
+    for seed in range(1500):
+        request = Request([0], settings, seed, max_seq_len=16)
+        request.fed = 1
+        tree = request.draft(16, trees=True)
+        assert tree.parents == (-1, -1)
+        request.verify_tree(logits, tree)
+        counts[request.tokens[0]] += 1
+    for token, p in enumerate([0.6, 0.3, 0.1]):
+        assert abs(counts[token] / 1500 - p) < 0.035, counts
