@@ -29,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from cpu_contention import CpuMeter
 from genai_baseline import GenaiRunner, build_genai_model
 from llamacpp_baseline import LlamaCppRunner, quantized_gguf
+from provenance import write_result
 
 RESULTS = Path(__file__).parent / "results"
 BASELINES = (
@@ -285,8 +286,7 @@ def main(argv=None) -> int:
     params = sum(t.numel() for t in weights.values())
     report = table(rows, weight_bytes, params, args.threads) + "\n\n" + "\n".join(ratios(rows))
     print(report)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "latest.md").write_text(report + "\n")
+    write_result(RESULTS / "latest.md", report)
     (RESULTS / "latest.json").write_text(json.dumps(rows, indent=2) + "\n")
     return 0
 

@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cpu_contention import CONTENDED_CORES, CpuMeter
+from provenance import write_result
 
 RESULTS = Path(__file__).parent / "results"
 CODE_PROMPT = """Rename the variable `total` to `running_sum` in this function and return the code.
@@ -148,8 +149,7 @@ def main(argv=None) -> int:
         "average during the run (contended)."
     )
     print(report)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "speculative.md").write_text(report + "\n")
+    write_result(RESULTS / "speculative.md", report)
     return 0
 
 

@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cpu_contention import CpuMeter
+from provenance import cpu_name, write_result
 
 RESULTS = Path(__file__).parent / "results"
 START_POSITION = 256
@@ -137,20 +138,9 @@ def main(argv=None) -> int:
             print("\n".join(block), flush=True)
             lines += block
             del llm
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text("\n".join(lines) + "\n")
+    write_result(args.out, "\n".join(lines))
     print(f"wrote {args.out}")
     return 0
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cpu_contention import CpuMeter
+from provenance import write_result
 
 RESULTS = Path(__file__).parent / "results"
 PROMPT = (
@@ -144,8 +145,7 @@ def main(argv=None) -> int:
     report = "\n".join(lines)
     print(report)
     print("\nfast-forward output:", results["fast-forward"].text)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "structured.md").write_text(report + "\n")
+    write_result(RESULTS / "structured.md", report)
     return 0
 
 

@@ -9,7 +9,7 @@ at most `concurrency` in flight at a time (a new one as soon as one ends), every
 generating exactly `--new-tokens` tokens (EOS ignored). The artifact is compiled with max_batch
 equal to the highest level. Reported per level: total generated tokens/s (wall),
 requests/s, mean TTFT, per-request decode tokens/s, and the CPU time other processes took
-(runs where they took more than a quarter core are flagged `*`). Writes bench/results/throughput.md.
+(runs where they took more than a quarter core are flagged `*`). Writes bench/results/throughput-BACKEND.md.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cpu_contention import CpuMeter
+from provenance import write_result
 
 RESULTS = Path(__file__).parent / "results"
 
@@ -126,8 +127,7 @@ def main(argv=None) -> int:
         )
     text = "\n".join(lines) + "\n"
     print(text)
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / f"throughput-{args.backend}.md").write_text(text)
+    write_result(RESULTS / f"throughput-{args.backend}.md", text)
     return 0
 
 

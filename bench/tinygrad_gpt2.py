@@ -32,6 +32,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from cpu_contention import CpuMeter  # noqa: E402
 from gpt2_small import gpt2_small_dir  # noqa: E402
+from provenance import write_result  # noqa: E402
 
 ARTIFACT = HERE.parent / "out" / "bench-gpt2-small-tinygrad.kiln"
 PROMPT = [464, 2068, 7586]
@@ -232,8 +233,7 @@ def main(argv=None) -> int:
     rows = [{**row, "threads": threads} for row, (_, threads, _, _) in zip(take_turns(runners, args.reps), specs)]
     report = table(rows, args.tokens)
     print(report)
-    (HERE / "results").mkdir(exist_ok=True)
-    (HERE / "results" / "tinygrad_gpt2.md").write_text(report + "\n")
+    write_result(HERE / "results" / "tinygrad_gpt2.md", report)
     return 0
 
 
