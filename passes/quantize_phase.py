@@ -1,10 +1,13 @@
 """The pipeline's `quantize` phase: the passes a scheme name (`options.quantize`) asks for.
 
-    none / None        -> no pass
-    int8, int4-g64 ... -> quantize_weights (round-to-nearest)
-    int4-g64-awq ...   -> awq_scaling (needs calibration tokens), then quantize_weights
-    int4-mixed         -> awq_scaling, then mixed_precision (int8 for the most sensitive layers)
+none / None        -> no pass
+int8, int4-g64 ... -> quantize_weights (round-to-nearest)
+int4-g64-awq ...   -> awq_scaling (needs calibration tokens), then quantize_weights
+int4-g32-fit ...   -> quantize_weights (fitted rounding)
+int4-mixed         -> awq_scaling, then mixed_precision (int8 for the most sensitive layers)
+int4-fit-mixed     -> mixed_precision (fitted rounding, int8-g32 for the most sensitive layers)
 """
+
 from __future__ import annotations
 
 import torch
@@ -33,15 +36,24 @@ def quantization_passes(options, calibration: torch.Tensor | None = None) -> lis
     passes = []
     if scheme.needs_calibration:
         if calibration is None or calibration.dim() != 2 or calibration.numel() == 0:
-            raise CalibrationError(f"scheme {name!r} scales weights by the activations it sees on calibration text: "
-                                   "give calibration token ids [sequences, length] (kiln.compile does this from "
-                                   "--calibration FILE, or the bundled Moby-Dick chapters by default)")
+            raise CalibrationError(
+                f"scheme {name!r} measures activations or sensitivities on calibration text: "
+                "give calibration token ids [sequences, length] (kiln.compile does this from "
+                "--calibration FILE, or the bundled Moby-Dick chapters by default)"
+            )
         tokens = calibration.to(torch.int64)
+    if scheme.awq:
         passes.append(Pass("awq_scaling", lambda graph: awq_scale(graph, scheme, tokens)))  # exact: x / s, W * s
-    if scheme.method == "awq-mixed":
-        passes.append(Pass("mixed_precision", lambda graph: quantize_mixed(graph, scheme, tokens, include_embeddings),
-                           approximate=True))
+    if scheme.mixed:
+        passes.append(
+            Pass(
+                "mixed_precision",
+                lambda graph: quantize_mixed(graph, scheme, tokens, include_embeddings),
+                approximate=True,
+            )
+        )
         return passes
-    passes.append(Pass("quantize_weights", lambda graph: quantize_weights(graph, scheme, include_embeddings),
-                       approximate=True))
+    passes.append(
+        Pass("quantize_weights", lambda graph: quantize_weights(graph, scheme, include_embeddings), approximate=True)
+    )
     return passes

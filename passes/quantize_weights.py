@@ -1,5 +1,5 @@
 """quantize_weights: replace each eligible `linear` by `linear_q` with its weight quantized
-round-to-nearest under a named scheme (passes/quant_schemes.py).
+round-to-nearest or fitted, as a named scheme says (passes/quant_schemes.py, scheme_rounding.py).
 
 Eligible: a `linear` whose weight is a 2-D f32 parameter that the grid fits (4-bit needs an even
 K). The output projection (lm_head, the linear that makes the logits) and the token embedding
@@ -8,13 +8,15 @@ lm_head and turns `embedding` into `embedding_q` (tied: both read one quantized 
 A parameter read by several linears is quantized once. The f32 weights nothing reads any more
 are dropped. `graph.meta["quantization"]` records the scheme and what was quantized.
 """
+
 from __future__ import annotations
 
 from kiln.ir import Graph, Value
 
 from .dce import eliminate_dead_code
 from .quant_schemes import QuantScheme
-from .round_to_nearest import QuantizedWeight, fits, quantize_weight
+from .round_to_nearest import QuantizedWeight, fits
+from .scheme_rounding import round_weight
 
 
 def output_projections(graph: Graph) -> set[str]:
@@ -39,8 +41,13 @@ def embedding_tables(graph: Graph) -> set[str]:
 
 def eligible_weight(graph: Graph, value: Value, scheme: QuantScheme) -> bool:
     t = value.type
-    return (value.name in graph.params and t.dtype == "f32" and t.rank == 2 and isinstance(t.shape[1], int)
-            and fits(t.shape[1], scheme.bits, scheme.group_size_for(t.shape[1])))
+    return (
+        value.name in graph.params
+        and t.dtype == "f32"
+        and t.rank == 2
+        and isinstance(t.shape[1], int)
+        and fits(t.shape[1], scheme.bits, scheme.group_size_for(t.shape[1]))
+    )
 
 
 class WeightQuantizer:
@@ -54,7 +61,7 @@ class WeightQuantizer:
     def params_for(self, weight: Value) -> tuple[Value, Value, Value | None]:
         if weight.name not in self.done:
             tensor, scheme = self.graph.weights[weight.name], self.scheme_of(weight)
-            q = quantize_weight(tensor, scheme.bits, scheme.group_size_for(tensor.shape[1]), scheme.symmetric)
+            q = round_weight(tensor, scheme)
             self.done[weight.name] = self._add(weight.name, q)
             self.bytes_before += tensor.numel() * tensor.element_size()
             self.bytes_after += q.nbytes
@@ -63,8 +70,11 @@ class WeightQuantizer:
     def _add(self, name: str, q: QuantizedWeight) -> tuple[Value, Value, Value | None]:
         g = self.graph
         zeros = None if q.zeros is None else g.add_param(g.fresh_name(f"{name}.zeros"), q.zeros)
-        return (g.add_param(g.fresh_name(f"{name}.q{q.bits}"), q.qweight),
-                g.add_param(g.fresh_name(f"{name}.scales"), q.scales), zeros)
+        return (
+            g.add_param(g.fresh_name(f"{name}.q{q.bits}"), q.qweight),
+            g.add_param(g.fresh_name(f"{name}.scales"), q.scales),
+            zeros,
+        )
 
     def scheme_of(self, weight: Value) -> QuantScheme:
         return self.overrides.get(weight.name, self.scheme)
@@ -74,8 +84,9 @@ class WeightQuantizer:
         return {"bits": scheme.bits, "group_size": scheme.group_size_for(weight.type.shape[1])}
 
 
-def quantize_weights(graph: Graph, scheme: QuantScheme, include_embeddings: bool = False,
-                     overrides: dict[str, QuantScheme] | None = None) -> Graph:
+def quantize_weights(
+    graph: Graph, scheme: QuantScheme, include_embeddings: bool = False, overrides: dict[str, QuantScheme] | None = None
+) -> Graph:
     """Rewrite `graph` in place (see the module docstring); returns it. `overrides` gives some
     weights (by name) another scheme than `scheme` (mixed precision)."""
     skipped = set() if include_embeddings else output_projections(graph) | embedding_tables(graph)
@@ -83,14 +94,20 @@ def quantize_weights(graph: Graph, scheme: QuantScheme, include_embeddings: bool
     replaced = 0
     for node in list(graph.nodes):
         replacement = None
-        if node.op == "linear" and node.inputs[1].name not in skipped and eligible_weight(graph, node.inputs[1], scheme):
+        if (
+            node.op == "linear"
+            and node.inputs[1].name not in skipped
+            and eligible_weight(graph, node.inputs[1], scheme)
+        ):
             qweight, scales, zeros = quantizer.params_for(node.inputs[1])
-            replacement = graph.create("linear_q", [node.inputs[0], qweight, scales, zeros, node.inputs[2]],
-                                       quantizer.attrs(node.inputs[1]))
+            replacement = graph.create(
+                "linear_q", [node.inputs[0], qweight, scales, zeros, node.inputs[2]], quantizer.attrs(node.inputs[1])
+            )
         elif node.op == "embedding" and include_embeddings and eligible_weight(graph, node.inputs[0], scheme):
             qweight, scales, zeros = quantizer.params_for(node.inputs[0])
-            replacement = graph.create("embedding_q", [qweight, scales, node.inputs[1], zeros],
-                                       quantizer.attrs(node.inputs[0]))
+            replacement = graph.create(
+                "embedding_q", [qweight, scales, node.inputs[1], zeros], quantizer.attrs(node.inputs[0])
+            )
         if replacement is None:
             continue
         graph.insert_before(node, replacement)
@@ -99,6 +116,10 @@ def quantize_weights(graph: Graph, scheme: QuantScheme, include_embeddings: bool
         replaced += 1
     eliminate_dead_code(graph)  # drops the f32 weights nothing reads any more
     graph.meta["quantization"] = {
-        "scheme": scheme.name, "quantized_nodes": replaced, "quantize_embeddings": include_embeddings,
-        "weight_bytes_before": quantizer.bytes_before, "weight_bytes_after": quantizer.bytes_after}
+        "scheme": scheme.name,
+        "quantized_nodes": replaced,
+        "quantize_embeddings": include_embeddings,
+        "weight_bytes_before": quantizer.bytes_before,
+        "weight_bytes_after": quantizer.bytes_after,
+    }
     return graph
