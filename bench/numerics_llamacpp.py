@@ -13,6 +13,7 @@ here into bench/results/numerics_llamacpp.json, with the file's tensor bits per 
 The f32 base's perplexity (printed) is Kiln's f32 one on the same windows: 63.9665 against 63.9677,
 so both tools score the same tokens.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -23,7 +24,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from llamacpp_baseline import quantized_gguf, tool  # noqa: E402
+from llamacpp_baseline import quantized_gguf, tool
 
 RESULTS = Path(__file__).parent / "results" / "numerics_llamacpp.json"
 WINDOW = 512
@@ -104,9 +105,14 @@ def main(argv=None) -> int:
         gguf = quantized_gguf(default_gguf_path(), quant, out)
         output = run([perplexity, "-m", str(gguf), "--kl-divergence-base", str(base), "--kl-divergence", *common])
         chunks = re.search(r"over (\d+) chunks", output)
-        entry = {"type": quant, "threads": args.threads, "window": WINDOW,
-                 "windows": int(chunks.group(1)) if chunks else None, "bytes_per_weight": bits_per_weight(gguf),
-                 **parse(output)}
+        entry = {
+            "type": quant,
+            "threads": args.threads,
+            "window": WINDOW,
+            "windows": int(chunks.group(1)) if chunks else None,
+            "bytes_per_weight": bits_per_weight(gguf),
+            **parse(output),
+        }
         results.append(entry)
         print(json.dumps(entry), file=sys.stderr, flush=True)
     previous = json.loads(RESULTS.read_text()) if RESULTS.exists() else []

@@ -11,11 +11,12 @@ with `batch` and `seq` symbolic; the program is decomposed to core ATen except f
 `scaled_dot_product_attention` and `linear`, which Kiln keeps whole (they map to IR ops its
 backends have fast kernels for).
 """
+
 from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -49,7 +50,8 @@ class StatelessForward(torch.nn.Module):
 def is_reward_model(lm: torch.nn.Module) -> bool:
     """A Hugging Face sequence classifier: a base model and a linear `score` head."""
     return type(lm).__name__.endswith("ForSequenceClassification") and isinstance(
-        getattr(lm, "score", None), torch.nn.Linear)
+        getattr(lm, "score", None), torch.nn.Linear
+    )
 
 
 def decompositions() -> dict:
@@ -59,8 +61,11 @@ def decompositions() -> dict:
     return table
 
 
-def export_module(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor],
-                  dynamic_dims: dict[tuple[int, int], tuple[str, int, int]]) -> torch.export.ExportedProgram:
+def export_module(
+    module: torch.nn.Module,
+    example_inputs: Sequence[torch.Tensor],
+    dynamic_dims: dict[tuple[int, int], tuple[str, int, int]],
+) -> torch.export.ExportedProgram:
     """torch.export (non-strict) with named dynamic dims: {(input, axis): (name, min, max)}.
     The program is in training IR: not yet decomposed to core ATen."""
     dims = {}
@@ -72,8 +77,13 @@ def export_module(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor
         return torch.export.export(module, tuple(example_inputs), dynamic_shapes=spec, strict=False)
 
 
-def capture_module(module: torch.nn.Module, example_inputs: Sequence[torch.Tensor], input_names: list[str],
-                   output_names: list[str], dynamic_dims: dict | None = None) -> Graph:
+def capture_module(
+    module: torch.nn.Module,
+    example_inputs: Sequence[torch.Tensor],
+    input_names: list[str],
+    output_names: list[str],
+    dynamic_dims: dict | None = None,
+) -> Graph:
     """Capture any module into IR. Raises UnsupportedOpError for an ATen op Kiln cannot map.
 
     The training IR is converted directly when the ATen table covers all of its ops (the common
@@ -95,8 +105,9 @@ def capture_module(module: torch.nn.Module, example_inputs: Sequence[torch.Tenso
     return graph
 
 
-def capture_causal_lm(lm: torch.nn.Module, max_batch: int = 8, max_seq_len: int = 2048,
-                      dtype: torch.dtype = torch.float32) -> Graph:
+def capture_causal_lm(
+    lm: torch.nn.Module, max_batch: int = 8, max_seq_len: int = 2048, dtype: torch.dtype = torch.float32
+) -> Graph:
     """The stateless forward of a causal LM: tokens i64[batch, seq], positions -> logits, with
     the model's floating-point weights in `dtype` (converted in place). The trace runs on fake
     tensors, so an f16/bf16 capture costs no slow CPU half-precision math; it records the casts

@@ -95,17 +95,19 @@ def is_reward_config(config: PretrainedConfig) -> bool:
         raise CheckpointError(
             f"'{architectures[0]}' names a sequence classifier, but transformers has none for "
             f"`{config.model_type}` models. Fix: pass a reward model of an architecture transformers "
-            "has a *ForSequenceClassification class for (Llama, Qwen2, Mistral, Gemma, GPT-2, ...).")
+            "has a *ForSequenceClassification class for (Llama, Qwen2, Mistral, Gemma, GPT-2, ...)."
+        )
     if config.num_labels != 1:
         raise CheckpointError(
             f"{architectures[0]} with {config.num_labels} labels is a classifier, not a reward model; Kiln "
             "compiles sequence classifiers with one label (a scalar reward). Fix: pass a reward model "
-            "checkpoint (num_labels=1), or its causal LM.")
+            "checkpoint (num_labels=1), or its causal LM."
+        )
     return True
 
 
 def attention_implementation(config: PretrainedConfig) -> str:
-    """"sdpa" where the model class has that path, else "eager" (BLOOM, MPT, Gemma 2, ...): the
+    """ "sdpa" where the model class has that path, else "eager" (BLOOM, MPT, Gemma 2, ...): the
     capture keeps SDPA whole as `attention`, and `fuse_attention_pattern` recovers the same op
     from eager attention's matmul/softmax/matmul."""
     from transformers import AutoModelForCausalLM

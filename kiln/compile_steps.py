@@ -12,15 +12,16 @@ the capture when a spare core makes that pay (frontend/breaks/background_check.p
 decides whether the graph built meanwhile stands. Stages are imported when a step runs, so
 `import kiln` stays light.
 """
+
 from __future__ import annotations
 
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 from kiln.backends.registry import backend_version, get_backend
 from kiln.compile_cache import CompileCache, cache_dir, compile_key, max_bytes
@@ -80,8 +81,9 @@ class CompileSteps:
         if self.cache is None:
             return None
         with self.step("cache", "look up the compile cache"):
-            self.cache_key = compile_key(self.checkpoint_dir, self.options, backend_version(self.backend),
-                                         self.cache.root)
+            self.cache_key = compile_key(
+                self.checkpoint_dir, self.options, backend_version(self.backend), self.cache.root
+            )
             cached, dropped = self.cache.lookup(self.cache_key) if self.cache_key else (None, None)
         if dropped:
             self.summary(f"compile cache: a damaged entry was deleted ({dropped}); compiling again")
@@ -90,8 +92,10 @@ class CompileSteps:
         with self.step("reuse", f"copy the cached artifact to {self.options.out}"):
             path = self.cache.copy_out(cached, Path(self.options.out), str(self.checkpoint_dir))
         self.times.save()
-        self.summary("compile cache hit: the artifact compiled before from this checkpoint with these options "
-                     "(to compile afresh: --no-cache, or cache=False)")
+        self.summary(
+            "compile cache hit: the artifact compiled before from this checkpoint with these options "
+            "(to compile afresh: --no-cache, or cache=False)"
+        )
         return path
 
     def load_model(self):
@@ -157,12 +161,17 @@ class CompileSteps:
 
         options = self.options
         with self.step("capture", "capture the forward into IR"):
-            graph = capture_causal_lm(self.loaded.model, max_batch=options.max_batch,
-                                      max_seq_len=options.max_seq_len, dtype=options.torch_dtype)
+            graph = capture_causal_lm(
+                self.loaded.model,
+                max_batch=options.max_batch,
+                max_seq_len=options.max_seq_len,
+                dtype=options.torch_dtype,
+            )
         rank_weights = [] if options.tensor_parallel > 1 else None
         with self.step("passes", "run the pass pipeline"):
-            graph = run_pipeline(graph, options, dump_dir=options.dump_ir, calibration=calibration,
-                                 rank_weights=rank_weights)
+            graph = run_pipeline(
+                graph, options, dump_dir=options.dump_ir, calibration=calibration, rank_weights=rank_weights
+            )
         if rank_weights is not None:
             return Built(graph, CompiledPerRank(), rank_weights)
         with self.step("lower", f"lower with the {options.backend} backend"):
@@ -176,18 +185,27 @@ class CompileSteps:
 
         options, loaded = self.options, self.loaded
         with self.step("save", f"save the artifact to {options.out}"):
-            return save_artifact(options.out, built.graph, built.executable, tokenizer_dir=loaded.tokenizer_path.parent,
-                                 extra_files=breaks.files if isinstance(breaks, CleanBreaks) else report_files(breaks),
-                                 rank_weights=built.rank_weights, manifest_fields={
-                "backend": options.backend,
-                "backend_version": backend_version(self.backend),
-                "source": str(loaded.checkpoint_dir),
-                "source_hash": loaded.source_hash,
-                "options": options.manifest_options(calibration_source),
-                "graph_stats": {**graph_stats(built.graph), "compile_s": round(time.perf_counter() - self.started, 3)},
-                "graph_breaks": breaks.counts,
-                **task_field(built.graph),
-            })
+            return save_artifact(
+                options.out,
+                built.graph,
+                built.executable,
+                tokenizer_dir=loaded.tokenizer_path.parent,
+                extra_files=breaks.files if isinstance(breaks, CleanBreaks) else report_files(breaks),
+                rank_weights=built.rank_weights,
+                manifest_fields={
+                    "backend": options.backend,
+                    "backend_version": backend_version(self.backend),
+                    "source": str(loaded.checkpoint_dir),
+                    "source_hash": loaded.source_hash,
+                    "options": options.manifest_options(calibration_source),
+                    "graph_stats": {
+                        **graph_stats(built.graph),
+                        "compile_s": round(time.perf_counter() - self.started, 3),
+                    },
+                    "graph_breaks": breaks.counts,
+                    **task_field(built.graph),
+                },
+            )
 
     def remember(self, path: Path) -> None:
         """Store the artifact just saved in the compile cache, and this compile's phase times."""

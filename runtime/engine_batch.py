@@ -4,10 +4,11 @@
 engine produces them; `Exclusive` runs a generation that needs the executable alone
 (speculative decoding) once the engine is idle.
 """
+
 from __future__ import annotations
 
 import queue
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from kiln.runtime.request import GenerationSettings
 from kiln.runtime.request_handle import RequestHandle
@@ -25,8 +26,10 @@ class EngineBatch:
 
     def __iter__(self) -> Iterator[tuple[int, str]]:
         events: queue.SimpleQueue = queue.SimpleQueue()
-        self.handles = [self.engine.submit(p, self.settings, s, bounded=False, sink=events, tag=i, background=False)
-                        for i, (p, s) in enumerate(zip(self.prompts, self.seeds))]
+        self.handles = [
+            self.engine.submit(p, self.settings, s, bounded=False, sink=events, tag=i, background=False)
+            for i, (p, s) in enumerate(zip(self.prompts, self.seeds))
+        ]
         remaining = len(self.handles)
         try:
             while remaining:

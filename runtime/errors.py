@@ -1,10 +1,13 @@
 """Errors the runtime raises: each names the problem and the fix.
 
-They derive from `KilnError` (defined in `kiln.ir.errors`, which every stage may import), so `except kiln.KilnError` catches every one of them.
+They derive from `KilnError` (defined in `kiln.ir.errors`, which every stage may import), so
+`except kiln.KilnError` catches every one of them.
 """
+
 from __future__ import annotations
 
 from kiln.ir.errors import ArtifactError, KilnError  # noqa: F401  (re-exported: backends raise it too)
+
 
 class TokenizerError(KilnError):
     """The tokenizer files are missing or unusable, or there is no chat template."""
@@ -42,8 +45,10 @@ class QueueFullError(GenerationError):
 
     def __init__(self, max_queue: int) -> None:
         self.max_queue = max_queue
-        super().__init__(f"{max_queue} requests are already waiting for a KV slot. Fix: retry later, or "
-                         "raise the engine's max_queue (kiln serve --max-queue).")
+        super().__init__(
+            f"{max_queue} requests are already waiting for a KV slot. Fix: retry later, or "
+            "raise the engine's max_queue (kiln serve --max-queue)."
+        )
 
 
 class ConstraintError(GenerationError):
@@ -64,5 +69,7 @@ class TokenIdError(GenerationError, ValueError):
         self.token_id, self.field, self.position, self.vocab_size = token_id, field, position, vocab_size
         where = f"in {field}" if position is None else f"at position {position} of {field}"
         valid = f"0..{vocab_size - 1}" if vocab_size else "0..2**63-1"
-        super().__init__(f"Token id {token_id} {where} is not in this model's vocabulary (valid ids: {valid}). "
-                         "Fix: pass token ids from the model's own tokenizer.")
+        super().__init__(
+            f"Token id {token_id} {where} is not in this model's vocabulary (valid ids: {valid}). "
+            "Fix: pass token ids from the model's own tokenizer."
+        )

@@ -7,32 +7,34 @@
 
 A prompt is a string or a list of token ids. Every request runs through the continuous-batching
 `Engine` (engine.py): a list of prompts shares the compiled `max_batch` KV rows, each prompt
-admitted as a row frees, and `llm.submit` queues requests from any thread or event loop. Context policy: a prompt longer than the compiled max_seq_len raises
-`ContextLengthError`; a prompt that fits but leaves too little room for max_new_tokens has its
-new tokens clamped to what fits (the result says so: finish_reason "context", stats.clamped).
+admitted as a row frees, and `llm.submit` queues requests from any thread or event loop.
+Context policy: a prompt longer than the compiled max_seq_len raises `ContextLengthError`; a
+prompt that fits but leaves too little room for max_new_tokens has its new tokens clamped to
+what fits (the result says so: finish_reason "context", stats.clamped).
 """
+
 from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
 from kiln.runtime.bad_words import resolve_bad_words
 from kiln.runtime.constraint_compiler import pop_constraint
-from kiln.runtime.request import GenerationSettings
 from kiln.runtime.engine import Engine
 from kiln.runtime.engine_batch import EngineBatch, Exclusive
 from kiln.runtime.errors import ContextLengthError, GenerationError, TokenizerError
+from kiln.runtime.request import GenerationSettings
 from kiln.runtime.request_handle import RequestHandle
 from kiln.runtime.results import GenerationResult
 from kiln.runtime.rewards import check_reward_ids, reward_of
 from kiln.runtime.sampler import SamplingParams
 from kiln.runtime.samples import generate_samples
 from kiln.runtime.scoring import TokenScores, score_tokens
-from kiln.runtime.speculative import PromptLookupDrafter
 from kiln.runtime.search import pop_search, search_generations
+from kiln.runtime.speculative import PromptLookupDrafter
 from kiln.runtime.text_stream import TextStream
 from kiln.runtime.token_ids import check_token_ids, check_token_set, model_vocab_size
 from kiln.runtime.tokenizer import Tokenizer
@@ -43,8 +45,9 @@ SEED_LIMIT = 2**63  # seeds are 0 <= seed < 2**63, what every int64 generator ta
 class LLM:
     """An Executable (owning its KV caches) plus the tokenizer and manifest it came with."""
 
-    def __init__(self, executable, tokenizer: Tokenizer | None = None, manifest: dict | None = None, graph=None,
-                 directory=None):
+    def __init__(
+        self, executable, tokenizer: Tokenizer | None = None, manifest: dict | None = None, graph=None, directory=None
+    ):
         self.executable = executable
         self.tokenizer = tokenizer
         self.manifest = manifest or {}
@@ -70,9 +73,12 @@ class LLM:
 
     @property
     def task(self) -> str:
-        """"generate" for a causal LM, "reward" for a reward model (its manifest says so)."""
-        return "reward" if self.manifest.get("task") == "reward" or self._model_meta.get("task") == "reward" \
+        """ "generate" for a causal LM, "reward" for a reward model (its manifest says so)."""
+        return (
+            "reward"
+            if self.manifest.get("task") == "reward" or self._model_meta.get("task") == "reward"
             else "generate"
+        )
 
     @property
     def _model_meta(self) -> dict:
@@ -88,9 +94,19 @@ class LLM:
         return self.executable.options.max_batch
 
     # -- public API ----------------------------------------------------------------------
-    def generate(self, prompts, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
-                 top_p: float = 1.0, seed: int | Sequence[int] = 0, stop: str | Sequence[str] | None = None,
-                 ignore_eos: bool = False, stop_token_ids: Sequence[int] = (), **sampling):
+    def generate(
+        self,
+        prompts,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | Sequence[int] = 0,
+        stop: str | Sequence[str] | None = None,
+        ignore_eos: bool = False,
+        stop_token_ids: Sequence[int] = (),
+        **sampling,
+    ):
         """Generate for one prompt (-> GenerationResult) or a list of prompts (-> list of them).
 
         `seed` seeds each prompt's own generator (a list gives one seed per prompt), so a prompt's
@@ -129,18 +145,46 @@ class LLM:
         n, best_of = sampling.pop("n", None), sampling.pop("best_of", None)
         reward_model = sampling.pop("reward_model", None)
         if reward_model is not None and n is None and best_of is None:
-            raise GenerationError("reward_model ranks the samples of n / best_of, and none were asked for. Fix: "
-                                  "pass best_of (e.g. best_of=4) to keep the best by reward.")
+            raise GenerationError(
+                "reward_model ranks the samples of n / best_of, and none were asked for. Fix: "
+                "pass best_of (e.g. best_of=4) to keep the best by reward."
+            )
         if n is not None or best_of is not None or reward_model is not None:
-            return generate_samples(self, prompts, 1 if n is None else n, best_of, seed, dict(
-                max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, stop=stop,
-                ignore_eos=ignore_eos, stop_token_ids=stop_token_ids, **sampling), reward_model)
-        return self.stream(prompts, max_new_tokens, temperature, top_k, top_p, seed, stop, ignore_eos,
-                           stop_token_ids, **sampling).results
+            return generate_samples(
+                self,
+                prompts,
+                1 if n is None else n,
+                best_of,
+                seed,
+                dict(
+                    max_new_tokens=max_new_tokens,
+                    temperature=temperature,
+                    top_k=top_k,
+                    top_p=top_p,
+                    stop=stop,
+                    ignore_eos=ignore_eos,
+                    stop_token_ids=stop_token_ids,
+                    **sampling,
+                ),
+                reward_model,
+            )
+        return self.stream(
+            prompts, max_new_tokens, temperature, top_k, top_p, seed, stop, ignore_eos, stop_token_ids, **sampling
+        ).results
 
-    def stream(self, prompts, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0,
-               top_p: float = 1.0, seed: int | Sequence[int] = 0, stop: str | Sequence[str] | None = None,
-               ignore_eos: bool = False, stop_token_ids: Sequence[int] = (), **sampling) -> TextStream:
+    def stream(
+        self,
+        prompts,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | Sequence[int] = 0,
+        stop: str | Sequence[str] | None = None,
+        ignore_eos: bool = False,
+        stop_token_ids: Sequence[int] = (),
+        **sampling,
+    ) -> TextStream:
         """Like `generate`, but yield text as it completes: str pieces for one prompt, or
         (prompt index, piece) pairs for a list; the returned stream's `.results` holds the
         GenerationResults afterwards. Bad arguments raise here, before any model call."""
@@ -149,23 +193,37 @@ class LLM:
         resolve_bad_words(self.tokenizer, sampling)
         constraint = pop_constraint(self.tokenizer, sampling)
         params = sampling_params(temperature, top_k, top_p, sampling)
-        single, token_lists, settings, seeds = self._plan(prompts, max_new_tokens, params, seed, stop, ignore_eos,
-                                                         stop_token_ids, constraint)
+        single, token_lists, settings, seeds = self._plan(
+            prompts, max_new_tokens, params, seed, stop, ignore_eos, stop_token_ids, constraint
+        )
         if search is not None:
-            return TextStream(search_generations(self, token_lists, settings, seeds, search, speculative, constraint),
-                              single)
+            return TextStream(
+                search_generations(self, token_lists, settings, seeds, search, speculative, constraint), single
+            )
         if speculative is not None and constraint is not None:
-            raise GenerationError("speculative decoding does not take json_schema, regex or choices. Fix: drop "
-                                  "one of them (forced tokens already skip decode steps without a drafter).")
+            raise GenerationError(
+                "speculative decoding does not take json_schema, regex or choices. Fix: drop "
+                "one of them (forced tokens already skip decode steps without a drafter)."
+            )
         if speculative == "prompt_lookup":  # drafts from each request's own context: inside the engine
             settings = dataclasses.replace(settings, drafter_factory=PromptLookupDrafter)
         elif speculative is not None:
             return TextStream(self._speculative(token_lists, settings, seeds, speculative), single)
         return TextStream([EngineBatch(self.engine, token_lists, settings, seeds)], single)
 
-    def submit(self, prompt, max_new_tokens: int = 64, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-               seed: int = 0, stop: str | Sequence[str] | None = None, ignore_eos: bool = False,
-               stop_token_ids: Sequence[int] = (), **sampling) -> RequestHandle:
+    def submit(
+        self,
+        prompt,
+        max_new_tokens: int = 64,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int = 0,
+        stop: str | Sequence[str] | None = None,
+        ignore_eos: bool = False,
+        stop_token_ids: Sequence[int] = (),
+        **sampling,
+    ) -> RequestHandle:
         """Queue one prompt on the engine and return at once: iterate the handle (or `async for`)
         for its text, `handle.result()` (or `await handle.wait()`) for its GenerationResult,
         `handle.cancel()` to stop it. Same keywords as `generate`; `speculative` takes
@@ -175,17 +233,22 @@ class LLM:
         resolve_bad_words(self.tokenizer, sampling)
         constraint = pop_constraint(self.tokenizer, sampling)
         params = sampling_params(temperature, top_k, top_p, sampling)
-        single, token_lists, settings, seeds = self._plan(prompt, max_new_tokens, params, seed, stop, ignore_eos,
-                                                         stop_token_ids, constraint)
+        single, token_lists, settings, seeds = self._plan(
+            prompt, max_new_tokens, params, seed, stop, ignore_eos, stop_token_ids, constraint
+        )
         if not single:
             raise GenerationError("submit takes one prompt. Fix: call it once per prompt (or use generate for a list).")
         if speculative is not None:
             if speculative != "prompt_lookup":
-                raise GenerationError(f"submit drafts by prompt lookup only, got speculative={speculative!r:.60}. "
-                                      "Fix: pass 'prompt_lookup', or use generate for the other drafters.")
+                raise GenerationError(
+                    f"submit drafts by prompt lookup only, got speculative={speculative!r:.60}. "
+                    "Fix: pass 'prompt_lookup', or use generate for the other drafters."
+                )
             if constraint is not None:
-                raise GenerationError("speculative decoding does not take json_schema, regex, choices or grammar. Fix: "
-                                      "drop one of them (forced tokens already skip decode steps without a drafter).")
+                raise GenerationError(
+                    "speculative decoding does not take json_schema, regex, choices or grammar. Fix: "
+                    "drop one of them (forced tokens already skip decode steps without a drafter)."
+                )
             settings = dataclasses.replace(settings, drafter_factory=PromptLookupDrafter)
         return self.engine.submit(token_lists[0], settings, seeds[0])
 
@@ -208,8 +271,11 @@ class LLM:
         special tokens; or pass token id lists. Waits until no other request runs."""
         self._require_generator()
         prompt_ids = self._encode_one(prompt)
-        continuation_ids = (self._require_tokenizer().encode(continuation, add_special_tokens=False)
-                            if isinstance(continuation, str) else self._encode_one(continuation))
+        continuation_ids = (
+            self._require_tokenizer().encode(continuation, add_special_tokens=False)
+            if isinstance(continuation, str)
+            else self._encode_one(continuation)
+        )
         check_token_ids(prompt_ids, self.vocab_size, "the prompt")
         check_token_ids(continuation_ids, self.vocab_size, "the continuation")
         with self.engine.exclusive() as executable:
@@ -223,10 +289,12 @@ class LLM:
         dicts, rendered by the chat template without a generation prompt). Waits until no other
         request runs."""
         if self.task != "reward":
-            raise GenerationError("This artifact is a causal LM: it generates and scores tokens but gives no reward. "
-                                  "Fix: compile a reward model (a *ForSequenceClassification checkpoint with one "
-                                  "label) and call reward on it; llm.score(prompt, continuation) gives "
-                                  "log-probabilities.")
+            raise GenerationError(
+                "This artifact is a causal LM: it generates and scores tokens but gives no reward. "
+                "Fix: compile a reward model (a *ForSequenceClassification checkpoint with one "
+                "label) and call reward on it; llm.score(prompt, continuation) gives "
+                "log-probabilities."
+            )
         single, id_lists = self._reward_inputs(texts)
         for i, ids in enumerate(id_lists):
             check_reward_ids(ids, self.max_seq_len, None if single else i)
@@ -240,12 +308,15 @@ class LLM:
     def _require_generator(self) -> None:
         if self.task == "reward":
             source = self._model_meta.get("architecture", "a sequence classifier")
-            raise GenerationError(f"This artifact is a reward model ({source}): it scores whole texts and does not "
-                                  "generate. Fix: call llm.reward(texts), or load an artifact compiled from a causal "
-                                  "LM to generate.")
+            raise GenerationError(
+                f"This artifact is a reward model ({source}): it scores whole texts and does not "
+                "generate. Fix: call llm.reward(texts), or load an artifact compiled from a causal "
+                "LM to generate."
+            )
 
     def _reward_inputs(self, texts) -> tuple[bool, list[list[int]]]:
         """(whether one text was given, the texts' token ids): str, token ids or a conversation each."""
+
         def one(text) -> list[int]:
             if _is_conversation(text):
                 return self._require_tokenizer().encode_chat(list(text), add_generation_prompt=False)
@@ -255,17 +326,30 @@ class LLM:
             return True, [one(texts)]
         if isinstance(texts, (list, tuple)) and texts:
             return False, [one(text) for text in texts]
-        raise GenerationError(f"reward takes a text, a list of token ids or a conversation, or a non-empty list of "
-                              f"those; got {texts!r:.60}.")
+        raise GenerationError(
+            f"reward takes a text, a list of token ids or a conversation, or a non-empty list of "
+            f"those; got {texts!r:.60}."
+        )
 
     def _require_tokenizer(self) -> Tokenizer:
         if self.tokenizer is None:
-            raise TokenizerError("This artifact has no tokenizer. Fix: pass prompts as lists of token ids, "
-                                 "or recompile from a model directory with tokenizer.json.")
+            raise TokenizerError(
+                "This artifact has no tokenizer. Fix: pass prompts as lists of token ids, "
+                "or recompile from a model directory with tokenizer.json."
+            )
         return self.tokenizer
 
-    def _plan(self, prompts, max_new_tokens, params: SamplingParams, seed, stop, ignore_eos=False, stop_token_ids=(),
-              constraint=None):
+    def _plan(
+        self,
+        prompts,
+        max_new_tokens,
+        params: SamplingParams,
+        seed,
+        stop,
+        ignore_eos=False,
+        stop_token_ids=(),
+        constraint=None,
+    ):
         """Validate everything up front: (whether one prompt was given, the prompts' token ids,
         the request, one seed per prompt)."""
         self._require_generator()
@@ -288,9 +372,13 @@ class LLM:
         check_token_ids(stop_ids, vocab_size, "stop_token_ids")
         check_token_set((token for token, _ in params.logit_bias), vocab_size, "logit_bias")
         settings = GenerationSettings(
-            max_new_tokens=int(max_new_tokens), sampling=params, stop=stops,
+            max_new_tokens=int(max_new_tokens),
+            sampling=params,
+            stop=stops,
             eos_ids=self.tokenizer.eos_ids if self.tokenizer and not ignore_eos else frozenset(),
-            stop_token_ids=frozenset(stop_ids), constraint=constraint)
+            stop_token_ids=frozenset(stop_ids),
+            constraint=constraint,
+        )
         return single, token_lists, settings, seeds
 
     def _speculative(self, token_lists, settings, seeds, speculative) -> list:
@@ -304,21 +392,31 @@ class LLM:
                 return ModelDrafter(speculative.executable, vocab_size=speculative.vocab_size)
             if hasattr(speculative, "propose") and hasattr(speculative, "feedback"):
                 return speculative
-            raise GenerationError(f"speculative={speculative!r:.60} is not a drafter. Fix: pass 'prompt_lookup', "
-                                  "'heads', a draft LLM from kiln.load, or an object with propose() and feedback().")
+            raise GenerationError(
+                f"speculative={speculative!r:.60} is not a drafter. Fix: pass 'prompt_lookup', "
+                "'heads', a draft LLM from kiln.load, or an object with propose() and feedback()."
+            )
 
         decoder = self.tokenizer.incremental_decoder if self.tokenizer else None
-        return [Exclusive(self.engine, SpeculativeGeneration(self.executable, prompt, settings, seed, drafter(), decoder,
-                                                             vocab_size=self.vocab_size))
-                for prompt, seed in zip(token_lists, seeds)]
+        return [
+            Exclusive(
+                self.engine,
+                SpeculativeGeneration(
+                    self.executable, prompt, settings, seed, drafter(), decoder, vocab_size=self.vocab_size
+                ),
+            )
+            for prompt, seed in zip(token_lists, seeds)
+        ]
 
     def _heads_drafter(self, kind: str | None):
         """A HeadsDrafter over this artifact's stored heads of `kind` (loaded once)."""
         from kiln.runtime.heads_drafter import HeadsDrafter
 
         if self.directory is None or self.graph is None:
-            raise GenerationError("speculative='heads' reads the heads stored in an artifact. Fix: load the "
-                                  "artifact with kiln.load after `kiln train-speculator` on it.")
+            raise GenerationError(
+                "speculative='heads' reads the heads stored in an artifact. Fix: load the "
+                "artifact with kiln.load after `kiln train-speculator` on it."
+            )
         if kind not in self._heads:
             self._heads[kind] = HeadsDrafter.from_artifact(self.directory, self.manifest, self.graph, kind)
         loaded = self._heads[kind]
@@ -332,8 +430,10 @@ class LLM:
             return True, [self._encode_one(prompts)]
         if isinstance(prompts, (list, tuple)) and prompts:
             return False, [self._encode_one(p) for p in prompts]
-        raise GenerationError(f"A prompt is a string or a list of token ids, got {type(prompts).__name__} "
-                              f"{prompts!r:.60}. Fix: pass a str, a list of ints, or a non-empty list of those.")
+        raise GenerationError(
+            f"A prompt is a string or a list of token ids, got {type(prompts).__name__} "
+            f"{prompts!r:.60}. Fix: pass a str, a list of ints, or a non-empty list of those."
+        )
 
     def _encode_one(self, prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -381,5 +481,8 @@ def _is_conversation(x) -> bool:
 
 
 def _is_token_list(x) -> bool:
-    return isinstance(x, (list, tuple)) and all(isinstance(t, int) and not isinstance(t, bool) for t in x) and (
-        len(x) > 0 or isinstance(x, list))
+    return (
+        isinstance(x, (list, tuple))
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+        and (len(x) > 0 or isinstance(x, list))
+    )

@@ -17,6 +17,7 @@ by its reward of the prompt's text followed by the sample's text, highest first,
 given as token ids is decoded with its special tokens (a chat prompt keeps its template's
 markers); the reward model tokenizes the joined text with its own tokenizer.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -34,8 +35,10 @@ def check_counts(n, best_of) -> tuple[int, int]:
         raise GenerationError(f"n must be an integer from 1 to {MAX_SAMPLES}, got {n!r:.40}. Fix: pass e.g. n=2.")
     best_of = n if best_of is None else best_of
     if not _is_count(best_of) or best_of < n:
-        raise GenerationError(f"best_of must be an integer from n ({n}) to {MAX_SAMPLES}, got {best_of!r:.40}. "
-                              "Fix: pass best_of >= n, or leave it out.")
+        raise GenerationError(
+            f"best_of must be an integer from n ({n}) to {MAX_SAMPLES}, got {best_of!r:.40}. "
+            "Fix: pass best_of >= n, or leave it out."
+        )
     return int(n), int(best_of)
 
 
@@ -44,12 +47,16 @@ def generate_samples(llm, prompts, n: int, best_of: int | None, seed, keywords: 
     other arguments. One prompt -> a list of n results; a list -> a list of such lists."""
     n, best_of = check_counts(n, best_of)
     if reward_model is not None and getattr(reward_model, "task", None) != "reward":
-        raise GenerationError(f"reward_model must be a reward model loaded with kiln.load, got {reward_model!r:.60}. "
-                              "Fix: compile a *ForSequenceClassification checkpoint (one label) and pass its LLM.")
+        raise GenerationError(
+            f"reward_model must be a reward model loaded with kiln.load, got {reward_model!r:.60}. "
+            "Fix: compile a *ForSequenceClassification checkpoint (one label) and pass its LLM."
+        )
     searched = sorted(set(keywords) & {"num_beams", "penalty_alpha"})
     if searched:
-        raise GenerationError(f"n and best_of draw samples; {searched} search deterministically. Fix: drop n and "
-                              "best_of (num_return_sequences returns several beams).")
+        raise GenerationError(
+            f"n and best_of draw samples; {searched} search deterministically. Fix: drop n and "
+            "best_of (num_return_sequences returns several beams)."
+        )
     single, token_lists = llm._encode_prompts(prompts)
     seeds = _sample_seeds(seed, len(token_lists), best_of)
     ranking = best_of > n or reward_model is not None
@@ -57,7 +64,7 @@ def generate_samples(llm, prompts, n: int, best_of: int | None, seed, keywords: 
     if added_logprobs:
         keywords = {**keywords, "logprobs": 0}
     flat = llm.generate([ids for ids in token_lists for _ in range(best_of)], seed=seeds, **keywords)
-    per_prompt = [flat[i * best_of:(i + 1) * best_of] for i in range(len(token_lists))]
+    per_prompt = [flat[i * best_of : (i + 1) * best_of] for i in range(len(token_lists))]
     if reward_model is not None:
         texts = prompt_texts(llm, [prompts] if single else list(prompts), token_lists)
         per_prompt = [by_reward(reward_model, text, samples)[:n] for text, samples in zip(texts, per_prompt)]
@@ -83,8 +90,10 @@ def prompt_texts(llm, given: list, token_lists: list[list[int]]) -> list[str]:
     """Each prompt's text: as given, or its token ids decoded with their special tokens."""
     if any(not isinstance(prompt, str) for prompt in given):
         llm._require_tokenizer()
-    return [prompt if isinstance(prompt, str) else llm.tokenizer.decode(ids, skip_special_tokens=False)
-            for prompt, ids in zip(given, token_lists)]
+    return [
+        prompt if isinstance(prompt, str) else llm.tokenizer.decode(ids, skip_special_tokens=False)
+        for prompt, ids in zip(given, token_lists)
+    ]
 
 
 def _sample_seeds(seed, prompts: int, samples: int) -> list[int]:

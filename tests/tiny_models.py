@@ -107,15 +107,20 @@ def byte_fallback_tokenizer_json() -> str:
 
     special, byte_tokens = BYTE_FALLBACK_SPECIAL_TOKENS, [f"<0x{b:02X}>" for b in range(256)]
     learner = pieces_of(Tokenizer(models.BPE(unk_token="<unk>")))
-    learner.train_from_iterator(TRAINING_TEXT.splitlines(keepends=True), trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE - len(byte_tokens), min_frequency=1, special_tokens=special, show_progress=False))
+    learner.train_from_iterator(
+        TRAINING_TEXT.splitlines(keepends=True),
+        trainers.BpeTrainer(
+            vocab_size=VOCAB_SIZE - len(byte_tokens), min_frequency=1, special_tokens=special, show_progress=False
+        ),
+    )
     learned = json.loads(learner.to_str())["model"]
     pieces = sorted((t for t in learned["vocab"] if t not in special), key=learned["vocab"].get)
     vocab = {token: i for i, token in enumerate(special + byte_tokens + pieces)}
     merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in learned["merges"]]
     tokenizer = pieces_of(Tokenizer(models.BPE(vocab, merges, unk_token="<unk>", byte_fallback=True, fuse_unk=True)))
-    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                           decoders.Strip(" ", 1, 0)])
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     tokenizer.add_special_tokens(special)
     if tokenizer.get_vocab_size() != VOCAB_SIZE:
         raise RuntimeError(f"the byte-fallback tokenizer has {tokenizer.get_vocab_size()} tokens, not {VOCAB_SIZE}")
@@ -197,12 +202,22 @@ def tiny_config(arch: str, **overrides):
     elif arch == "bloom":  # ALiBi, fused qkv, layer norm on the embeddings
         config = BloomConfig(hidden_size=64, n_layer=2, n_head=4, **tokens)
     elif arch == "mpt":  # ALiBi from a table of max_seq_len keys; above the compiled 128 (see README)
-        config = MptConfig(d_model=64, n_layers=2, n_heads=4, expansion_ratio=2, max_seq_len=2 * MAX_POSITIONS,
-                           **tokens)
+        config = MptConfig(
+            d_model=64, n_layers=2, n_heads=4, expansion_ratio=2, max_seq_len=2 * MAX_POSITIONS, **tokens
+        )
     elif arch == "falcon":  # multi-query: one k/v head, picked out of the fused qkv by index lists
-        config = FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, multi_query=True,
-                              new_decoder_architecture=False, parallel_attn=True, alibi=False, bias=False,
-                              max_position_embeddings=MAX_POSITIONS, **tokens)
+        config = FalconConfig(
+            hidden_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            multi_query=True,
+            new_decoder_architecture=False,
+            parallel_attn=True,
+            alibi=False,
+            bias=False,
+            max_position_embeddings=MAX_POSITIONS,
+            **tokens,
+        )
     elif arch == "gemma2":
         config = Gemma2Config(
             **decoder,
@@ -243,8 +258,9 @@ def save_tiny_reward_model(arch: str, out_dir: str | Path, seed: int = 0, **over
 
     out_dir = Path(out_dir)
     torch.manual_seed(seed)
-    model = AutoModelForSequenceClassification.from_config(tiny_config(arch, **{"num_labels": 1, **overrides}),
-                                                           dtype=torch.float32)
+    model = AutoModelForSequenceClassification.from_config(
+        tiny_config(arch, **{"num_labels": 1, **overrides}), dtype=torch.float32
+    )
     model.save_pretrained(out_dir)
     (out_dir / "tokenizer.json").write_text(tokenizer_json())
     (out_dir / "tokenizer_config.json").write_text(json.dumps(tokenizer_config(), indent=2) + "\n")
@@ -281,7 +297,9 @@ def save_tiny_gguf(llama_dir: str | Path, gguf_path: str | Path) -> Path:
     _add_tokenizer(writer)
 
     def permute(rows, n_heads):  # llama.cpp's convert_hf_to_gguf.py LlamaModel.permute
-        return rows.reshape(n_heads, 2, rows.shape[0] // n_heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+        return (
+            rows.reshape(n_heads, 2, rows.shape[0] // n_heads // 2, *rows.shape[1:]).swapaxes(1, 2).reshape(rows.shape)
+        )
 
     writer.add_tensor("token_embd.weight", weights["model.embed_tokens.weight"])
     for i in range(config["num_hidden_layers"]):
