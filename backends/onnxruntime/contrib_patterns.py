@@ -25,11 +25,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kiln.backends.token_trees import has_token_trees
 from kiln.ir import Graph, Node, Value
 from kiln.ir.dims import dims_equal
 
-from .onnx_builder import MS_DOMAIN, OnnxBuilder
+from .onnx_builder import MS_DOMAIN, NUMPY_DTYPES, OnnxBuilder, elem_type
 from .op_lowerings import norm_scale, reshape_target, transposed_weight
+from .plain_attention import shared_scope, tree_visible_keys
 from .quantized_lowerings import lower_linear_q, matmul_nbits
 
 Emitter = Callable[[OnnxBuilder], "str | list[str]"]
@@ -69,12 +71,9 @@ def plan_contrib_ops(graph: Graph, attention_dtypes: frozenset[str] = frozenset(
 def _plan_attention(graph: Graph, node: Node, outputs, plan: Plan) -> None:
     q, k, v, mask, positions, tree = node.inputs
     writes = [k.producer, v.producer]
-    if (
-        mask is not None
-        or tree is not None
-        or positions is not graph.inputs[1]
-        or any(w is None or w.op != "kv_write" for w in writes)
-    ):
+    if mask is not None or positions is not _slots_input(graph) or any(w is None or w.op != "kv_write" for w in writes):
+        return
+    if tree is not None and tree is not graph.inputs[-1]:
         return
     if node.attrs["alibi"]:
         return  # GroupQueryAttention has no ALiBi: the plain lowering adds the bias
@@ -93,7 +92,7 @@ def _plan_attention(graph: Graph, node: Node, outputs, plan: Plan) -> None:
     if v.type.shape[3] != head_dim:
         return
     max_seq_len = caches[0].type.shape[2]
-    rotary = _foldable_rope(q, writes[0].inputs[1], positions, head_dim, max_seq_len)
+    rotary = _foldable_rope(q, writes[0].inputs[1], graph.inputs[1], head_dim, max_seq_len)
     out_reshape = _bsh_reader(node.output, outputs)
     q_in, k_in = (rotary[0], rotary[1]) if rotary is not None else (q, writes[0].inputs[1])
     v_in = writes[1].inputs[1]
@@ -111,7 +110,13 @@ def _plan_attention(graph: Graph, node: Node, outputs, plan: Plan) -> None:
         plan.skip(out_reshape)
     plan.in_place_caches.update(c.name for c in caches)
     inputs = (packed,) if packed is not None else (q_in, k_in, v_in)
-    plan.emitters[id(node)] = lambda b: _emit_gqa(b, node, writes, inputs, rotary, out_reshape)
+    plan.emitters[id(node)] = lambda b: _emit_gqa(b, node, writes, inputs, rotary, out_reshape, graph.inputs[1])
+
+
+def _slots_input(graph: Graph) -> Value:
+    """Where keys and values are written and attended from: the `slots` input of a graph with
+    token trees (kiln.backends.token_trees), else `positions`."""
+    return graph.inputs[-2] if has_token_trees(graph) else graph.inputs[1]
 
 
 def _foldable_rope(q: Value, k_new: Value, positions: Value, head_dim: int, max_seq_len) -> tuple | None:
@@ -200,18 +205,26 @@ def _packed_source(sources: list[Value], widths: list[int]) -> Value | None:
 SEQLENS_K, TOTAL_LENGTH = "seqlens_k", "total_sequence_length"
 
 
-def _emit_gqa(b: OnnxBuilder, node: Node, writes: list[Node], inputs: tuple, rotary, out_reshape: Node | None) -> str:
-    """`inputs`: (packed qkv [b, s, (h + 2 kv) d],) or (q, k, v) each [b, h, s, d]."""
-    q, _, v_written, _, _ = node.inputs
+def _emit_gqa(
+    b: OnnxBuilder, node: Node, writes: list[Node], inputs: tuple, rotary, out_reshape: Node | None, rope_positions
+) -> str:
+    """`inputs`: (packed qkv [b, s, (h + 2 kv) d],) or (q, k, v) each [b, h, s, d]. A token tree
+    comes in as position_ids (RoPE's positions, apart from the slots the lengths give) and an
+    attention_bias hiding the call's own slots the tree hides."""
+    q, _, v_written, _, slots, tree = node.inputs
     q_heads, head_dim = q.type.shape[1], q.type.shape[3]
     kv_heads = v_written.type.shape[1]
     query, key, value = (b.value(inputs[0]), "", "") if len(inputs) == 1 else tuple(_bsh(b, x) for x in inputs)
     cos, sin = (b.value(rotary[2]), b.value(rotary[3])) if rotary is not None else ("", "")
     past = [b.value(w.inputs[0]) for w in writes]
+    tree_inputs = []
+    if tree is not None:
+        position_ids = b.typed(rope_positions, "i64") if rotary is not None else ""
+        tree_inputs = [position_ids, _tree_bias(b, slots, tree, q.type.dtype)]
     attrs = node.attrs
     out, _, _ = b.node(
         "GroupQueryAttention",
-        [query, key, value, *past, SEQLENS_K, TOTAL_LENGTH, cos, sin],
+        [query, key, value, *past, SEQLENS_K, TOTAL_LENGTH, cos, sin, *tree_inputs],
         [None, b.value(writes[0].output), b.value(writes[1].output)],
         domain=MS_DOMAIN,
         label="attn",
@@ -239,6 +252,19 @@ def _emit_gqa(b: OnnxBuilder, node: Node, writes: list[Node], inputs: tuple, rot
             )
     # attention's own output [b, h, s, d], for any other reader (pruned when there is none)
     return b.op("Transpose", b.op("Reshape", out, b.const([0, 0, q_heads, head_dim])), perm=[0, 2, 1, 3])
+
+
+def _tree_bias(b: OnnxBuilder, slots: Value, tree: Value, dtype: str) -> str:
+    """[b, 1, s, total_sequence_length]: 0 where a key is visible, -inf where it holds a token of
+    this call the tree hides; one per graph, every layer adds the same."""
+    key = f"tree_bias/{dtype}"
+    if key not in b.memo:
+        with shared_scope(b):
+            keys = b.op("Cast", TOTAL_LENGTH, to=elem_type("i64"))
+            visible = b.op("Unsqueeze", tree_visible_keys(b, slots, tree, keys), b.const([1]))
+            numpy_dtype = NUMPY_DTYPES[dtype]
+            b.memo[key] = b.op("Where", visible, b.const(0.0, numpy_dtype), b.const(-np.inf, numpy_dtype))
+    return b.memo[key]
 
 
 # -- normalizations ------------------------------------------------------------------------
