@@ -11,6 +11,7 @@ ScatterND, which returns a new cache: the executable copies it back into its buf
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -42,11 +43,6 @@ def lower_kv_write(b: OnnxBuilder, node: Node) -> str:
 
 def lower_attention(b: OnnxBuilder, node: Node) -> str:
     q, k, v, mask, positions, tree = node.inputs
-    if tree is not None:
-        raise OnnxLoweringError(
-            "attention over a token tree is not lowered to ONNX yet. Fix: compile without "
-            "token trees for the onnxruntime backend."
-        )
     attrs = node.attrs
     q_heads, kv_heads, head_dim = q.type.shape[1], k.type.shape[1], q.type.shape[3]
     if not all(isinstance(d, int) for d in (q_heads, kv_heads, head_dim, v.type.shape[3])):
@@ -69,6 +65,10 @@ def lower_attention(b: OnnxBuilder, node: Node) -> str:
     if attrs["alibi"]:
         scores = b.op("Add", scores, _alibi_bias(b, q, k, positions, attrs["alibi"], rank, kv_heads))
     visible = _visible_keys(b, q, k, positions, attrs, rank)
+    if tree is not None:
+        seen = tree_visible_keys(b, positions, tree, b.scalar_dim(k.type.shape[2]))
+        seen = b.op("Unsqueeze", seen, b.const(list(range(1, rank - 2))))
+        visible = b.op("And", visible, seen)
     if mask is not None:
         grouped_mask = _grouped(b, mask, groups, kv_heads)
         if mask.type.dtype == "bool":
@@ -124,6 +124,37 @@ def _visible_keys(b: OnnxBuilder, q, k, positions, attrs, rank: int) -> str | No
     if attrs["window"]:
         visible = b.op("And", visible, b.op("Greater", slots, b.op("Sub", query_pos, b.const(attrs["window"]))))
     return visible
+
+
+def tree_visible_keys(b: OnnxBuilder, slots, tree, keys: str) -> str:
+    """Bool [b, s, keys] (`keys` an i64 scalar): False where a key slot holds a token of this call
+    that `tree` hides (`tree_visibility` of kiln.ir.ops.attention). Built once per graph and key
+    count: every layer reads the same."""
+    key = f"tree_visible/{b.value(slots)}/{b.value(tree)}/{keys}"
+    if key in b.memo:
+        return b.memo[key]
+    with shared_scope(b):
+        key_slots = b.op("Range", b.const(0), keys, b.const(1))
+        first = b.op("Slice", b.typed(slots, "i64"), b.const([0]), b.const([1]), b.const([1]))  # [b, 1]
+        own = b.op("Sub", key_slots, b.op("Unsqueeze", first, b.const([2])))  # [b, 1, keys]: the call's index j
+        count = b.op("Shape", b.value(tree), start=2, end=3)
+        inside = b.op("And", b.op("GreaterOrEqual", own, b.const(0)), b.op("Less", own, count))
+        clamped = b.op("Min", b.op("Max", own, b.const(0)), b.op("Sub", count, b.const([1])))
+        rows = b.op("Shape", b.value(tree), start=0, end=2)  # [b, s]
+        columns = b.op("Expand", clamped, b.op("Concat", rows, b.op("Shape", clamped, start=2), axis=0))
+        seen = b.op("GatherElements", b.value(tree), columns, axis=2)
+        b.memo[key] = b.op("Or", b.op("Not", inside), seen)
+    return b.memo[key]
+
+
+@contextlib.contextmanager
+def shared_scope(b: OnnxBuilder):
+    """Name the nodes built inside under /model/tree: values every layer reads, built once."""
+    saved, b.scope, b.label = (b.scope, b.label), "/model/tree", None
+    try:
+        yield
+    finally:
+        b.scope, b.label = saved
 
 
 def _grouped(b: OnnxBuilder, mask, groups: int, kv_heads: int) -> str:
