@@ -95,7 +95,7 @@ def float_parts(scales: np.ndarray, zeros: np.ndarray | None) -> tuple[np.ndarra
 
 def lower_linear_q(b: OnnxBuilder, node: Node) -> str:
     x, qweight, scales, zeros, bias = node.inputs
-    weight = [b.weight(qweight), *float_parts(b.weight(scales), None if zeros is None else b.weight(zeros))]
+    weight = [b.weight(qweight), b.weight(scales), None if zeros is None else b.weight(zeros)]
     out = matmul_nbits(b, b.value(x), *weight, b.value(bias) if bias is not None else "", node.attrs, qweight.name)
     b.declare(out, node.output.type.dtype, node.output.type.shape)
     return out
@@ -115,6 +115,7 @@ def matmul_nbits(
     over W dequantized here when the group size makes no ORT block."""
     bits, group_size = attrs["bits"], attrs["group_size"]
     block = ort_block_size(group_size)
+    scales, zeros = float_parts(scales, zeros)
     if block is None:
         w = dequantized(q, scales, zeros, bits, group_size)
         y = b.op("MatMul", x, b.initializer(f"{name}.dequantized.T", np.ascontiguousarray(w.T)))
