@@ -29,7 +29,7 @@ from pathlib import Path
 
 SDIST = "llama-cpp-python==0.3.36"  # vendors llama.cpp 0c1e570 (2026-10-01)
 TOOLS = ("llama-bench", "llama-quantize", "llama-perplexity")
-QUANT_TYPES = {"f32": "F32", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_k_m": "Q4_K_M"}
+QUANT_TYPES = {"f32": "F32", "q8_0": "Q8_0", "q4_0": "Q4_0", "q4_1": "Q4_1", "q4_k_m": "Q4_K_M"}
 
 
 def tools_dir() -> Path:
@@ -88,7 +88,7 @@ def build(jobs: int = 2) -> Path:
 
 
 def quantized_gguf(source: Path, quant: str, out_dir: Path) -> Path:
-    """`source` requantized to `quant` (f32, q8_0, q4_0, q4_k_m) by llama-quantize, made once."""
+    """`source` requantized to `quant` (f32, q8_0, q4_0, q4_1, q4_k_m) by llama-quantize, made once."""
     if quant not in QUANT_TYPES:
         raise ValueError(f"llama.cpp baseline type {quant!r}: choose from {', '.join(QUANT_TYPES)}")
     target = out_dir / f"{source.stem}-{quant}.gguf"

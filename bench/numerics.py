@@ -4,24 +4,28 @@
                                        [--windows 4] [--interpreter int4-g64] [--table]
 
 Text and windows are llama-perplexity's: Moby-Dick chapters 41-42 (kiln/moby_dick.py), cut into
-windows of 512 tokens (all 19, or the first `--windows`), the second half of each scored (255 tokens each). The model is
-captured once; f32 through the same backend is the reference, its full distributions kept in
-memory (8 bytes per vocabulary entry and token: 400 MB for 4 windows); each scheme runs the pass
-pipeline and that backend, and kiln.runtime.quality.compare_many scores it against the full
-distributions (exact KLD, llama.cpp's measure) and against their top-k + rest (what a stored
-`kiln quality` reference gives), from one run. `--interpreter` schemes also run through the reference interpreter (the weights' rounding alone,
-without the backend's kernels, e.g. ONNX Runtime's int8 activations). Bytes per weight: every
-stored tensor of the compiled graph (scales, zero points, f32 norms, the embedding) over the f32
-model's parameter count, the way llama.cpp's BPW counts its file.
-Results accumulate in bench/results/numerics.json; `--table` prints the docs table with
-bench/results/numerics_llamacpp.json (bench/numerics_llamacpp.py) beside.
+windows of 512 tokens (all 19, or the first `--windows`), the second half of each scored (255
+tokens each). The model is captured once; f32 through the same backend is the reference, its full
+distributions kept in memory (8 bytes per vocabulary entry and token: 400 MB for 4 windows); each
+scheme runs the pass pipeline and that backend, and kiln.runtime.quality.compare_many scores it
+against the full distributions (exact KLD, llama.cpp's measure) and against their top-k + rest
+(what a stored `kiln quality` reference gives), from one run. `--interpreter` schemes also run
+through the reference interpreter (the weights' rounding alone, without the backend's kernels,
+e.g. ONNX Runtime's int8 activations). Bits per weight (the results' `bytes_per_weight` field):
+every stored tensor of the compiled graph (scales, zero points, f32 norms, the embedding) over
+the f32 model's parameter count, the way llama.cpp's BPW counts its file.
+Results accumulate in bench/results/numerics.json, each row with the command, date and host
+that made it; `--table` prints the docs table with bench/results/numerics_llamacpp.json
+(bench/numerics_llamacpp.py) beside, sorted by mean KLD.
 """
+
 from __future__ import annotations
 
 import argparse
 import gc
 import json
 import os
+import platform
 import sys
 import time
 from pathlib import Path
@@ -37,6 +41,17 @@ WINDOW = 512
 
 def bytes_per_weight(graph, parameters: int) -> float:
     return 8 * sum(t.numel() * t.element_size() for t in graph.weights.values()) / parameters
+
+
+def provenance(argv: list[str]) -> dict:
+    """How a row was made: the command, the date and the host (CPU model, cores, load)."""
+    cpus = [line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")]
+    host = f"{cpus[0] if cpus else platform.processor()}; {os.cpu_count()} CPUs; loadavg {os.getloadavg()[0]:.1f}"
+    return {
+        "command": " ".join([f"bench/{Path(sys.argv[0]).name}", *argv]),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "host": f"{host}; torch {torch.__version__}",
+    }
 
 
 def record(entry: dict) -> None:
@@ -56,8 +71,6 @@ def evaluation_windows(tokenizer, count: int | None) -> torch.Tensor:
 
 
 def measure(args) -> None:
-    from quantization import compiled_graph, copy_graph
-
     from kiln.backends.registry import get_backend
     from kiln.frontend.capture import capture_causal_lm
     from kiln.frontend.checkpoint import load_model
@@ -65,6 +78,7 @@ def measure(args) -> None:
     from kiln.runtime.quality import compare_many
     from kiln.runtime.reference_logits import reference_logits, truncated
     from kiln.runtime.tokenizer import Tokenizer
+    from quantization import compiled_graph, copy_graph
 
     model_dir = default_model_dir()
     windows = evaluation_windows(Tokenizer.from_dir(model_dir), args.windows)
@@ -81,8 +95,14 @@ def measure(args) -> None:
     full = reference_logits(f32, windows, top_k=None, source=f"SmolLM2-135M f32 {args.backend}")
     references = [full, truncated(full, args.top_k)]  # exact KLD, and what a stored top-k file gives
     level = int(os.environ["KILN_ORT_ACCURACY_LEVEL"]) if args.backend == "onnxruntime" else None
-    common = {"backend": args.backend, "windows": len(windows), "window": WINDOW, "threads": args.threads,
-              "ort_accuracy_level": level}
+    common = {
+        "backend": args.backend,
+        "windows": len(windows),
+        "window": WINDOW,
+        "threads": args.threads,
+        "ort_accuracy_level": level,
+        **provenance(args.argv),
+    }
 
     def measure_one(entry: dict, executable) -> None:
         results = compare_many(executable, references)
@@ -110,25 +130,40 @@ def measure(args) -> None:
 
 
 def table(windows: int | None) -> str:
-    """The docs table: Kiln's schemes (exact KLD) beside llama.cpp's types, on `windows` windows."""
-    kiln = [r for r in json.loads(RESULTS.read_text()) if r["mode"] == "exact" and r["scheme"] != "none"
-            and r["windows"] == (windows or 19)]
+    """The docs table: Kiln's schemes (exact KLD) beside llama.cpp's types, on `windows` windows,
+    then where each row comes from (command, date, host) where the results record it."""
+    count = windows or 19
+    kiln = [
+        r
+        for r in json.loads(RESULTS.read_text())
+        if r["mode"] == "exact" and r["scheme"] != "none" and r["windows"] == count
+    ]
     llama = json.loads(LLAMACPP_RESULTS.read_text()) if LLAMACPP_RESULTS.exists() else []
-    llama = [r for r in llama if r["windows"] == (windows or 19)]
-    lines = ["| tool | scheme | lm_head + embedding | bytes/weight | mean KLD | median KLD | p99 KLD | same top token "
-             "| Δp RMS | PPL ratio |", "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
-    for r in sorted(kiln, key=lambda r: (r["backend"], r["quantize_embeddings"], r["bytes_per_weight"], r["scheme"])):
-        tool = "Kiln" if r["backend"] != "reference" else "Kiln (interpreter)"
-        lines.append(f"| {tool} | {r['scheme']} | {'quantized' if r['quantize_embeddings'] else 'f32'} | "
-                     f"{r['bytes_per_weight']:.2f} | {_row(r)}")
-    for r in llama:
-        lines.append(f"| llama.cpp | {r['type']} | quantized | {r['bytes_per_weight']:.2f} | {_row(r)}")
-    return "\n".join(lines)
+    llama = [r for r in llama if r["windows"] == count]
+    lines = [
+        "| tool | scheme | lm_head + embedding | windows | bits / weight | mean KLD | median KLD | p99 KLD "
+        "| same top | Δp RMS | PPL ratio |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    sources = []
+    rows = [("llama.cpp", r["type"], "q8_0", r) for r in llama]
+    for r in kiln:
+        tool = "Kiln, interpreter" if r["backend"] == "reference" else f"Kiln, {r['backend']}"
+        if r.get("ort_accuracy_level") is not None:
+            tool += f" (accuracy level {r['ort_accuracy_level']})"
+        rows.append((tool, r["scheme"], "quantized" if r["quantize_embeddings"] else "f32", r))
+    for tool, scheme, embedding, r in sorted(rows, key=lambda row: row[3]["mean_kld"]):
+        lines.append(f"| {tool} | {scheme} | {embedding} | {count} | {r['bytes_per_weight']:.2f} | {_row(r)}")
+        if "command" in r:
+            sources.append(f"- {tool} {scheme}: `{r['command']}`, {r['date']}, {r['host']}")
+    return "\n".join(lines + ([""] + sources if sources else []))
 
 
 def _row(r: dict) -> str:
-    return (f"{r['mean_kld']:.5f} ± {r['kld_stderr']:.5f} | {r['median_kld']:.5f} | {r['p99_kld']:.4f} | "
-            f"{100 * r['same_top_rate']:.2f}% | {100 * r['delta_p_rms']:.2f}% | {r['perplexity_ratio']:.4f} |")
+    return (
+        f"{r['mean_kld']:.5f} ± {r['kld_stderr']:.5f} | {r['median_kld']:.5f} | {r['p99_kld']:.4f} | "
+        f"{100 * r['same_top_rate']:.2f} | {100 * r['delta_p_rms']:.2f} | {r['perplexity_ratio']:.4f} |"
+    )
 
 
 def main(argv=None) -> int:
@@ -143,6 +178,7 @@ def main(argv=None) -> int:
     parser.add_argument("--ort-accuracy-level", default="4")
     parser.add_argument("--table", action="store_true", help="only print the table of the recorded results")
     args = parser.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)
     if not args.table:
         os.environ["KILN_ORT_ACCURACY_LEVEL"] = args.ort_accuracy_level  # read when the ORT backend is imported
         torch.set_num_threads(args.threads)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
 from llamacpp_baseline import quantized_gguf, tool
+from numerics import provenance
 
 RESULTS = Path(__file__).parent / "results" / "numerics_llamacpp.json"
 WINDOW = 512
@@ -106,6 +107,7 @@ def main(argv=None) -> int:
         output = run([perplexity, "-m", str(gguf), "--kl-divergence-base", str(base), "--kl-divergence", *common])
         chunks = re.search(r"over (\d+) chunks", output)
         entry = {
+            **provenance(sys.argv[1:] if argv is None else list(argv)),
             "type": quant,
             "threads": args.threads,
             "window": WINDOW,
