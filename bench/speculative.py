@@ -19,6 +19,7 @@ import argparse
 import functools
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -54,8 +55,25 @@ def compiled(out: Path, backend: str, quantize: str | None):
     return kiln.load(out)
 
 
+CHAIN_LOOKUP = "prompt_lookup chain"  # prompt lookup in the engine, its most recent match alone
+
+
+@contextmanager
+def lookup_branches(speculative):
+    """Prompt lookup drafting one chain instead of a tree, for `CHAIN_LOOKUP`."""
+    import kiln.runtime.generate as generate
+
+    saved = generate.PromptLookupDrafter
+    if speculative == CHAIN_LOOKUP:
+        generate.PromptLookupDrafter = functools.partial(saved, branches=1)
+    try:
+        yield "prompt_lookup" if speculative == CHAIN_LOOKUP else speculative
+    finally:
+        generate.PromptLookupDrafter = saved
+
+
 def run(llm, prompt: list[int], tokens: int, speculative) -> tuple[object, float, float]:
-    with CpuMeter() as meter:
+    with CpuMeter() as meter, lookup_branches(speculative) as speculative:
         start = time.perf_counter()
         result = llm.generate(prompt, max_new_tokens=tokens, speculative=speculative)
         seconds = time.perf_counter() - start
@@ -107,7 +125,7 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     target = compiled(Path(f"out/bench-spec-{args.backend}.kiln"), args.backend, None)
-    drafts = {"prompt lookup": "prompt_lookup"}
+    drafts = {"prompt lookup (chain)": CHAIN_LOOKUP, "prompt lookup (tree)": "prompt_lookup"}
     try:
         drafts[f"{args.draft_quantize} self-draft"] = compiled(
             Path(f"out/bench-spec-{args.backend}-{args.draft_quantize}.kiln"), args.backend, args.draft_quantize

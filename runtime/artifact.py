@@ -391,11 +391,15 @@ def _read_graph(directory: Path, manifest: dict) -> Graph:
 
 
 def _complete_attributes(graph: Graph) -> None:
-    """Give each node the attributes its op gained after the artifact was compiled, at their
-    defaults (which keep the op's earlier meaning: an older artifact's attention has no ALiBi
-    slopes), so artifacts of an older Kiln keep loading. An unknown attribute stays an error."""
+    """Give each node the attributes and trailing optional inputs its op gained after the artifact
+    was compiled, at their defaults (which keep the op's earlier meaning: an older artifact's
+    attention has no ALiBi slopes and no token tree), so artifacts of an older Kiln keep loading.
+    An unknown attribute stays an error."""
     for node in graph.nodes:
-        node.attrs = get_op(node.op).complete_attrs(node.attrs)
+        opdef = get_op(node.op)
+        node.attrs = opdef.complete_attrs(node.attrs)
+        if not opdef.variadic and len(node.inputs) < len(opdef.inputs):
+            node.inputs = list(node.inputs) + [None] * (len(opdef.inputs) - len(node.inputs))
 
 
 def _read_weights(directory: Path, graph: Graph, name: str = WEIGHTS_FILE) -> dict[str, torch.Tensor]:

@@ -332,6 +332,25 @@ def test_an_artifact_compiled_before_an_op_gained_an_attribute_loads_with_its_de
     assert node.attrs["keepdim"] is False
 
 
+def test_an_artifact_compiled_before_an_op_gained_an_optional_input_loads(tmp_path, tokenizer_dir):
+    """An older graph.kir names fewer inputs than its ops now take (attention before its token
+    tree): the missing trailing optional inputs read as omitted. Here `linear`'s bias stands in."""
+    graph = tiny_graph()
+    fields = {
+        "backend": "reference",
+        "backend_version": torch.__version__,
+        "source_hash": "0" * 64,
+        "options": {"max_batch": 1, "max_seq_len": 16, "dtype": "f32", "quantize": None},
+    }
+    path = save_artifact(tmp_path / "m.kiln", graph, ReferenceExecutable(graph, OPTIONS), tokenizer_dir, fields)
+    text = (path / "graph.kir").read_text()
+    older = text.replace("linear(%0, %embed, _)", "linear(%0, %embed)")
+    assert older != text
+    replace_file(path, "graph.kir", older.encode())
+    node = next(n for n in read_artifact(path).graph.nodes if n.op == "linear")
+    assert len(node.inputs) == 3 and node.inputs[2] is None
+
+
 def test_an_attribute_the_op_does_not_have_is_an_artifact_error(artifact):
     lines = (artifact / "graph.kir").read_text().splitlines()
     index = next(i for i, line in enumerate(lines) if "= linear(" in line)
