@@ -139,7 +139,7 @@ class KnowsOnASideBranch:
         pass
 
 
-@pytest.mark.parametrize("backend", ["reference", "inductor"])
+@pytest.mark.parametrize("backend", ["reference", "inductor", pytest.param("tinygrad", marks=pytest.mark.slow)])
 def test_trees_in_the_engine_equal_plain_greedy(tiny_model_dirs, backend, monkeypatch):
     llm = compiled(tiny_model_dirs("llama"), backend)
     assert llm.engine.verifies_trees
@@ -189,3 +189,82 @@ def test_sampling_among_several_drafted_children_keeps_the_target_distribution()
         counts[request.tokens[0]] += 1
     for token, p in enumerate([0.6, 0.3, 0.1]):
         assert abs(counts[token] / 1500 - p) < 0.035, counts
+
+
+def test_tinygrad_verifies_trees(tiny_model_dirs):
+    """The tree step (symbolic length and start per row) against each path run alone by the plain steps."""
+    pytest.importorskip("tinygrad")
+    llm = compiled(tiny_model_dirs("llama"), "tinygrad")
+    assert has_token_trees(llm.graph)
+    for size in (5, 16):
+        check_tree_equals_paths(llm, size=size, seed=size)
+
+
+def test_tinygrad_trees_follow_the_reference_row_by_row(tiny_model_dirs):
+    """Two rows at their own slots, positions apart from slots, trees that hide a token from itself
+    and one that hides every key from a query (zeros, as the reference gives); one token alone."""
+    pytest.importorskip("tinygrad")
+    source = tiny_model_dirs("llama")
+    tinygrad, oracle = compiled(source, "tinygrad").executable, compiled(source, "reference").executable
+    generator = torch.Generator().manual_seed(0)
+    for executable in (tinygrad, oracle):
+        executable.reset()
+        executable.run(torch.arange(3, 10)[None].repeat(2, 1), torch.arange(7)[None].repeat(2, 1))
+    for seq, starts in [(4, (7, 9)), (1, (20, 3)), (3, (0, 7))]:  # row 0 of the last from slot 0
+        tokens = torch.randint(3, 50, (2, seq), generator=generator)
+        slots = torch.stack([start + torch.arange(seq) for start in starts])
+        positions = torch.randint(0, 20, (2, seq), generator=generator)
+        tree = torch.rand(2, seq, seq, generator=generator) > 0.4
+        tree[:, 0, 0] = False
+        got, want = (e.run(tokens, positions, slots=slots, tree=tree) for e in (tinygrad, oracle))
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    for got, want in zip(tinygrad.cache_views(), oracle.cache_views()):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_tinygrad_generic_attention_applies_the_tree():
+    """Caches as plain inputs (no start variables): attention over all slots under the tree, as
+    the IR's reference does, for positions that need not be consecutive."""
+    pytest.importorskip("tinygrad")
+    from tinygrad import Tensor
+
+    from kiln.backends.tinygrad.graph_to_tensors import LoweringContext, graph_to_tensors
+    from kiln.ir import run_graph
+    from test_inductor_backend import build_op_graph, random_feeds
+
+    case = {
+        "tree": (
+            [
+                "q: f32[batch, 4, seq, 8]",
+                "k: f32[3, 2, 9, 8]",
+                "v: f32[3, 2, 9, 8]",
+                "p: i64<9[batch, seq]",
+                "t: bool[batch, seq, seq]",
+            ],
+            lambda g, q, k, v, p, t: g.call("attention", q, k, v, None, p, t),
+        )
+    }
+    graph = build_op_graph(case)
+    feeds = random_feeds(graph, case, batch=2, seq=4)
+    want = run_graph(graph, [f.clone() for f in feeds])[0]
+    tensors = {v.name: Tensor(f.numpy()) for v, f in zip(graph.inputs, feeds)}
+    got = graph_to_tensors(graph, tensors, LoweringContext({"batch": 2, "seq": 4}))[0]
+    torch.testing.assert_close(torch.from_numpy(got.numpy()), want, atol=1e-5, rtol=1e-5)
+
+
+def test_tinygrad_refuses_a_tree_it_cannot_run(tiny_model_dirs):
+    pytest.importorskip("tinygrad")
+    from kiln.backends.executable import BackendOptions
+    from kiln.backends.tinygrad import TinygradExecutable
+
+    graph = compiled(tiny_model_dirs("llama"), "tinygrad").graph
+    options = BackendOptions(max_seq_len=MAX_SEQ_LEN)
+    executable = TinygradExecutable(graph, options, prefill_chunk=2)  # refused before any step compiles
+    tokens, positions = torch.ones(1, 3, dtype=torch.long), torch.tensor([[4, 5, 5]])
+    tree = torch.ones(1, 3, 3, dtype=torch.bool).tril()
+    with pytest.raises(FeedError, match="slots consecutive"):
+        executable.run(tokens, positions, slots=torch.tensor([[4, 5, 7]]), tree=tree)
+    tree[0, 2, 1] = False  # the second chunk (token 2) must see the whole first (tokens 0, 1)
+    with pytest.raises(FeedError, match="earlier chunk"):
+        executable.run(tokens, positions, slots=torch.tensor([[4, 5, 6]]), tree=tree)
+    assert not executable.steps

@@ -1,14 +1,17 @@
 """`kv_write` and `attention` as tinygrad Tensor operations, over KV buffers updated in place.
 
-In the stateful graph every row b of a call holds consecutive positions start_b .. start_b+T-1
-(the runtime's prefill and decode both feed them so; the executable checks it). The lowering
+In the stateful graph every row b of a call writes consecutive cache slots start_b .. start_b+T-1
+(its positions, or its `slots` where the graph takes token trees; the runtime feeds them so and
+the executable checks it). The lowering
 context then binds one symbolic `Variable` per row, `start{b}`, and:
 - `kv_write` of a cache the executable owns is `cache[b, :, start_b:start_b+T].assign(new[b])`:
   tinygrad writes that slice of the realized buffer in place, and the jitted function replays
   the write at whatever position the variable is bound to;
 - `attention` over such a write reads only the keys written so far, `cache[b, :, :start_b+T]`,
   under a causal mask aligned to the last key (plus the sliding window, if any), so a decode
-  step costs O(position), not O(max_seq_len), and one compiled step serves every position.
+  step costs O(position), not O(max_seq_len), and one compiled step serves every position;
+  a token tree (`tree` fed) also hides the call's own slots start_b + j that tree[b, t, j] hides
+  (the executable's plain steps feed it as None: the lower triangle, nothing more to hide).
 Without start variables (a graph whose caches are plain inputs) both ops use the generic form:
 `kv_write` as a one-hot scatter into a copy, `attention` over all keys under the position mask,
 which is what the IR defines.
@@ -17,8 +20,6 @@ which is what the IR defines.
 from __future__ import annotations
 
 from tinygrad import Tensor, dtypes
-
-from kiln.backends.errors import LoweringError
 
 
 def lower_kv_write(ctx, node, args, attrs):
@@ -49,41 +50,45 @@ def _scatter(cache: Tensor, new: Tensor, positions: Tensor) -> Tensor:
 
 
 def lower_attention(ctx, node, args, attrs):
-    """attention(q, k, v, mask?, positions?) {scale, causal, window, softcap, alibi}."""
+    """attention(q, k, v, mask?, positions?, tree?) {scale, causal, window, softcap, alibi}.
+
+    A `tree` input fed as None (the executable's plain steps) is the lower triangle: nothing to hide."""
     q, k, v, mask, positions, tree = args
-    if tree is not None:
-        raise LoweringError(
-            "attention over a token tree is not lowered to tinygrad yet. Fix: compile without "
-            "token trees for the tinygrad backend."
-        )
     scale = attrs["scale"] if attrs["scale"] is not None else q.shape[-1] ** -0.5
     if ctx.starts is not None and ctx.written_in_place(node.inputs[1]) and ctx.written_in_place(node.inputs[2]):
-        return _attention_to_written_keys(ctx, q, k, v, mask, scale, attrs)
-    return _attention_all_keys(q, k, v, mask, positions, scale, attrs)
+        return _attention_to_written_keys(ctx, q, k, v, mask, tree, scale, attrs)
+    return _attention_all_keys(q, k, v, mask, positions, tree, scale, attrs)
 
 
-def _attention_to_written_keys(ctx, q, k, v, mask, scale, attrs):
-    """Row by row: queries at start_b + t see cache slots 0 .. start_b + t (within the window)."""
+def _attention_to_written_keys(ctx, q, k, v, mask, tree, scale, attrs):
+    """Row by row: queries at start_b + t see cache slots 0 .. start_b + t (within the window),
+    and of the call's own slots start_b + j those where tree[b, t, j]."""
     seq, window = q.shape[2], attrs["window"]
     rows = []
     for b, start in enumerate(ctx.starts):
         length = start + seq
         keys, values = k[b : b + 1, :, :length], v[b : b + 1, :, :length]
         hidden = None
-        if not (isinstance(seq, int) and seq == 1) or window:  # one query at the last slot sees every key
+        one_query = isinstance(seq, int) and seq == 1  # at the last slot: it sees every key
+        if not one_query or window or tree is not None:
             hidden = Tensor.ones(seq, length, dtype=dtypes.bool).triu(start + 1)
             if window:
                 hidden = hidden | Tensor.ones(seq, length, dtype=dtypes.bool).tril(start - window)
+            if tree is not None:  # the call's own keys sit in the last `seq` slots
+                hidden = hidden | (~tree[b]).pad(((0, 0), (start, 0)))
         row_mask = None if mask is None else mask[b : b + 1 if mask.shape[0] > 1 else 1, ..., :length]
         if attrs["alibi"]:
             query_pos = (Tensor.arange(seq) + start).reshape(1, 1, seq, 1)
             row_mask = _with_alibi(row_mask, attrs["alibi"], Tensor.arange(length) - query_pos, q.dtype)
-        rows.append(grouped_attention(q[b : b + 1], keys, values, hidden, row_mask, scale, attrs["softcap"]))
+        out = grouped_attention(q[b : b + 1], keys, values, hidden, row_mask, scale, attrs["softcap"])
+        if tree is not None:  # a tree may hide every key from a query: it gets zeros, not NaN
+            out = (~hidden).any(axis=-1, keepdim=True).where(out, 0.0)
+        rows.append(out)
     return rows[0].cat(*rows[1:], dim=0) if len(rows) > 1 else rows[0]
 
 
-def _attention_all_keys(q, k, v, mask, positions, scale, attrs):
-    """The IR's definition: keys masked by positions (or causally), all of the buffer's slots."""
+def _attention_all_keys(q, k, v, mask, positions, tree, scale, attrs):
+    """The IR's definition: keys masked by positions (or causally) and the tree, all of the buffer's slots."""
     batch, seq = q.shape[0], q.shape[2]
     k, v = k[:batch], v[:batch]
     keys = k.shape[2]
@@ -94,6 +99,8 @@ def _attention_all_keys(q, k, v, mask, positions, scale, attrs):
         hidden = slot > query_pos
         if attrs["window"]:
             hidden = hidden | (slot <= query_pos - attrs["window"])
+        if tree is not None:
+            hidden = hidden | _hidden_by_tree(positions, tree, keys)
     elif attrs["causal"]:
         query_pos = (Tensor.arange(seq) + (keys - seq)).reshape(1, 1, seq, 1)
         hidden = slot > query_pos
@@ -114,6 +121,17 @@ def _attention_all_keys(q, k, v, mask, positions, scale, attrs):
     if mask is not None and mask.dtype == dtypes.bool:
         visible = visible & mask
     return visible.any(axis=-1, keepdim=True).where(out, 0.0)  # a query that sees nothing gets zeros
+
+
+def _hidden_by_tree(positions: Tensor, tree: Tensor, keys: int) -> Tensor:
+    """[batch, 1, seq, keys]: True where a key slot holds a token of this call that `tree` hides
+    (the token j of row b sits in slot positions[b, 0] + j; ir/ops/attention.py tree_visibility)."""
+    batch, seq = tree.shape[0], tree.shape[-1]
+    own = Tensor.arange(keys).reshape(1, 1, keys) - positions[:, :1].reshape(batch, 1, 1).cast(dtypes.int32)
+    inside = (own >= 0) & (own < seq)
+    index = own.clip(0, seq - 1).expand(batch, tree.shape[1], keys)
+    seen = tree.cast(dtypes.int32).gather(2, index) > 0
+    return (inside & ~seen).unsqueeze(1)
 
 
 def grouped_attention(

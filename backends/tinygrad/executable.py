@@ -9,6 +9,10 @@
   size. Prefill runs in chunks of at most `prefill_chunk` tokens whose length is itself a bound
   Variable (`seq`), so every prompt length replays the same captured kernels; a longer prompt
   is several chunks, each at its own start position (jitted_step.py).
+- A graph compiled with token trees (kiln.backends.token_trees) takes `slots` and `tree`: a call
+  that feeds a real tree (not slots = positions under the lower triangle) runs a third kind of
+  step, "tree", which feeds both and attends under the tree; every other call runs the plain
+  steps above, which skip the tree, so decode costs what it costs without tree inputs.
 Each step's TinyJit captures its kernels on the first call and replays them from then on:
 nothing compiles after a step kind's first call (tested, counting tinygrad's compiled-program
 cache). With KILN_TINYGRAD_BEAM=N (or tinygrad's BEAM=N) the decode
@@ -28,9 +32,11 @@ from tinygrad import Tensor, TinyJit, UOp
 from kiln.backends.cache_rows import check_rows, run_at_rows
 from kiln.backends.errors import FeedError
 from kiln.backends.executable import BackendOptions, Executable, cache_inputs
+from kiln.backends.token_trees import has_token_trees, refuse_trees, tree_feeds
 from kiln.ir import Graph, evaluate, verify
 
 from .cpu_graph import install_cpu_graph
+from .disk_cache import install_thread_connections
 from .graph_to_tensors import LoweringContext, graph_to_tensors
 from .jitted_step import JittedStep
 from .op_lowerings import check_lowering_table, tiny_dtype
@@ -65,6 +71,7 @@ class TinygradExecutable(Executable):
     def __init__(self, graph: Graph, options: BackendOptions, weights=None, prefill_chunk: int = PREFILL_CHUNK):
         configure_cpu_device(options.device)
         install_cpu_graph(options.threads)
+        install_thread_connections()
         verify(graph)
         check_lowering_table()
         self.graph, self.options = graph, options
@@ -82,6 +89,8 @@ class TinygradExecutable(Executable):
         self.prefill_chunk = max(2, min(prefill_chunk, self.max_seq_len))
         self._start_vars = [UOp.variable(f"start{b}", 0, self.max_seq_len - 1) for b in range(self.max_batch)]
         self._seq_var = UOp.variable("seq", 2, self.prefill_chunk)
+        self._tree_seq_var = UOp.variable("tree_seq", 1, self.prefill_chunk)
+        self.token_trees = has_token_trees(graph)
         self._batch_dim, self._seq_dim = graph.inputs[0].type.shape
         self.decode_beam = decode_beam()
         self.steps: dict[tuple[int, str], JittedStep] = {}
@@ -91,9 +100,11 @@ class TinygradExecutable(Executable):
         """The graph on tinygrad Tensors for `batch` rows: what each step's TinyJit traces."""
         owned = frozenset(self.caches)
 
-        def forward(tokens: Tensor, positions: Tensor, starts: list[UOp]) -> Tensor:
+        def forward(tokens: Tensor, positions: Tensor, starts: list[UOp], slots=None, tree=None) -> Tensor:
             ctx = LoweringContext(self._bindings(batch, tokens.shape[1]), starts, owned, self.layouts)
             feeds = {self.graph.inputs[0].name: tokens, self.graph.inputs[1].name: positions}
+            if self.token_trees:  # a plain step: slots = positions, and no tree to apply (None)
+                feeds |= {"slots": positions if slots is None else slots, "tree": tree}
             return graph_to_tensors(self.graph, {**feeds, **self.caches, **self.params}, ctx)[0]
 
         return forward
@@ -117,28 +128,36 @@ class TinygradExecutable(Executable):
                 1 if decode else self.prefill_chunk,
                 logits.shape[-1],
                 tiny_dtype(logits.dtype),
-                seq_var=None if decode else self._seq_var,
+                seq_var=None if decode else self._tree_seq_var if kind == "tree" else self._seq_var,
                 beam=self.decode_beam if decode else 0,
+                tree=kind == "tree",
             )  # BEAM would time symbolic-length kernels at one length only
         return self.steps[key]
 
     @property
     def jits(self) -> dict[tuple[int, str], TinyJit]:
-        """The TinyJit of each step made so far, by (batch, "decode" | "prefill")."""
+        """The TinyJit of each step made so far, by (batch, "decode" | "prefill" | "tree")."""
         return {key: step.jit for key, step in self.steps.items()}
 
     # -- running ------------------------------------------------------------------------
-    def run(self, tokens: torch.Tensor, positions: torch.Tensor, first_row: int = 0) -> torch.Tensor:
+    def run(
+        self, tokens: torch.Tensor, positions: torch.Tensor, first_row: int = 0, *, slots=None, tree=None
+    ) -> torch.Tensor:
         """Logits f32[batch, seq, vocab] for int64 tokens/positions [batch, seq]; writes the caches of
-        rows [first_row, first_row + batch) (the jitted steps address rows from 0: others are swapped in)."""
+        rows [first_row, first_row + batch) (the jitted steps address rows from 0: others are swapped in).
+        `slots`/`tree`: see kiln.backends.token_trees."""
         check_rows(first_row, tokens.size(0), self.max_batch)
-        return run_at_rows(self._run_front, self.cache_views(), tokens, positions, first_row)
+        given = slots is not None or tree is not None
+        extra = tree_feeds(positions, slots, tree) if self.token_trees and given else refuse_trees(slots, tree)
+        return run_at_rows(self._run_front, self.cache_views(), tokens, positions, first_row, extra)
 
     def cache_views(self) -> list[torch.Tensor]:
         """The realized buffers' memory as torch tensors (zero-copy on the CPU device)."""
         return [_torch_view(cache) for cache in self.caches.values()]
 
-    def _run_front(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def _run_front(self, tokens: torch.Tensor, positions: torch.Tensor, slots=None, tree=None) -> torch.Tensor:
+        if tree is not None and not _is_plain(positions, slots, tree):
+            return self._run_tree(tokens, positions, slots, tree)
         tokens, starts = self._check_feeds(tokens, positions)
         seq = tokens.shape[1]
         pieces = []
@@ -154,12 +173,44 @@ class TinygradExecutable(Executable):
         step = self._step(batch, "decode" if seq == 1 else "prefill")
         return torch.from_numpy(step(tokens, positions, bound))
 
-    def _check_feeds(self, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[np.ndarray, np.ndarray]:
-        """int64 numpy tokens and each row's first position, after checking the contract."""
-        if tokens.dim() != 2 or tokens.shape != positions.shape:
+    def _run_tree(self, tokens, positions, slots, tree) -> torch.Tensor:
+        """A token tree: the tree step over chunks of at most prefill_chunk tokens, each at the
+        slots its tokens write (a chunk sees every earlier chunk's tokens: checked)."""
+        tokens, starts = self._check_feeds(tokens, slots, "slots")
+        positions, tree = positions.to(torch.int64).numpy(), tree.numpy()
+        _check_range(positions, self.max_seq_len, "positions")
+        batch, seq = tokens.shape
+        chunks = [(begin, min(begin + self.prefill_chunk, seq)) for begin in range(0, seq, self.prefill_chunk)]
+        if not all(tree[:, begin:end, :begin].all() for begin, end in chunks):
             raise FeedError(
-                f"tokens {list(tokens.shape)} and positions {list(positions.shape)} must both be [batch, seq]"
+                f"a token tree of {seq} tokens hides tokens of an earlier chunk of {self.prefill_chunk} "
+                "from a later one, which the tinygrad backend runs as separate steps. Fix: feed at most "
+                f"{self.prefill_chunk} tokens per call when a tree hides any of them"
             )
+        pieces = []
+        for begin, end in chunks:
+            bound = [var.bind(int(s) + begin) for var, s in zip(self._start_vars, starts)]
+            step = self._step(batch, "tree")
+            pieces.append(
+                torch.from_numpy(
+                    step(
+                        tokens[:, begin:end],
+                        positions[:, begin:end],
+                        bound,
+                        slots=starts[:, None] + np.arange(begin, end, dtype=np.int64),
+                        tree=tree[:, begin:end, begin:end],
+                    )
+                )
+            )
+        return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
+
+    def _check_feeds(
+        self, tokens: torch.Tensor, positions: torch.Tensor, name: str = "positions"
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """int64 numpy tokens and each row's first slot (`positions`, or a tree's `slots`), after
+        checking the contract."""
+        if tokens.dim() != 2 or tokens.shape != positions.shape:
+            raise FeedError(f"tokens {list(tokens.shape)} and {name} {list(positions.shape)} must both be [batch, seq]")
         batch, seq = tokens.shape
         if not 1 <= batch <= self.max_batch:
             raise FeedError(f"batch {batch} is outside [1, {self.max_batch}]; lower with a larger max_batch")
@@ -167,14 +218,10 @@ class TinygradExecutable(Executable):
         starts = positions[:, 0].copy()
         if seq > 1 and not (np.diff(positions, axis=1) == 1).all():
             raise FeedError(
-                "the tinygrad backend needs each row's positions consecutive (start, start+1, ...): "
+                f"the tinygrad backend needs each row's {name} consecutive (start, start+1, ...): "
                 "its cache position is one symbolic start per row"
             )
-        if starts.min() < 0 or starts.max() + seq > self.max_seq_len:
-            raise FeedError(
-                f"positions must lie in [0, {self.max_seq_len}), got [{int(starts.min())}, "
-                f"{int(starts.max()) + seq - 1}]"
-            )
+        _check_range(positions, self.max_seq_len, name)
         return tokens.to(torch.int64).numpy(), starts
 
     def reset(self) -> None:
@@ -188,6 +235,18 @@ class TinygradExecutable(Executable):
         from .artifact_files import write_backend_info
 
         return write_backend_info(directory, self)
+
+
+def _check_range(values: np.ndarray, limit: int, name: str) -> None:
+    low, high = int(values.min()), int(values.max())
+    if low < 0 or high >= limit:
+        raise FeedError(f"{name} must lie in [0, {limit}), got [{low}, {high}]")
+
+
+def _is_plain(positions: torch.Tensor, slots: torch.Tensor, tree: torch.Tensor) -> bool:
+    """Whether (slots, tree) are a plain call's: slots = positions under the lower triangle."""
+    lower = torch.ones(tree.shape[-1], tree.shape[-1], dtype=torch.bool).tril()
+    return torch.equal(slots, positions.to(slots.dtype)) and torch.equal(tree, lower.expand_as(tree))
 
 
 def _torch_view(tensor: Tensor) -> torch.Tensor:

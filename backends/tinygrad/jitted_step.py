@@ -6,7 +6,8 @@ step fed fresh `Tensor(numpy)` inputs would pay tinygrad's scheduler for two cop
 ~10 ms of Python on a decode step of a few milliseconds (profiled on a tiny GPT-2).
 
 A prefill step's buffers hold `chunk` tokens; the traced function slices the first `seq` of
-them, `seq` a bound Variable, so every length up to `chunk` replays the same kernels.
+them, `seq` a bound Variable, so every length up to `chunk` replays the same kernels. A token-tree
+step (`tree=True`) is a prefill step with two more buffers, the slots and the tree.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ def host_view(tensor: Tensor) -> np.ndarray:
 
 
 class JittedStep:
-    """`forward(tokens, positions, starts) -> logits` under a TinyJit, over buffers this step owns."""
+    """`forward(tokens, positions, starts, slots, tree) -> logits` under a TinyJit, over buffers
+    this step owns (slots and tree only for a token-tree step: a plain step passes None)."""
 
     def __init__(
         self,
@@ -39,21 +41,31 @@ class JittedStep:
         logits_dtype,
         seq_var: UOp | None = None,
         beam: int = 0,
+        tree: bool = False,
     ):
         """`length` tokens per row (1 for decode); `seq_var` makes the used length symbolic (prefill);
-        `state` (the KV caches forward writes) is realized with the logits."""
+        `tree` adds slots [batch, length] and tree [batch, length, length] inputs; `state` (the KV
+        caches forward writes) is realized with the logits."""
         self.tokens = Tensor.zeros(batch, length, dtype=dtypes.int64).contiguous().realize()
         self.positions = Tensor.zeros(batch, length, dtype=dtypes.int64).contiguous().realize()
+        self.tree_inputs = []
+        if tree:
+            slots = Tensor.zeros(batch, length, dtype=dtypes.int64).contiguous().realize()
+            self.tree_inputs = [slots, Tensor.zeros(batch, length, length, dtype=dtypes.bool).contiguous().realize()]
         self.logits = Tensor.zeros(batch, length, vocab, dtype=logits_dtype).contiguous().realize()
         self.seq_var, self.beam = seq_var, beam
-        logits_buffer = self.logits
+        logits_buffer, tree_count = self.logits, len(self.tree_inputs)
 
-        def step(tokens: Tensor, positions: Tensor, *variables: UOp) -> Tensor:
+        def step(tokens: Tensor, positions: Tensor, *rest) -> Tensor:
+            slots, tree = rest[:tree_count] if tree_count else (None, None)
+            variables = rest[tree_count:]
             starts = list(variables[:batch])
             if seq_var is not None:  # the bound length, passed after the starts
                 seq = variables[batch]
                 tokens, positions = tokens[:, :seq], positions[:, :seq]
-            logits = forward(tokens, positions, starts)
+                if tree_count:
+                    slots, tree = slots[:, :seq], tree[:, :seq, :seq]
+            logits = forward(tokens, positions, starts, slots, tree)
             logits_buffer[:, : tokens.shape[1]].assign(logits.cast(logits_buffer.dtype))
             Tensor.realize(logits_buffer, *state)
             return logits_buffer
@@ -64,12 +76,23 @@ class JittedStep:
         # and schedule the whole graph one more time (tens of seconds for a 30-layer model).
         self.jit.cnt = 1
 
-    def __call__(self, tokens: np.ndarray, positions: np.ndarray, starts: list[UOp]) -> np.ndarray:
-        """Logits [batch, seq, vocab] (a copy) for int64 tokens/positions [batch, seq]."""
+    def __call__(
+        self,
+        tokens: np.ndarray,
+        positions: np.ndarray,
+        starts: list[UOp],
+        slots: np.ndarray | None = None,
+        tree: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """Logits [batch, seq, vocab] (a copy) for int64 tokens/positions [batch, seq] (and, for a
+        token-tree step, int64 slots [batch, seq] and bool tree [batch, seq, seq])."""
         seq = tokens.shape[1]
         host_view(self.tokens)[:, :seq] = tokens
         host_view(self.positions)[:, :seq] = positions
+        if self.tree_inputs:
+            host_view(self.tree_inputs[0])[:, :seq] = slots
+            host_view(self.tree_inputs[1])[:, :seq, :seq] = tree
         variables = [*starts, self.seq_var.bind(seq)] if self.seq_var is not None else starts
         with Context(BEAM=self.beam):
-            self.jit(self.tokens, self.positions, *variables)
+            self.jit(self.tokens, self.positions, *self.tree_inputs, *variables)
         return host_view(self.logits)[:, :seq].copy()
