@@ -436,9 +436,10 @@ def _serve_arguments(commands) -> None:
     )
     serve.add_argument(
         "--speculative",
-        choices=["prompt_lookup"],
-        help="draft every request's tokens by prompt lookup inside the engine (n-grams of its own "
-        "context, verified in the decode step: greedy output unchanged)",
+        choices=["prompt_lookup", "heads"],
+        help="draft every request's tokens inside the engine, by prompt lookup (n-grams of its own "
+        "context) or by the artifact's draft heads (`kiln train-speculator`), verified in the decode "
+        "step: greedy output unchanged",
     )
     serve.add_argument(
         "--reward-model",
@@ -497,6 +498,8 @@ def _serve(args) -> int:
     llm = kiln.load(args.artifact, expected_sha256=args.expect_sha256)
     reward_model = kiln.load(args.reward_model) if args.reward_model else None
     check_served_models(llm, reward_model)
+    if args.speculative == "heads":
+        llm.engine_drafter("heads")  # an artifact without heads: one line now, not an error per request
     llm.engine.max_queue = args.max_queue
     name = args.model_name or Path(args.artifact).resolve().name.removesuffix(".kiln")
     print(

@@ -16,6 +16,7 @@ what fits (the result says so: finish_reason "context", stats.clamped).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import numbers
 from collections.abc import Sequence
 
@@ -122,13 +123,14 @@ class LLM:
         (runtime/beam_search.py), `penalty_alpha` with `top_k` contrastive search
         (runtime/contrastive_search.py), both as Hugging Face defines them, one prompt at a time.
 
-        `speculative` turns on speculative decoding: "prompt_lookup" (n-gram drafts from each
-        request's context, inside the engine: a list of prompts speculates side by side), or, one
-        prompt at a time holding the executable alone, "heads" (the draft heads
+        `speculative` turns on speculative decoding: inside the engine, where a list of prompts
+        speculates side by side and drafts are token trees where the backend verifies them,
+        "prompt_lookup" (n-gram drafts from each request's context) or "heads" (the draft heads
         `kiln train-speculator` stored in the artifact; "heads:mlp" or "heads:medusa" picks a
-        kind), another `LLM` compiled from a model with the same tokenizer (it drafts), or any
-        `kiln.runtime.speculative.Drafter`. Greedy output is identical to plain decoding; the
-        stats report acceptance and tokens per target step.
+        kind); or, one prompt at a time holding the executable alone, another `LLM` compiled from
+        a model with the same tokenizer (it drafts), or any `kiln.runtime.speculative.Drafter`.
+        Greedy output is identical to plain decoding; the stats report acceptance and tokens per
+        target step.
 
         Structured output (one of): `json_schema` (a dict, JSON text or pydantic model class; the
         output is compact JSON valid under it), `regex` (the whole output matches it), `choices`
@@ -205,8 +207,9 @@ class LLM:
                 "speculative decoding does not take json_schema, regex or choices. Fix: drop "
                 "one of them (forced tokens already skip decode steps without a drafter)."
             )
-        if speculative == "prompt_lookup":  # drafts from each request's own context: inside the engine
-            settings = dataclasses.replace(settings, drafter_factory=PromptLookupDrafter)
+        engine_drafter = self.engine_drafter(speculative)
+        if engine_drafter is not None:  # drafts from each request's own context or heads: inside the engine
+            settings = dataclasses.replace(settings, drafter_factory=engine_drafter)
         elif speculative is not None:
             return TextStream(self._speculative(token_lists, settings, seeds, speculative), single)
         return TextStream([EngineBatch(self.engine, token_lists, settings, seeds)], single)
@@ -239,17 +242,18 @@ class LLM:
         if not single:
             raise GenerationError("submit takes one prompt. Fix: call it once per prompt (or use generate for a list).")
         if speculative is not None:
-            if speculative != "prompt_lookup":
+            engine_drafter = self.engine_drafter(speculative)
+            if engine_drafter is None:
                 raise GenerationError(
-                    f"submit drafts by prompt lookup only, got speculative={speculative!r:.60}. "
-                    "Fix: pass 'prompt_lookup', or use generate for the other drafters."
+                    f"submit drafts by prompt lookup or heads only, got speculative={speculative!r:.60}. "
+                    "Fix: pass 'prompt_lookup' or 'heads', or use generate for the other drafters."
                 )
             if constraint is not None:
                 raise GenerationError(
                     "speculative decoding does not take json_schema, regex, choices or grammar. Fix: "
                     "drop one of them (forced tokens already skip decode steps without a drafter)."
                 )
-            settings = dataclasses.replace(settings, drafter_factory=PromptLookupDrafter)
+            settings = dataclasses.replace(settings, drafter_factory=engine_drafter)
         return self.engine.submit(token_lists[0], settings, seeds[0])
 
     def chat(self, messages: list[dict], **kwargs) -> GenerationResult:
@@ -407,6 +411,18 @@ class LLM:
             )
             for prompt, seed in zip(token_lists, seeds)
         ]
+
+    def engine_drafter(self, speculative):
+        """A factory of per-request drafters for the engine: prompt lookup, or the artifact's heads
+        ("heads" / "heads:KIND", loaded here so that missing heads fail at the call); None for
+        the drafters that run alone (a draft model, a caller's object)."""
+        if speculative == "prompt_lookup":
+            return PromptLookupDrafter
+        if isinstance(speculative, str) and speculative.split(":")[0] == "heads":
+            kind = speculative.partition(":")[2] or None
+            self._heads_drafter(kind)
+            return functools.partial(self._heads_drafter, kind)
+        return None
 
     def _heads_drafter(self, kind: str | None):
         """A HeadsDrafter over this artifact's stored heads of `kind` (loaded once)."""

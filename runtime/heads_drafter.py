@@ -14,13 +14,17 @@ from pathlib import Path
 
 import torch
 
+from kiln.runtime.draft_tree import DraftTree
 from kiln.runtime.last_hidden import HiddenFromLogits, output_head
 from kiln.runtime.speculator_heads import DraftHeads, load_heads
 
 
 class HeadsDrafter:
-    def __init__(self, heads: DraftHeads, to_hidden: HiddenFromLogits, min_confidence: float = 0.0):
+    def __init__(
+        self, heads: DraftHeads, to_hidden: HiddenFromLogits, min_confidence: float = 0.0, alternatives: int = 2
+    ):
         self.heads, self.to_hidden, self.min_confidence = heads, to_hidden, min_confidence
+        self.alternatives = alternatives
         self.hidden: torch.Tensor | None = None
 
     @classmethod
@@ -38,11 +42,15 @@ class HeadsDrafter:
         with _one_thread():
             self.hidden = self.to_hidden(logits.detach())
 
-    def propose(self, context: Sequence[int], max_tokens: int) -> list[int]:
+    def propose(self, context: Sequence[int], max_tokens: int) -> DraftTree:
+        """The heads' greedy chain after the newest token, with runners-up for its first token
+        (`DraftHeads.draft_tree`; a caller that verifies chains takes the chain alone)."""
         if self.hidden is None or max_tokens < 1:
-            return []
+            return DraftTree.chain([])
         with _one_thread():
-            return self.heads.draft(self.hidden, int(context[-1]), max_tokens, self.min_confidence)
+            return self.heads.draft_tree(
+                self.hidden, int(context[-1]), max_tokens, self.alternatives, self.min_confidence
+            )
 
     def feedback(self, drafted: int, accepted: int) -> None:
         pass  # the next observe() carries everything the heads need

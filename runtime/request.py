@@ -138,7 +138,14 @@ class Request:
         self.model_steps += 1
         if self.drafter is not None and self.tokens:  # a decode step that had no drafts to verify
             self.target_steps += 1
+        self._observe(logits)
         return self._sample(logits)
+
+    def _observe(self, logits: torch.Tensor) -> None:
+        """Show a drafter that reads them (draft heads) the raw logits that choose the newest token."""
+        observe = getattr(self.drafter, "observe", None)
+        if observe is not None:
+            observe(logits)
 
     def _sample(self, logits: torch.Tensor) -> str:
         if self.constraint is None:
@@ -251,6 +258,7 @@ class Request:
                 break
             path.append(hit)
             at = hit
+        self._observe(logits[at + 1])  # the row that chose the newest token
         self.drafted_tokens += len(tree)
         self.accepted_tokens += len(path)
         self.drafter.feedback(max(tree.depths(), default=0), len(path))

@@ -1,6 +1,6 @@
 """An OpenAI-compatible HTTP server over the continuous-batching engine.
 
-    kiln serve model.kiln [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--speculative prompt_lookup]
+    kiln serve model.kiln [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--speculative prompt_lookup|heads]
                           [--reward-model reward.kiln]
     app = create_app(kiln.load("model.kiln"))          # any ASGI server can run it
 
@@ -85,7 +85,8 @@ def create_app(
     other is a 400, which keeps a web page on another name (DNS rebinding) from reaching a
     loopback server. None answers any host; "*" in the list does too. `api_key`: every path but
     /health then needs `Authorization: Bearer <api_key>` (runtime/api_key.py). `speculative`
-    ("prompt_lookup"): every unconstrained request drafts by prompt lookup inside the engine.
+    ("prompt_lookup" or "heads"): every unconstrained request drafts inside the engine, by
+    prompt lookup or by the artifact's draft heads.
     `reward_model` (a reward artifact from kiln.load): completions' best_of answers the samples it
     rewards most instead of the likeliest."""
     check_served_models(llm, reward_model)

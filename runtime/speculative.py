@@ -153,8 +153,7 @@ class SpeculativeGeneration:
         tokens = torch.tensor([request.prompt])
         logits = self.executable.run(tokens, torch.arange(len(request.prompt))[None])[0, -1]
         request.prefill_s = request.ttft_s = time.perf_counter() - start
-        piece = request.accept(logits)
-        self._observe(logits)
+        piece = request.accept(logits)  # which shows a drafter that reads them the logits
         if piece:
             yield 0, piece
         while request.generating:
@@ -177,14 +176,8 @@ class SpeculativeGeneration:
         feed = [context[-1], *draft]
         positions = torch.arange(position, position + len(feed))[None]
         logits = self.executable.run(torch.tensor([feed]), positions)[0]
-        piece, accepted = request.verify(logits, draft)
-        self._observe(logits[accepted])  # the row that chose the newest token
+        piece, _ = request.verify(logits, draft)  # the request shows the drafter the row that chose its newest token
         return [piece]
-
-    def _observe(self, logits: torch.Tensor) -> None:
-        observe = getattr(self.drafter, "observe", None)
-        if observe is not None and self.request.generating:
-            observe(logits)
 
     def results(self) -> list[GenerationResult]:
         return [self.request.result()]

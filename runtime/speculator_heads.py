@@ -35,6 +35,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from kiln.runtime.artifact import MANIFEST, file_sha256, read_manifest, sealed
+from kiln.runtime.draft_tree import DraftTree
 from kiln.runtime.errors import ArtifactError
 from kiln.runtime.last_hidden import OutputHead
 
@@ -85,6 +86,24 @@ class DraftHeads(nn.Module):
         """Each row's full greedy draft (token ids [batch, stages]) after tokens [batch]."""
         raise NotImplementedError
 
+    def first_logits(self, hidden: torch.Tensor, token: int) -> torch.Tensor:
+        """Stage 0's logits over the draft vocabulary after `token`."""
+        raise NotImplementedError
+
+    @torch.inference_mode()
+    def draft_tree(
+        self, hidden: torch.Tensor, token: int, count: int, alternatives: int = 2, min_confidence: float = 0.0
+    ) -> DraftTree:
+        """The greedy chain (`draft`) and, beside its first token, the next `alternatives`
+        likeliest first tokens as leaves: where stage 0 misses, its runners-up often hit, for a
+        few more rows of the verifying step."""
+        chain = self.draft(hidden, token, count, min_confidence)
+        if not chain or alternatives <= 0:
+            return DraftTree.chain(chain)
+        ranked = self.first_logits(hidden, token).topk(min(alternatives + 1, len(self.vocab_ids))).indices
+        others = [[int(self.vocab_ids[i])] for i in ranked if int(self.vocab_ids[i]) != chain[0]][:alternatives]
+        return DraftTree.of_continuations([chain, *others], max_nodes=len(chain) + alternatives)
+
 
 class MLPSpeculator(DraftHeads):
     kind = "mlp"
@@ -98,6 +117,9 @@ class MLPSpeculator(DraftHeads):
         # IBM's weighting: the state's share shrinks stage by stage, the token's grows
         self.state_weight = 0.5 ** (0.5 / stages)
         self.token_weight = math.sqrt(1 - self.state_weight**2)
+
+    def first_logits(self, hidden, token):
+        return self.logits(0, self._stage(0, hidden, torch.tensor(token)))
 
     def _stage(self, stage: int, state: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
         embedded = F.rms_norm(self.embedding[token], (self.hidden,))  # the model's scale differs from the state's
@@ -146,6 +168,9 @@ class MedusaHeads(DraftHeads):
 
     def _state(self, stage: int, hidden: torch.Tensor) -> torch.Tensor:
         return hidden + F.silu(self.blocks[stage](hidden))
+
+    def first_logits(self, hidden, token):
+        return self.logits(0, self._state(0, hidden))
 
     def forward(self, hidden, tokens):
         return [self.logits(stage, self._state(stage, hidden)) for stage in range(self.stages)]

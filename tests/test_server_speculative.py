@@ -18,6 +18,7 @@ import openai
 import pytest
 
 import kiln
+from kiln.ir.errors import ArtifactError
 from kiln.runtime.errors import GenerationError
 from kiln.runtime.server import create_app
 from served import record_submits, served, tiny_llama_artifact
@@ -73,13 +74,15 @@ def test_sampled_and_constrained_requests_still_work(client, llm, submitted):
     assert submitted[-1].result().stats.drafted_tokens == 0  # a grammar's forced tokens need no drafts
 
 
-def test_submit_takes_prompt_lookup_only(llm):
+def test_submit_takes_prompt_lookup_or_heads(llm):
     assert (
         llm.submit(PROMPT, max_new_tokens=8, speculative="prompt_lookup").result().text
         == llm.generate(PROMPT, max_new_tokens=8).text
     )
-    with pytest.raises(GenerationError, match="prompt lookup only"):
-        llm.submit(PROMPT, speculative="heads")
+    with pytest.raises(GenerationError, match="prompt lookup or heads only"):
+        llm.submit(PROMPT, speculative="draft.kiln")
+    with pytest.raises(ArtifactError, match="has no draft heads. Fix: `kiln train-speculator"):
+        llm.submit(PROMPT, speculative="heads")  # the heads are loaded at the call
     with pytest.raises(GenerationError, match="does not take"):
         llm.submit(PROMPT, speculative="prompt_lookup", regex="[a-z]+")
 

@@ -198,3 +198,23 @@ def test_bad_training_options_are_option_errors():
     for bad in ({"kind": "eagle2"}, {"head": "shared"}, {"stages": 0}, {"text_fraction": 2.0}):
         with pytest.raises(OptionError):
             TrainConfig(**bad).check()
+
+
+def test_heads_draft_trees_in_the_engine_for_requests_side_by_side(artifact, monkeypatch):
+    """Several prompts (and `submit`, as the server calls it) draft with heads at once; each
+    step's draft is the heads' chain with runners-up for its first token, as one tree."""
+    from kiln.runtime.request import Request
+
+    plain, trained, _, _ = artifact
+    llm = kiln.load(trained)
+    prompts = [llm.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS[:3]]
+    expected = [r.token_ids for r in kiln.load(plain).generate(prompts, max_new_tokens=16)]
+    trees = []
+    verify_tree = Request.verify_tree
+    monkeypatch.setattr(
+        Request, "verify_tree", lambda self, logits, tree: (trees.append(tree), verify_tree(self, logits, tree))[1]
+    )
+    results = llm.generate(prompts, max_new_tokens=16, speculative="heads")
+    assert [r.token_ids for r in results] == expected
+    assert any(not tree.is_chain for tree in trees) and all(r.stats.drafted_tokens for r in results)
+    assert llm.submit(prompts[0], max_new_tokens=16, speculative="heads").result().token_ids == expected[0]
