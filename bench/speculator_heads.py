@@ -7,7 +7,7 @@ For each draft vocabulary size it reports what one 4-stage mlp draft costs (medi
 thread and two) and the share of held-out reply tokens the vocabulary covers (the ceiling on
 acceptance); for the restricted sizes it trains the own and the tied head for the same number
 of steps and reports the held-out tokens accepted per draft (the heads' own greedy chain
-against what the model said). Writes bench/results/speculative_heads.md.
+against what the model said). Writes bench/results/speculator_heads.md.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def main(argv=None) -> int:
         "SmolLM2-135M-Instruct; `others' cores`: how many cores other processes kept busy meanwhile.\n"
     )
     print(report)
-    write_result(RESULTS / "speculative_heads.md", report)
+    write_result(RESULTS / "speculator_heads.md", report)
     return 0
 
 
