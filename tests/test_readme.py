@@ -42,17 +42,19 @@ def paths(tiny_model_dirs, tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("readme")
     llama = tiny_model_dirs("llama")
     (root / "book.txt").write_text(TRAINING_TEXT * 4)
-    reward_model = save_tiny_reward_model("llama", root / "tiny-reward")
-    reward = kiln.compile(str(reward_model), out=root / "reward.kiln", backend=BACKEND, max_seq_len=64)
-    return {
+    paths = {
         "path/to/hf-model": str(llama),
         "path/to/model.gguf": str(save_tiny_gguf(llama, root / "tiny-llama.gguf")),
         "out/": f"{root}/out/",
         "model.kiln": str(root / "model.kiln"),
         "book.txt": str(root / "book.txt"),
         "breaks.html": str(root / "breaks.html"),
-        "reward.kiln": str(reward),
     }
+    if any("reward.kiln" in code for _, code in marked_blocks(README.read_text())):  # a tiny one stands in
+        reward_model = save_tiny_reward_model("llama", root / "tiny-reward")
+        reward = kiln.compile(str(reward_model), out=root / "reward.kiln", backend=BACKEND, max_seq_len=64)
+        paths["reward.kiln"] = str(reward)
+    return paths
 
 
 def substituted(code: str, paths: dict[str, str]) -> str:
