@@ -39,7 +39,11 @@ def verifies_trees(graph) -> bool:
 
 
 def executable_verifies_trees(executable) -> bool:
-    """`verifies_trees` of an executable's graph (False for one that shows none: a test's stand-in)."""
+    """`verifies_trees` of an executable's graph, or what one that keeps no graph says of it
+    (False for one that shows neither: a test's stand-in)."""
+    said = getattr(executable, "verifies_trees", None)
+    if isinstance(said, bool):
+        return said
     graph = getattr(executable, "graph", None)
     return graph is not None and verifies_trees(graph)
 

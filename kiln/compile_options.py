@@ -30,7 +30,7 @@ DEVICE = re.compile(r"(cpu|cuda)(:\d+)?")
 BACKENDS_WITH_TENSOR_PARALLEL = ("inductor", "reference")
 
 
-TOKEN_TREE_BACKENDS = frozenset({"inductor", "reference", "tinygrad"})
+TOKEN_TREE_BACKENDS = frozenset({"inductor", "onnxruntime", "reference", "tinygrad"})
 
 
 @dataclass(frozen=True)

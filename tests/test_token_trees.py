@@ -15,12 +15,14 @@ import torch
 import kiln
 from hf_oracle import prompts
 from kiln.backends.errors import FeedError
+from kiln.backends.executable import BackendOptions
 from kiln.backends.token_trees import has_token_trees, verifies_trees
 from kiln.runtime.draft_tree import DraftTree
 from kiln.runtime.request import GenerationSettings, Request
 from tiny_models import ARCHITECTURES
 
 MAX_SEQ_LEN = 64
+OPTIONS = BackendOptions(max_batch=2, max_seq_len=MAX_SEQ_LEN)
 
 
 @functools.cache
@@ -90,6 +92,50 @@ def test_inductor_kernel_verifies_trees(tiny_model_dirs, size):
     check_tree_equals_paths(llm, size=size, seed=size)
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "gpt2"])  # GQA with RoPE folded, GQA with a bias, plain ONNX
+def test_onnxruntime_verifies_trees(tiny_model_dirs, arch):
+    llm = compiled(tiny_model_dirs(arch), "onnxruntime")
+    assert llm.executable.token_trees and llm.executable.verifies_trees
+    check_tree_equals_paths(llm, size=7, seed=3)
+
+
+@pytest.mark.parametrize("contrib_ops", [True, False])  # GroupQueryAttention's bias; plain ONNX's mask
+def test_onnxruntime_tree_logits_equal_the_reference_backend(tiny_model_dirs, contrib_ops):
+    from kiln.backends import onnxruntime as ort_backend
+    from kiln.backends import reference
+
+    graph = compiled(tiny_model_dirs("llama"), "reference").graph
+    executable = ort_backend.lower(graph, OPTIONS, contrib_ops=contrib_ops)
+    assert ("GroupQueryAttention" in {n.op_type for n in onnx_nodes(executable)}) == contrib_ops
+    oracle = reference.lower(graph, OPTIONS)
+    (prompt,) = prompts([6], seed=5)
+    positions, slots, tree = tree_inputs(random_tree(6, 5), len(prompt))
+    tokens = torch.arange(3, 9)[None]
+    for runner in (executable, oracle):
+        runner.run(torch.tensor([prompt]), torch.arange(len(prompt))[None])
+    torch.testing.assert_close(
+        executable.run(tokens, positions, slots=slots, tree=tree),
+        oracle.run(tokens, positions, slots=slots, tree=tree),
+        atol=1e-4,
+        rtol=1e-4,
+    )
+
+
+def onnx_nodes(executable):
+    import onnx
+
+    return onnx.load(str(executable.model_path), load_external_data=False).graph.node
+
+
+def test_onnxruntime_refuses_a_first_prompt_at_positions_apart_from_its_slots(tiny_model_dirs):
+    llm = compiled(tiny_model_dirs("llama"), "onnxruntime")
+    positions, slots, tree = tree_inputs([-1, 0, 0], 0)
+    with pytest.raises(FeedError, match="first tokens"):
+        llm.executable.run(torch.ones(1, 3, dtype=torch.long), positions, slots=slots, tree=tree)
+    with pytest.raises(FeedError, match="slots must be contiguous"):
+        llm.executable.run(torch.ones(1, 3, dtype=torch.long), positions + 4, slots=slots + torch.tensor([4, 5, 7]))
+
+
 def test_a_lower_triangular_tree_is_a_plain_call(tiny_model_dirs):
     llm = compiled(tiny_model_dirs("qwen2"), "reference")
     (prompt,) = prompts([9], seed=4)
@@ -139,7 +185,9 @@ class KnowsOnASideBranch:
         pass
 
 
-@pytest.mark.parametrize("backend", ["reference", "inductor", pytest.param("tinygrad", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "backend", ["reference", "inductor", "onnxruntime", pytest.param("tinygrad", marks=pytest.mark.slow)]
+)
 def test_trees_in_the_engine_equal_plain_greedy(tiny_model_dirs, backend, monkeypatch):
     llm = compiled(tiny_model_dirs("llama"), backend)
     assert llm.engine.verifies_trees

@@ -9,9 +9,11 @@ Each cache is one preallocated buffer [max_batch, kv_heads, max_seq_len, head_di
 - copied back: a cache updated by plain ONNX (ScatterND) gets its `present.*` in a scratch
   tensor, copied into the buffer's rows after the call (CPU only).
 
-GroupQueryAttention derives positions from each row's last one, so positions must be contiguous
-per row (checked), and it takes a multi-token step with past context only for batch 1: such a
-call with several rows runs one row at a time.
+GroupQueryAttention derives the slots it writes from each row's last one, so slots (the positions,
+unless a token tree gives them apart) must be contiguous per row (checked), and it takes a
+multi-token step with past context only for batch 1: such a call with several rows runs one row at
+a time. A model compiled with token trees also takes `slots` and `tree` (kiln.backends.token_trees):
+its kernel reads RoPE's positions as position_ids and the tree as an attention bias.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 
 from kiln.backends.cache_rows import check_rows, checked_feeds
 from kiln.backends.executable import BackendOptions, Executable
+from kiln.backends.token_trees import refuse_trees, tree_feeds
 from kiln.ir import to_torch
 
 from .errors import FeedError, ProviderError
@@ -75,6 +78,9 @@ class OrtExecutable(Executable):
         self.binding = self.session.io_binding()
         self._bound_rows: tuple[int, int] | None = None
         self._feed_arrays: dict[tuple[int, int, bool], dict[str, np.ndarray]] = {}  # (batch, seq, last_only)
+        self._plain_trees: set[tuple[int, int, bool]] = set()  # shapes whose tree array holds the lower triangle
+        self.token_trees = bool(self.info.get("token_trees"))
+        self.verifies_trees = bool(self.info.get("verifies_trees"))  # kiln.backends.token_trees
         self._bound_feed_shape: tuple[int, int, bool] | None = None
         self._bound_logits: tuple[int, int, int] | None = None  # (pointer, batch, seq) of a bound `out`
         # Fixed per model, looked up once: a decode step is a few milliseconds, and Python work
@@ -112,24 +118,37 @@ class OrtExecutable(Executable):
         first_row: int = 0,
         out: torch.Tensor | None = None,
         last_only: bool = False,
+        *,
+        slots: torch.Tensor | None = None,
+        tree: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [batch, seq, vocab] for int64 tokens/positions [batch, seq] ([batch, 1, vocab]
         of the last position with `last_only`, where the model can select them); writes the caches
         of rows [first_row, first_row + batch) (bound by pointer: any row costs the same). `out`,
         a contiguous CPU tensor of that shape and the logits dtype, receives the logits instead of
-        a new tensor (the engine's decode steps: no allocation, no rebinding per token)."""
-        tokens, positions = self._check_feeds(tokens, positions)
+        a new tensor (the engine's decode steps: no allocation, no rebinding per token).
+        `slots`/`tree`: see kiln.backends.token_trees (a plain call's when left out)."""
+        tokens, positions = checked_feeds(tokens, positions, self.max_batch, self.max_seq_len)
+        slots, tree = self._check_trees(positions, slots, tree)
         batch, seq = tokens.shape
         check_rows(first_row, batch, self.max_batch)
         last_only = last_only and self.selects_logits
-        if seq > 1 and batch > 1 and self.info["contiguous_positions"] and bool(positions[:, 0].any()):
+        written = positions if slots is None else slots
+        if seq > 1 and batch > 1 and self.info["contiguous_positions"] and bool(written[:, 0].any()):
             rows = [
-                self._run_rows(tokens[r : r + 1], positions[r : r + 1], first_row + r, last_only=last_only)
+                self._run_rows(
+                    tokens[r : r + 1],
+                    positions[r : r + 1],
+                    first_row + r,
+                    last_only=last_only,
+                    slots=None if slots is None else slots[r : r + 1],
+                    tree=None if tree is None else tree[r : r + 1],
+                )
                 for r in range(batch)
             ]
             kept = 1 if last_only else seq
             return torch.cat(rows) if out is None else torch.cat(rows, out=self._checked_out(out, batch, kept))
-        return self._run_rows(tokens, positions, first_row, out, last_only)
+        return self._run_rows(tokens, positions, first_row, out, last_only, slots, tree)
 
     def cache_views(self) -> list[torch.Tensor]:
         if not self.copies_rows:
@@ -139,17 +158,36 @@ class OrtExecutable(Executable):
             )
         return self.caches
 
-    def _check_feeds(self, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        tokens, positions = checked_feeds(tokens, positions, self.max_batch, self.max_seq_len)
-        if self.info["contiguous_positions"] and positions.size(1) > 1:
-            expected = positions[:, :1] + torch.arange(positions.size(1))
-            if not torch.equal(positions, expected):
+    def _check_trees(self, positions: torch.Tensor, slots, tree) -> tuple:
+        """(slots, tree) checked, or None for each a plain call leaves out (filled on binding);
+        the slots GroupQueryAttention writes (the positions when no slots are given) contiguous."""
+        if not self.token_trees:
+            refuse_trees(slots, tree)
+        elif slots is not None or tree is not None:
+            slots, tree = tree_feeds(positions, slots, tree)
+            checked_feeds(slots, slots, self.max_batch, self.max_seq_len)  # every slot within the cache
+        written = positions if slots is None else slots
+        if self.info["contiguous_positions"] and written.size(1) > 1:
+            name = "positions" if slots is None else "slots"
+            expected = written[:, :1] + torch.arange(written.size(1))
+            if not torch.equal(written, expected):
                 raise FeedError(
-                    "positions must be contiguous in each row (row b at positions[b, 0], +1, +2, ...) "
+                    f"{name} must be contiguous in each row (row b at {name}[b, 0], +1, +2, ...) "
                     "for the onnxruntime backend: GroupQueryAttention derives them from each row's "
-                    "last position. Fix: feed contiguous positions, or use another backend."
+                    f"last one. Fix: feed contiguous {name}, or use another backend."
                 )
-        return tokens, positions
+            if self.info.get("position_ids") and slots is not None and self._first_prompt_moved(positions, slots):
+                raise FeedError(
+                    "a row's first tokens (slots from 0) must sit at positions equal to their slots on "
+                    "the onnxruntime backend: GroupQueryAttention rotates a first prompt from its first "
+                    "position. Fix: run the prompt before the tree, or use another backend."
+                )
+        return slots, tree
+
+    @staticmethod
+    def _first_prompt_moved(positions: torch.Tensor, slots: torch.Tensor) -> bool:
+        first = slots[:, 0] == 0
+        return bool(first.any()) and not torch.equal(positions[first], slots[first])
 
     def _run_rows(
         self,
@@ -158,10 +196,12 @@ class OrtExecutable(Executable):
         first_row: int,
         out: torch.Tensor | None = None,
         last_only: bool = False,
+        slots: torch.Tensor | None = None,
+        tree: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One session run over cache rows [first_row, first_row + batch)."""
         batch, seq = tokens.shape
-        self._bind_feeds(tokens, positions, last_only)
+        self._bind_feeds(tokens, positions, last_only, slots, tree)
         if self._bound_rows != (first_row, batch):
             self._bind_caches(first_row, batch)
         scratch = self._bind_scratch(batch) if self._copied_back else []
@@ -173,14 +213,23 @@ class OrtExecutable(Executable):
             self.caches[index][first_row : first_row + batch].copy_(out_cache)
         return logits if isinstance(logits, torch.Tensor) else torch.from_numpy(logits.numpy())  # device -> host
 
-    def _bind_feeds(self, tokens: torch.Tensor, positions: torch.Tensor, last_only: bool = False) -> None:
+    def _bind_feeds(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        last_only: bool = False,
+        slots: torch.Tensor | None = None,
+        tree: torch.Tensor | None = None,
+    ) -> None:
         """Copy the feeds into this shape's own arrays, bound once by pointer: binding fresh
-        arrays costs more per decode step than the copy."""
+        arrays costs more per decode step than the copy. Left-out slots are the positions, a
+        left-out tree the lower triangle (written again only after a call that gave a tree)."""
         shape = (*tokens.shape, last_only)
         arrays = self._feed_arrays.get(shape)
         if arrays is None:
             arrays = self._feed_arrays[shape] = {name: _feed_array(name, shape) for name in self.info["inputs"]}
         position_array = positions.numpy()
+        slot_array = position_array if slots is None else slots.numpy()
         for name, array in arrays.items():
             if name == LOGIT_POSITIONS:  # fixed per shape
                 continue
@@ -188,15 +237,27 @@ class OrtExecutable(Executable):
                 array[...] = tokens.numpy()
             elif name == "positions":
                 array[...] = position_array
-            elif name == SEQLENS_K:  # each row's last position
-                np.max(position_array, axis=1, out=array, initial=0)
-            else:  # TOTAL_LENGTH: the largest position + 1
-                array[...] = position_array.max() + 1
+            elif name == "slots":
+                array[...] = slot_array
+            elif name == "tree":
+                self._fill_tree(array, shape, tree)
+            elif name == SEQLENS_K:  # each row's last slot
+                np.max(slot_array, axis=1, out=array, initial=0)
+            else:  # TOTAL_LENGTH: the largest slot + 1
+                array[...] = slot_array.max() + 1
         # binding copies a CPU input to a device at once (ORT's IOBinding): there, bind every step
         if self._bound_feed_shape != shape or self.device_type != "cpu":
             for name, array in arrays.items():
                 self.binding.bind_input(name, "cpu", 0, array.dtype, list(array.shape), array.ctypes.data)
             self._bound_feed_shape = shape
+
+    def _fill_tree(self, array: np.ndarray, shape: tuple, tree: torch.Tensor | None) -> None:
+        if tree is not None:
+            array[...] = tree.numpy()
+            self._plain_trees.discard(shape)
+        elif shape not in self._plain_trees:
+            array[...] = np.tril(np.ones(array.shape[-2:], dtype=bool))
+            self._plain_trees.add(shape)
 
     def _bind_caches(self, first_row: int, batch: int) -> None:
         """Bind rows [first_row, first_row + batch) of each buffer by pointer (no copy)."""
@@ -324,6 +385,8 @@ def _feed_array(name: str, shape: tuple[int, int, bool]) -> np.ndarray:
         return np.empty(batch, np.int32)
     if name == TOTAL_LENGTH:
         return np.empty((), np.int32)
+    if name == "tree":
+        return np.empty((batch, seq, seq), np.bool_)
     return np.empty((batch, seq), np.int64)
 
 

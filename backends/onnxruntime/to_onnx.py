@@ -3,7 +3,8 @@
 The model's signature follows the IR's:
 
     inputs:  tokens i64[batch, seq], positions i64[batch, seq], cache.k.0, cache.v.0, ...
-             each cache [batch, kv_heads, max_seq_len, head_dim] (the first `batch` rows of a buffer)
+             each cache [batch, kv_heads, max_seq_len, head_dim] (the first `batch` rows of a buffer),
+             then slots i64[batch, seq], tree bool[batch, seq, seq] where the graph takes token trees
     outputs: logits [batch, seq, vocab], present.k.0, present.v.0, ... (the updated caches)
 
 Nodes are lowered in IR order, each by its entry in `ONNX_LOWERINGS`, except the groups
@@ -24,6 +25,7 @@ import onnx
 from onnx import helper
 
 from kiln.backends.executable import cache_inputs
+from kiln.backends.token_trees import TREE_INPUTS, has_token_trees, verifies_trees
 from kiln.ir import Graph, Node, ops_with
 
 from .contrib_patterns import SEQLENS_K, TOTAL_LENGTH, Plan, plan_contrib_ops
@@ -99,6 +101,9 @@ def _declare_inputs(graph: Graph, b: OnnxBuilder) -> list[onnx.ValueInfoProto]:
         inputs.append(
             helper.make_tensor_value_info(v.name, elem_type(v.type.dtype), onnx_dims((batch, *v.type.shape[1:])))
         )
+    for v in graph.inputs[-2:] if has_token_trees(graph) else ():
+        b.define(v, v.name)
+        inputs.append(helper.make_tensor_value_info(v.name, elem_type(v.type.dtype), onnx_dims(v.type.shape)))
     return inputs
 
 
@@ -227,18 +232,24 @@ def _program_info(graph: Graph, plan: Plan, used: set[str], nodes: list[onnx.Nod
     ]
     return {
         "format": 1,
-        # fed by the executable: tokens, positions, and GroupQueryAttention's lengths (from positions)
+        # fed by the executable: tokens, positions, GroupQueryAttention's lengths (from the slots),
+        # and a token tree's slots and visibility
         "inputs": [
             name
             for name in (graph.inputs[0].name, graph.inputs[1].name, LOGIT_POSITIONS, SEQLENS_K, TOTAL_LENGTH)
+            + TREE_INPUTS
             if name in used
         ],
+        "token_trees": has_token_trees(graph),
+        "verifies_trees": verifies_trees(graph),  # the engine verifies drafts as trees
         "caches": caches,
         "logits": "logits",
         "vocab": graph.outputs[0].type.shape[-1],
         "logits_dtype": graph.outputs[0].type.dtype,
-        # GroupQueryAttention derives each token's position from the row's last one
+        # GroupQueryAttention derives each token's slot from the row's last one
         "contiguous_positions": bool(plan.in_place_caches),
+        # it rotates by position_ids (a token tree's depths), except in a first prompt
+        "position_ids": any(n.op_type == "GroupQueryAttention" and len(n.input) > 9 and n.input[9] for n in nodes),
     }
 
 
