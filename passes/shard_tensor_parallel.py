@@ -95,7 +95,7 @@ class _Sharder:
     # -- driver ---------------------------------------------------------------------------
     def run(self) -> Graph:
         for v in self.src.inputs:
-            if v.name in ("tokens", "positions"):
+            if v.name in ("tokens", "positions", "slots", "tree"):  # replicated (slots, tree: token trees)
                 self.env[id(v)] = self.out.add_input(v.name, v.type)
         for node in self.src.nodes:
             self._rebuild(node)
