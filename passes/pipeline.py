@@ -22,6 +22,7 @@ from .fold_transposes import fold_transposes
 from .fuse_add_rms_norm import fuse_add_rms_norm
 from .fuse_attention_pattern import fuse_attention_pattern
 from .fuse_bias_activation import fuse_bias_activation
+from .fuse_gathered_matmul import fuse_gathered_matmul
 from .fuse_layer_norm import fuse_layer_norm
 from .fuse_projections import fuse_projections
 from .fuse_rms_norm import fuse_rms_norm
@@ -79,6 +80,7 @@ def fusion_passes() -> list[Pass]:
         Pass("fold_norm_casts", fold_norm_casts),  # f16/bf16 models: the norm's f32 casts go inside it
         Pass("fuse_add_rms_norm", fuse_add_rms_norm),
         Pass("fuse_projections", fuse_projections),
+        Pass("fuse_gathered_matmul", fuse_gathered_matmul),  # MoE experts applied in place
     ]
 
 

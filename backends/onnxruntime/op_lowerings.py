@@ -155,6 +155,12 @@ def _index(b, node):
     return b.op("GatherND", b.value(x), b.op("Concat", *columns, axis=-1))
 
 
+def _gathered_matmul(b, node):
+    weights, ids, x = node.inputs
+    gathered = b.op("Gather", b.value(weights), b.value(ids), axis=0)
+    return b.op("MatMul", gathered, b.typed(x, weights.type.dtype))
+
+
 def _arange(b, node):
     start, end, step, dtype = (node.attrs[k] for k in ("start", "end", "step", "dtype"))
     if all(isinstance(v, int) for v in (start, end, step)):
@@ -330,6 +336,7 @@ ONNX_LOWERINGS: dict[str, Lowering] = {
     "concat": _concat,
     "expand": _expand,
     "index": _index,
+    "gathered_matmul": _gathered_matmul,
     "arange": _arange,
     "full": _full,
     "linear": _linear,

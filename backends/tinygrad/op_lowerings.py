@@ -128,6 +128,11 @@ def _index(ctx, node, args, attrs):
     return x[tuple(i.cast(dtypes.int32) for i in indices)]
 
 
+def _gathered_matmul(ctx, node, args, attrs):
+    weights, ids, x = args
+    return weights[ids.cast(dtypes.int32)] @ x
+
+
 def _full(ctx, node, args, attrs):
     return Tensor.full(tuple(attrs["shape"]), attrs["value"], dtype=tiny_dtype(attrs["dtype"]))
 
@@ -241,6 +246,7 @@ TENSOR_LOWERINGS: dict[str, Lowering] = {
     "slice": _slice,
     "concat": lambda ctx, node, args, attrs: args[0].cat(*args[1:], dim=attrs["axis"]),
     "index": _index,
+    "gathered_matmul": _gathered_matmul,
     "arange": _arange,
     "full": _full,
     "linear": _linear,

@@ -1,4 +1,5 @@
-"""Routing ops of mixture-of-experts models: `topk` picks each token's experts."""
+"""Routing ops of mixture-of-experts models: `topk` picks each token's experts, `gathered_matmul`
+applies each routed row's expert weights."""
 
 import torch
 
@@ -28,5 +29,28 @@ register(
         _topk_reference,
         attrs={"k": REQUIRED, "axis": -1, "largest": True},
         doc="(values, i64 indices) of the k largest (or smallest) entries along axis, sorted, ties to the lower index",
+    )
+)
+
+
+def _gathered_matmul_infer(weights, ids, x):
+    if weights.rank != 3 or ids.rank != 1 or x.rank != 3:
+        raise OpError("gathered_matmul: weights [experts, out, in], ids [rows], x [rows, in, cols] expected")
+    if ids.dtype not in ("i64", "i32"):
+        raise OpError("gathered_matmul: ids must be integers")
+    return x.with_shape((x.shape[0], weights.shape[1], x.shape[2])).with_dtype(weights.dtype)
+
+
+def _gathered_matmul_reference(weights, ids, x):
+    return weights[ids] @ x.to(weights.dtype)
+
+
+register(
+    OpDef(
+        "gathered_matmul",
+        ("weights", "ids", "x"),
+        _gathered_matmul_infer,
+        _gathered_matmul_reference,
+        doc="out[n] = weights[ids[n]] @ x[n]: each row's expert matrix applied in place, never gathered into a copy",
     )
 )
