@@ -310,12 +310,15 @@ class Engine:
         feeding each decoding request its newest token and its draft tree's nodes in the slots
         after it (`kiln.backends.token_trees`; a chain needs no tree inputs), rows padded to the
         widest draft with copies of their last node (pads and rejected drafts write slots past the
-        request's tokens, which the next step overwrites before any query reads them; a pad past
-        the cache's end lands on the last slot, where it writes what that slot's own node writes).
+        request's tokens, which the next step overwrites before any query reads them). Every row's
+        slots are consecutive and inside the cache, as every backend needs: the call is no wider
+        than the room the fullest decoding row has left (drafts beyond it are cut), and a row no
+        request decodes in writes its placeholders at the end of its cache.
         Each request keeps its accepted drafts, moved to the slots right after its newest token,
         and adds the target's own token after them."""
         start = time.perf_counter()
-        width = 1 + max(len(d) for d in drafts)
+        width = min(1 + max(len(d) for d in drafts), min(self.max_seq_len - r.fed for r in requests))
+        drafts = [d if len(d) < width else d.within(None, width - 1) for d in drafts]
         batch_rows = max(r.kv_row for r in requests) + 1
         trees = not all(d.is_chain for d in drafts)
         feeds = [self._pad_feed(kv_row, width) for kv_row in range(batch_rows)]
@@ -340,14 +343,13 @@ class Engine:
     def _draft_feed(self, request: Request, draft: DraftTree, width: int) -> tuple:
         """(tokens, positions, slots, visibility) of a request's row: its newest token, then the
         draft's nodes at the positions of their depths, then pads repeating the last node."""
-        last_slot = self.max_seq_len - 1
         tokens = [request.newest(), *draft.tokens]
         depths = [0, *draft.depths()]
         seen = draft.visibility()
         pad = width - len(tokens)
         tokens += [tokens[-1]] * pad
         depths += [depths[-1]] * pad
-        slots = [min(request.fed + j, last_slot) for j in range(width)]
+        slots = [request.fed + j for j in range(width)]
         if pad:  # a pad sees what the node it repeats sees (and so writes what it writes)
             rows = torch.cat([seen, seen[-1:].expand(pad, -1)])
             seen = torch.cat([rows, torch.zeros(width, pad, dtype=torch.bool)], dim=1)
@@ -356,9 +358,10 @@ class Engine:
         return tokens, positions, slots, seen
 
     def _pad_feed(self, kv_row: int, width: int) -> tuple:
-        """A row no request decodes in: placeholders past what it holds."""
-        last_slot = self.max_seq_len - 1
-        slots = [min(len(self.slots.contents[kv_row]) + j, last_slot) for j in range(width)]
+        """A row no request decodes in: placeholders past what it holds (or over its last slots,
+        which the caller marks as junk, where it is full)."""
+        start = min(len(self.slots.contents[kv_row]), self.max_seq_len - width)
+        slots = list(range(start, start + width))
         return [0] * width, slots, slots, torch.ones(width, width, dtype=torch.bool).tril()
 
     def _keep_path(self, kv_row: int, fed: int, path: list[int]) -> None:

@@ -207,6 +207,18 @@ def test_trees_in_the_engine_equal_plain_greedy(tiny_model_dirs, backend, monkey
     )
 
 
+@pytest.mark.parametrize("backend", ["inductor", "onnxruntime", pytest.param("tinygrad", marks=pytest.mark.slow)])
+def test_drafts_up_to_the_end_of_the_cache_keep_every_rows_slots_consecutive(tiny_model_dirs, backend):
+    """Near the end of the cache the call narrows to the room left (ONNX Runtime and tinygrad need
+    consecutive slots per row): a request runs into the end beside a short one and an idle row."""
+    llm = compiled(tiny_model_dirs("llama"), backend)
+    batch = [branching_prompt() * 3, prompts([5], seed=9)[0]]  # 51 of the 64 slots, and a short one
+    plain = [r.token_ids for r in llm.generate(batch, max_new_tokens=20, ignore_eos=True)]
+    drafted = llm.generate(batch, max_new_tokens=20, ignore_eos=True, speculative="prompt_lookup")
+    assert [r.token_ids for r in drafted] == plain
+    assert drafted[0].finish_reason == "context"
+
+
 def branching_prompt() -> list[int]:
     """'5 6' is followed by three different pairs: prompt lookup drafts trees."""
     return [5, 6, 7, 8, 9, 5, 6, 10, 11, 12, 5, 6, 13, 14, 15, 5, 6]
