@@ -17,14 +17,18 @@ def test_the_op_equals_the_gathered_product(ids):
     weights = torch.randn(4, 24, 16, generator=generator)
     x = torch.randn(len(ids), 16, 3, generator=generator)
     index = torch.tensor(ids)
-    got = torch.ops.kiln.gathered_matmul(weights, index, x)
-    torch.testing.assert_close(got, _gathered_matmul_reference(weights, index, x), atol=1e-5, rtol=1e-5)
+    want = _gathered_matmul_reference(weights, index, x)
+    torch.testing.assert_close(torch.ops.kiln.gathered_matmul(weights, index, x), want, atol=1e-5, rtol=1e-5)
+    packed = weights.transpose(1, 2).contiguous()  # as the lowering packs experts for the GEMV kernel
+    torch.testing.assert_close(torch.ops.kiln.gathered_linear(packed, index, x), want, atol=1e-5, rtol=1e-5)
 
 
 def test_an_expert_id_out_of_range_is_refused():
     gathered_matmul.ensure_loaded()
     with pytest.raises(RuntimeError, match="expert id 4 is not in"):
         torch.ops.kiln.gathered_matmul(torch.zeros(4, 2, 2), torch.tensor([4]), torch.zeros(1, 2, 1))
+    with pytest.raises(RuntimeError, match="expert id -1 is not in"):
+        torch.ops.kiln.gathered_linear(torch.zeros(4, 2, 2), torch.tensor([-1]), torch.zeros(1, 2, 1))
 
 
 @pytest.mark.parametrize("family", ["mixtral", "olmoe"])

@@ -1,7 +1,9 @@
-"""`gathered_matmul` on Inductor: Kiln's op (`torch.ops.kiln.gathered_matmul`, gathered_matmul.cpp)
-multiplies each routed row by its expert's matrix where it lies, rows sharing an expert in one
-BLAS product; Inductor's own lowering of `weights[ids] @ x` copies every routed expert's matrix
-first. Where the op cannot be built (warned once), the composite form stays."""
+"""`gathered_matmul` on Inductor: each routed row multiplied by its expert's matrix where it lies
+(gathered_matmul.cpp), where Inductor's own lowering of `weights[ids] @ x` copies every routed
+expert's matrix first. Experts that are an fp32 parameter are packed at lowering for Kiln's GEMV
+kernel (`kiln::gathered_linear`: one kernel call per routed expert, its rows together); others go
+through BLAS in place (`kiln::gathered_matmul`). Where the ops cannot be built (warned once), the
+composite form stays."""
 
 from __future__ import annotations
 
@@ -21,9 +23,15 @@ def _register_fake() -> None:
     def _gathered_matmul_fake(weights, ids, x):
         return x.new_empty((x.shape[0], weights.shape[1], x.shape[2]), dtype=weights.dtype)
 
+    @torch.library.register_fake("kiln::gathered_linear")
+    def _gathered_linear_fake(packed, ids, x):
+        return x.new_empty((x.shape[0], packed.shape[2], x.shape[2]), dtype=packed.dtype)
+
 
 def ensure_loaded() -> None:
-    """Build (once, cached) and load the op; registers torch.ops.kiln.gathered_matmul. Idempotent."""
+    """Build (once, cached) and load the ops; registers torch.ops.kiln.gathered_matmul and
+    gathered_linear (which calls Kiln's GEMV kernel, loaded first). Idempotent."""
+    gemv_kernel.ensure_loaded()
     gemv_kernel.load_extension(_SRC, "KILN_GATHERED_MATMUL_KERNELS", "kiln_gathered_matmul", _register_fake)
 
 
@@ -39,9 +47,15 @@ def _composite(weights: torch.Tensor, ids: torch.Tensor, x: torch.Tensor) -> tor
 
 
 def lower_gathered_matmul(b, node, args, attrs):
-    if node.inputs[0].type.dtype == "f32" and op_available():
-        return b.call(torch.ops.kiln.gathered_matmul, *args)
-    return b.call(_composite, *args)
+    """Experts packed for Kiln's GEMV kernel where they are an fp32 parameter, else Kiln's
+    BLAS-backed op, else the composite gather."""
+    if node.inputs[0].type.dtype != "f32" or not op_available():
+        return b.call(_composite, *args)
+    weights = b.constant(args[0])
+    if weights is not None and weights.dim() == 3 and weights.dtype == torch.float32:
+        packed = b.add_constant(node.inputs[0].name + ".packed", weights.detach().transpose(1, 2).contiguous())
+        return b.call(torch.ops.kiln.gathered_linear, packed, args[1], args[2])
+    return b.call(torch.ops.kiln.gathered_matmul, *args)
 
 
 FX_LOWERINGS["gathered_matmul"] = lower_gathered_matmul
