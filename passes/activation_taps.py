@@ -1,4 +1,4 @@
-"""What a graph's intermediate values look like on real inputs: per-channel mean |x| and a sample
+"""What a graph's intermediate values look like on real inputs: per-channel mean |x| and mean x^2, and a sample
 of rows, gathered by running the reference kernels on calibration tokens.
 
 The data-aware quantizer (awq_scaling.py) needs the inputs of every linear. Adding them as graph
@@ -24,12 +24,17 @@ class ActivationStats:
     """Channel statistics of one value [..., K] over every calibration token."""
 
     abs_sum: torch.Tensor
+    square_sum: torch.Tensor
     tokens: int = 0
     sample: list[torch.Tensor] = field(default_factory=list)
 
     @property
     def mean_abs(self) -> torch.Tensor:
         return self.abs_sum / max(self.tokens, 1)
+
+    @property
+    def mean_square(self) -> torch.Tensor:
+        return self.square_sum / max(self.tokens, 1)
 
     def rows(self) -> torch.Tensor:
         """The sampled rows, [rows, K]."""
@@ -38,6 +43,7 @@ class ActivationStats:
     def add(self, x: torch.Tensor, rows_kept: int, generator: torch.Generator) -> None:
         flat = x.reshape(-1, x.shape[-1]).float()
         self.abs_sum += flat.abs().sum(0)
+        self.square_sum += flat.double().pow(2).sum(0).float()
         self.tokens += flat.shape[0]
         if rows_kept < flat.shape[0]:
             flat = flat[torch.randperm(flat.shape[0], generator=generator)[:rows_kept]]
@@ -59,7 +65,7 @@ def collect_activation_stats(
     producing = [i for i, node in enumerate(graph.nodes) if any(id(v) in tap_ids for v in node.outputs)]
     nodes = graph.nodes[: max(producing) + 1] if producing else []
     last_use = {id(v): i for i, node in enumerate(nodes) for v in node.inputs if v is not None}
-    stats = {v.name: ActivationStats(torch.zeros(v.type.shape[-1])) for v in taps}
+    stats = {v.name: ActivationStats(torch.zeros(v.type.shape[-1]), torch.zeros(v.type.shape[-1])) for v in taps}
     generator = torch.Generator().manual_seed(seed)
     params = {id(v): graph.weights[name] for name, v in graph.params.items()}
     with torch.no_grad():

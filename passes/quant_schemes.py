@@ -33,6 +33,7 @@ class QuantScheme:
     scale_dtype: str = "f32"  # "f16": half the bytes per scale (llama.cpp's blocks store f16)
     float_zero: bool = False  # asymmetric with a fractional zero point (llama.cpp's Q4_1 `d * q + m`)
     upgrade: str = "int8"  # mixed: the scheme of the most sensitive layers
+    importance: bool = False  # fit: weigh each column's error by its activations (llama.cpp's imatrix)
 
     @property
     def awq(self) -> bool:
@@ -48,24 +49,26 @@ class QuantScheme:
 
     @property
     def needs_calibration(self) -> bool:
-        return self.awq or self.mixed
+        return self.awq or self.mixed or self.importance
 
     def group_size_for(self, in_features: int) -> int:
         """The `group_size` attribute of a linear_q with `in_features` columns."""
         return in_features if self.group_size is None else self.group_size
 
 
-def _int4_fit(group: int) -> QuantScheme:
+def _int4_fit(group: int, importance: bool = False) -> QuantScheme:
+    how = ", the error of each input column weighted by the mean square of its activations" if importance else ""
     return QuantScheme(
-        f"int4-g{group}-fit",
+        f"int4-g{group}-fit" + ("-imatrix" if importance else ""),
         4,
         group,
         False,
         "fit",
         f"4-bit, groups of {group} inputs, asymmetric with a fractional zero point, f16 scales and "
-        "zero points, each group's scale and offset fitted to its weights",
+        f"zero points, each group's scale and offset fitted to its weights{how}",
         scale_dtype="f16",
         float_zero=True,
+        importance=importance,
     )
 
 
@@ -100,6 +103,7 @@ SCHEMES: dict[str, QuantScheme] = {
         *(_int4(g, symmetric, "awq") for symmetric in (True, False) for g in (32, 64, 128)),
         INT8_G32,
         *(_int4_fit(g) for g in (32, 64, 128)),
+        *(_int4_fit(g, importance=True) for g in (32, 64, 128)),
         INT4_MIXED,
         INT4_FIT_MIXED,
     ]

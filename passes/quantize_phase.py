@@ -4,6 +4,7 @@ none / None        -> no pass
 int8, int4-g64 ... -> quantize_weights (round-to-nearest)
 int4-g64-awq ...   -> awq_scaling (needs calibration tokens), then quantize_weights
 int4-g32-fit ...   -> quantize_weights (fitted rounding)
+int4-g32-fit-imatrix ... -> the same, each column's error weighted by its calibration activations
 int4-mixed         -> awq_scaling, then mixed_precision (int8 for the most sensitive layers)
 int4-fit-mixed     -> mixed_precision (fitted rounding, int8-g32 for the most sensitive layers)
 """
@@ -14,6 +15,7 @@ import torch
 
 from kiln.ir.errors import KilnError
 
+from .activation_importance import activation_importance
 from .awq_scaling import awq_scale
 from .manager import Pass
 from .mixed_precision import quantize_mixed
@@ -53,7 +55,10 @@ def quantization_passes(options, calibration: torch.Tensor | None = None) -> lis
             )
         )
         return passes
-    passes.append(
-        Pass("quantize_weights", lambda graph: quantize_weights(graph, scheme, include_embeddings), approximate=True)
-    )
+
+    def quantize(graph):
+        importance = activation_importance(graph, scheme, tokens, include_embeddings) if scheme.importance else None
+        return quantize_weights(graph, scheme, include_embeddings, importance=importance)
+
+    passes.append(Pass("quantize_weights", quantize, approximate=True))
     return passes

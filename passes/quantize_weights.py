@@ -11,6 +11,8 @@ are dropped. `graph.meta["quantization"]` records the scheme and what was quanti
 
 from __future__ import annotations
 
+import torch
+
 from kiln.ir import Graph, Value
 
 from .dce import eliminate_dead_code
@@ -53,15 +55,22 @@ def eligible_weight(graph: Graph, value: Value, scheme: QuantScheme) -> bool:
 class WeightQuantizer:
     """Quantizes each parameter once and adds its parts to the graph as parameters."""
 
-    def __init__(self, graph: Graph, scheme: QuantScheme, overrides: dict[str, QuantScheme] | None = None):
+    def __init__(
+        self,
+        graph: Graph,
+        scheme: QuantScheme,
+        overrides: dict[str, QuantScheme] | None = None,
+        importance: dict[str, torch.Tensor] | None = None,
+    ):
         self.graph, self.scheme, self.overrides = graph, scheme, overrides or {}
+        self.importance = importance or {}
         self.done: dict[str, tuple[Value, Value, Value | None]] = {}
         self.bytes_before = self.bytes_after = 0
 
     def params_for(self, weight: Value) -> tuple[Value, Value, Value | None]:
         if weight.name not in self.done:
             tensor, scheme = self.graph.weights[weight.name], self.scheme_of(weight)
-            q = round_weight(tensor, scheme)
+            q = round_weight(tensor, scheme, self.importance.get(weight.name))
             self.done[weight.name] = self._add(weight.name, q)
             self.bytes_before += tensor.numel() * tensor.element_size()
             self.bytes_after += q.nbytes
@@ -85,12 +94,17 @@ class WeightQuantizer:
 
 
 def quantize_weights(
-    graph: Graph, scheme: QuantScheme, include_embeddings: bool = False, overrides: dict[str, QuantScheme] | None = None
+    graph: Graph,
+    scheme: QuantScheme,
+    include_embeddings: bool = False,
+    overrides: dict[str, QuantScheme] | None = None,
+    importance: dict[str, torch.Tensor] | None = None,
 ) -> Graph:
     """Rewrite `graph` in place (see the module docstring); returns it. `overrides` gives some
-    weights (by name) another scheme than `scheme` (mixed precision)."""
+    weights (by name) another scheme than `scheme` (mixed precision); `importance`, per weight
+    name, the fitted rounding's error weight of each input column (activation_importance.py)."""
     skipped = set() if include_embeddings else output_projections(graph) | embedding_tables(graph)
-    quantizer = WeightQuantizer(graph, scheme, overrides)
+    quantizer = WeightQuantizer(graph, scheme, overrides, importance)
     replaced = 0
     for node in list(graph.nodes):
         replacement = None

@@ -10,11 +10,12 @@ from .quant_schemes import QuantScheme
 from .round_to_nearest import QuantizedWeight, quantize_weight
 
 
-def round_weight(w: torch.Tensor, scheme: QuantScheme) -> QuantizedWeight:
-    """`w` [N, K] in linear_q's layout under `scheme` (its AWQ scaling, if any, already applied)."""
+def round_weight(w: torch.Tensor, scheme: QuantScheme, importance: torch.Tensor | None = None) -> QuantizedWeight:
+    """`w` [N, K] in linear_q's layout under `scheme` (its AWQ scaling, if any, already applied);
+    `importance` [K] weighs the fitted rounding's error per input column."""
     group_size = scheme.group_size_for(w.shape[1])
     if scheme.fitted:
-        return fit_weight(w, group_size, scale_dtype=scheme.scale_dtype)
+        return fit_weight(w, group_size, importance, scale_dtype=scheme.scale_dtype)
     return quantize_weight(
         w, scheme.bits, group_size, scheme.symmetric, scale_dtype=scheme.scale_dtype, float_zero=scheme.float_zero
     )
