@@ -206,6 +206,10 @@ OP_CASES = {
         ["x: f32[batch, seq, 6]"],  # both outputs used: values + indices
         lambda g, x: g.call("add", *(lambda v, i: (v, g.call("cast", i, dtype="f32")))(*g.call("topk", x, k=2))),
     ),
+    "gathered_matmul": (  # experts as an input: Kiln's in-place product (a parameter is packed instead)
+        ["w: f32[4, 5, 3]", "i: i64<4[batch]", "x: f32[batch, 3, 2]"],
+        lambda g, w, i, x: g.call("gathered_matmul", w, i, x),
+    ),
     "kv_write": (
         ["c: f32[3, 2, 6, 8]", "n: f32[batch, 2, seq, 8]", "p: i64<6[batch, seq]"],
         lambda g, c, n, p: g.call("kv_write", c, n, p),
