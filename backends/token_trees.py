@@ -49,7 +49,8 @@ def executable_verifies_trees(executable) -> bool:
 
 
 @functools.lru_cache(maxsize=64)
-def _lower_triangle(seq: int) -> torch.Tensor:
+def lower_triangle(seq: int) -> torch.Tensor:
+    """bool [seq, seq]: each token sees itself and those before it (a plain call's tree); shared, read-only."""
     return torch.ones(seq, seq, dtype=torch.bool).tril()
 
 
@@ -63,7 +64,7 @@ def tree_feeds(
     elif slots.shape != positions.shape:
         raise FeedError(f"slots {list(slots.shape)} must be shaped as positions {list(positions.shape)}")
     if tree is None:
-        tree = _lower_triangle(seq).expand(batch, seq, seq)
+        tree = lower_triangle(seq).expand(batch, seq, seq)
     elif tree.shape != (batch, seq, seq) or tree.dtype != torch.bool:
         raise FeedError(
             f"tree must be bool [batch, seq, seq] = {[batch, seq, seq]}, got {tree.dtype} {list(tree.shape)}"

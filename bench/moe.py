@@ -84,6 +84,21 @@ def step_bytes(model) -> tuple[int, int]:
     return total, read
 
 
+@torch.no_grad()
+def hf_greedy(model, prompt: list[int], tokens: int) -> list[int]:
+    """Hugging Face eager's `tokens` greedy tokens after `prompt` (its KV cache, no early end)."""
+    ids = torch.tensor([prompt])
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        min_new_tokens=tokens,
+        max_new_tokens=tokens,
+        pad_token_id=0,
+    )
+    return out[0, len(prompt) :].tolist()
+
+
 def timed(generate, repeats: int) -> tuple[float, float]:
     """(median seconds, others' cores of the slowest run) over `repeats` runs after a warm-up."""
     generate()
@@ -117,33 +132,14 @@ def main(argv=None) -> int:
             model = build(config, directory)
             total, read = step_bytes(model)
             llm = kiln.load(kiln.compile(directory, out=directory / "model.kiln", backend="inductor", max_seq_len=256))
-            ids = torch.tensor([prompt])
 
-            def hf(model=model, ids=ids):
-                with torch.no_grad():
-                    model.generate(
-                        ids,
-                        attention_mask=torch.ones_like(ids),
-                        do_sample=False,
-                        min_new_tokens=args.tokens,
-                        max_new_tokens=args.tokens,
-                        pad_token_id=0,
-                    )
+            def hf(model=model):
+                return hf_greedy(model, prompt, args.tokens)
 
             def kiln_decode(llm=llm):
-                return llm.generate(prompt, max_new_tokens=args.tokens, ignore_eos=True)
+                return llm.generate(prompt, max_new_tokens=args.tokens, ignore_eos=True).token_ids
 
-            same = (
-                kiln_decode().token_ids
-                == model.generate(
-                    ids,
-                    attention_mask=torch.ones_like(ids),
-                    do_sample=False,
-                    max_new_tokens=args.tokens,
-                    min_new_tokens=args.tokens,
-                    pad_token_id=0,
-                )[0, len(prompt) :].tolist()
-            )
+            same = kiln_decode() == hf()
             for runner, run in (("kiln-inductor", kiln_decode), ("hf-eager", hf)):
                 seconds, others = timed(run, args.repeats)
                 rate = args.tokens / seconds  # prefill of 16 tokens included, alike for every row

@@ -88,7 +88,7 @@ class TimedDrafter:
 
     @classmethod
     def heads(cls, llm, kind: str) -> TimedDrafter:
-        return cls(llm._heads_drafter(kind))
+        return cls(llm.heads.drafter(kind))
 
     def _timed(self, method, *args):
         start = time.perf_counter()

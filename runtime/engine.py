@@ -30,7 +30,7 @@ import torch
 
 from kiln.backends.cache_rows import copy_prefix, copy_slots
 from kiln.backends.executable import capabilities
-from kiln.backends.token_trees import executable_verifies_trees
+from kiln.backends.token_trees import executable_verifies_trees, lower_triangle
 from kiln.runtime.draft_tree import DraftTree
 from kiln.runtime.errors import QueueFullError
 from kiln.runtime.kv_slots import KvSlots, common_prefix_length
@@ -362,7 +362,7 @@ class Engine:
         which the caller marks as junk, where it is full)."""
         start = min(len(self.slots.contents[kv_row]), self.max_seq_len - width)
         slots = list(range(start, start + width))
-        return [0] * width, slots, slots, torch.ones(width, width, dtype=torch.bool).tril()
+        return [0] * width, slots, slots, lower_triangle(width)
 
     def _keep_path(self, kv_row: int, fed: int, path: list[int]) -> None:
         """Move the accepted nodes' keys and values to the slots right after the newest token's

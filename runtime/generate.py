@@ -16,7 +16,6 @@ what fits (the result says so: finish_reason "context", stats.clamped).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import numbers
 from collections.abc import Sequence
 
@@ -24,6 +23,7 @@ import torch
 
 from kiln.runtime.bad_words import resolve_bad_words
 from kiln.runtime.constraint_compiler import pop_constraint
+from kiln.runtime.drafters import StoredHeads, engine_drafter, lone_drafter
 from kiln.runtime.engine import Engine
 from kiln.runtime.engine_batch import EngineBatch, Exclusive
 from kiln.runtime.errors import ContextLengthError, GenerationError, TokenizerError
@@ -35,7 +35,6 @@ from kiln.runtime.sampler import SamplingParams
 from kiln.runtime.samples import generate_samples
 from kiln.runtime.scoring import TokenScores, score_tokens
 from kiln.runtime.search import pop_search, search_generations
-from kiln.runtime.speculative import PromptLookupDrafter
 from kiln.runtime.text_stream import TextStream
 from kiln.runtime.token_ids import check_token_ids, check_token_set, model_vocab_size
 from kiln.runtime.tokenizer import Tokenizer
@@ -55,7 +54,7 @@ class LLM:
         self.graph = graph
         self.directory = directory  # the artifact's, where its draft heads are (None: built in memory)
         self._engine: Engine | None = None
-        self._heads: dict = {}  # kind -> (heads, hidden-state solver), loaded on first use
+        self.heads = StoredHeads(directory, self.manifest, graph)  # draft heads, loaded on first use
 
     @property
     def engine(self) -> Engine:
@@ -387,56 +386,29 @@ class LLM:
 
     def _speculative(self, token_lists, settings, seeds, speculative) -> list:
         """Speculative generations of one prompt each, holding the executable alone while they run."""
-        from kiln.runtime.speculative import ModelDrafter, SpeculativeGeneration
-
-        def drafter():
-            if isinstance(speculative, str) and speculative.split(":")[0] == "heads":
-                return self._heads_drafter(speculative.partition(":")[2] or None)
-            if isinstance(speculative, LLM):
-                return ModelDrafter(speculative.executable, vocab_size=speculative.vocab_size)
-            if hasattr(speculative, "propose") and hasattr(speculative, "feedback"):
-                return speculative
-            raise GenerationError(
-                f"speculative={speculative!r:.60} is not a drafter. Fix: pass 'prompt_lookup', "
-                "'heads', a draft LLM from kiln.load, or an object with propose() and feedback()."
-            )
+        from kiln.runtime.speculative import SpeculativeGeneration
 
         decoder = self.tokenizer.incremental_decoder if self.tokenizer else None
         return [
             Exclusive(
                 self.engine,
                 SpeculativeGeneration(
-                    self.executable, prompt, settings, seed, drafter(), decoder, vocab_size=self.vocab_size
+                    self.executable,
+                    prompt,
+                    settings,
+                    seed,
+                    lone_drafter(speculative, LLM),
+                    decoder,
+                    vocab_size=self.vocab_size,
                 ),
             )
             for prompt, seed in zip(token_lists, seeds)
         ]
 
     def engine_drafter(self, speculative):
-        """A factory of per-request drafters for the engine: prompt lookup, or the artifact's heads
-        ("heads" / "heads:KIND", loaded here so that missing heads fail at the call); None for
-        the drafters that run alone (a draft model, a caller's object)."""
-        if speculative == "prompt_lookup":
-            return PromptLookupDrafter
-        if isinstance(speculative, str) and speculative.split(":")[0] == "heads":
-            kind = speculative.partition(":")[2] or None
-            self._heads_drafter(kind)
-            return functools.partial(self._heads_drafter, kind)
-        return None
-
-    def _heads_drafter(self, kind: str | None):
-        """A HeadsDrafter over this artifact's stored heads of `kind` (loaded once)."""
-        from kiln.runtime.heads_drafter import HeadsDrafter
-
-        if self.directory is None or self.graph is None:
-            raise GenerationError(
-                "speculative='heads' reads the heads stored in an artifact. Fix: load the "
-                "artifact with kiln.load after `kiln train-speculator` on it."
-            )
-        if kind not in self._heads:
-            self._heads[kind] = HeadsDrafter.from_artifact(self.directory, self.manifest, self.graph, kind)
-        loaded = self._heads[kind]
-        return HeadsDrafter(loaded.heads, loaded.to_hidden, loaded.min_confidence)
+        """A factory of per-request drafters for the engine ("prompt_lookup", "heads[:KIND]"), or
+        None for the drafters that run alone (runtime/drafters.py)."""
+        return engine_drafter(speculative, self.heads)
 
     def _encode_prompts(self, prompts) -> tuple[bool, list[list[int]]]:
         """(whether one prompt was given, the prompts as token id lists)."""

@@ -311,12 +311,9 @@ def test_options_no_backend_can_run_with_are_refused_even_in_a_resealed_manifest
         kiln.load(artifact)
 
 
-def test_an_artifact_compiled_before_an_op_gained_an_attribute_loads_with_its_default(tmp_path, tokenizer_dir):
-    """An older graph.kir lacks attributes its ops have since gained (attention's alibi): read
-    with their defaults, which keep the op's earlier meaning. Here `mean`'s keepdim stands in."""
-    graph = tiny_graph()
-    bias = graph.call("mean", graph.params["embed"], axes=(1,), keepdim=False)  # [vocab]
-    graph.outputs = [graph.call("add", graph.outputs[0], bias, name="biased_logits")]
+def saved_as_older(tmp_path, tokenizer_dir, graph, new_text: str, old_text: str):
+    """`graph` saved as a reference artifact whose graph.kir then reads as an older Kiln wrote it
+    (`new_text` replaced by `old_text`)."""
     fields = {
         "backend": "reference",
         "backend_version": torch.__version__,
@@ -325,9 +322,19 @@ def test_an_artifact_compiled_before_an_op_gained_an_attribute_loads_with_its_de
     }
     path = save_artifact(tmp_path / "m.kiln", graph, ReferenceExecutable(graph, OPTIONS), tokenizer_dir, fields)
     text = (path / "graph.kir").read_text()
-    older = text.replace(", keepdim=false", "")
+    older = text.replace(new_text, old_text)
     assert older != text
     replace_file(path, "graph.kir", older.encode())
+    return path
+
+
+def test_an_artifact_compiled_before_an_op_gained_an_attribute_loads_with_its_default(tmp_path, tokenizer_dir):
+    """An older graph.kir lacks attributes its ops have since gained (attention's alibi): read
+    with their defaults, which keep the op's earlier meaning. Here `mean`'s keepdim stands in."""
+    graph = tiny_graph()
+    bias = graph.call("mean", graph.params["embed"], axes=(1,), keepdim=False)  # [vocab]
+    graph.outputs = [graph.call("add", graph.outputs[0], bias, name="biased_logits")]
+    path = saved_as_older(tmp_path, tokenizer_dir, graph, ", keepdim=false", "")
     node = next(n for n in read_artifact(path).graph.nodes if n.op == "mean")
     assert node.attrs["keepdim"] is False
 
@@ -336,17 +343,7 @@ def test_an_artifact_compiled_before_an_op_gained_an_optional_input_loads(tmp_pa
     """An older graph.kir names fewer inputs than its ops now take (attention before its token
     tree): the missing trailing optional inputs read as omitted. Here `linear`'s bias stands in."""
     graph = tiny_graph()
-    fields = {
-        "backend": "reference",
-        "backend_version": torch.__version__,
-        "source_hash": "0" * 64,
-        "options": {"max_batch": 1, "max_seq_len": 16, "dtype": "f32", "quantize": None},
-    }
-    path = save_artifact(tmp_path / "m.kiln", graph, ReferenceExecutable(graph, OPTIONS), tokenizer_dir, fields)
-    text = (path / "graph.kir").read_text()
-    older = text.replace("linear(%0, %embed, _)", "linear(%0, %embed)")
-    assert older != text
-    replace_file(path, "graph.kir", older.encode())
+    path = saved_as_older(tmp_path, tokenizer_dir, graph, "linear(%0, %embed, _)", "linear(%0, %embed)")
     node = next(n for n in read_artifact(path).graph.nodes if n.op == "linear")
     assert len(node.inputs) == 3 and node.inputs[2] is None
 

@@ -90,6 +90,7 @@ class StatefulRunner(Executable):
             check_world(tensor_parallel_size(graph))
         apply_threads(options)
         self.graph, self.options = graph, options
+        self.token_trees = has_token_trees(graph)  # read once: run() asks every step
         named = allocate_caches(graph)
         self.hold_caches(list(named.values()), [c.shape for c in named.values()])
         return named
@@ -115,7 +116,7 @@ class StatefulRunner(Executable):
         `slots`/`tree`: see kiln.backends.token_trees."""
         feeds = self.check_feeds(tokens, positions)
         check_rows(first_row, tokens.size(0), self.max_batch)
-        extra = tree_feeds(feeds[1], slots, tree) if has_token_trees(self.graph) else refuse_trees(slots, tree)
+        extra = tree_feeds(feeds[1], slots, tree) if self.token_trees else refuse_trees(slots, tree)
         return run_at_rows(self._run_front, self.caches, *feeds, first_row, extra)
 
     def _run_front(self, tokens: torch.Tensor, positions: torch.Tensor, *tree_feeds) -> torch.Tensor:

@@ -17,37 +17,38 @@
 
 namespace kiln_gathered_matmul {
 
-at::Tensor gathered_matmul(const at::Tensor& weights, const at::Tensor& ids_in, const at::Tensor& x_in) {
-  const char* op = "kiln::gathered_matmul";
-  TORCH_CHECK(weights.dim() == 3 && ids_in.dim() == 1 && x_in.dim() == 3, op,
-              ": weights [experts, out, in], ids [rows], x [rows, in, cols] expected");
-  TORCH_CHECK(ids_in.size(0) == x_in.size(0) && x_in.size(1) == weights.size(2), op, ": shapes do not match");
-  const int64_t N = x_in.size(0), O = weights.size(1), K = x_in.size(2), E = weights.size(0);
-  at::Tensor ids = ids_in.to(at::kLong).contiguous(), x = x_in.to(weights.scalar_type());
-  at::Tensor out = at::empty({N, O, K}, x.options());
+// out [N, O, K] with out[n] = product(e, x[rows of e])[the row's place] for each expert e that
+// some row routes to: the rows of one expert go through one product, then back to their places.
+template <typename Product>
+static at::Tensor per_expert(const char* op, const at::Tensor& ids_in, const at::Tensor& x, int64_t E, int64_t O,
+                             Product product) {
+  const at::Tensor ids = ids_in.to(at::kLong).contiguous();
   const int64_t* id = ids.data_ptr<int64_t>();
-  // the rows of each expert, in order
   std::vector<std::vector<int64_t>> rows(E);
-  for (int64_t n = 0; n < N; n++) {
+  for (int64_t n = 0; n < x.size(0); n++) {
     TORCH_CHECK(id[n] >= 0 && id[n] < E, op, ": expert id ", id[n], " is not in [0, ", E, ")");
     rows[id[n]].push_back(n);
   }
+  at::Tensor out = at::empty({x.size(0), O, x.size(2)}, x.options());
   for (int64_t e = 0; e < E; e++) {
     if (rows[e].empty()) continue;
-    const at::Tensor w = weights.select(0, e);  // [O, I], a view: nothing copied
-    if (rows[e].size() == 1) {
-      const int64_t n = rows[e][0];
-      at::Tensor row = out.select(0, n);
-      at::mm_out(row, w, x.select(0, n));
-      continue;
-    }
-    // [I, rows * K]: the rows side by side, one product, then back to their places
-    at::Tensor index = at::tensor(rows[e], ids.options());
-    at::Tensor columns = x.index_select(0, index).permute({1, 0, 2}).reshape({x.size(1), -1});
-    at::Tensor product = at::mm(w, columns).reshape({O, (int64_t)rows[e].size(), K}).permute({1, 0, 2});
-    out.index_copy_(0, index, product);
+    const at::Tensor index = at::tensor(rows[e], ids.options());
+    out.index_copy_(0, index, product(e, x.index_select(0, index)));
   }
   return out;
+}
+
+at::Tensor gathered_matmul(const at::Tensor& weights, const at::Tensor& ids, const at::Tensor& x_in) {
+  const char* op = "kiln::gathered_matmul";
+  TORCH_CHECK(weights.dim() == 3 && ids.dim() == 1 && x_in.dim() == 3, op,
+              ": weights [experts, out, in], ids [rows], x [rows, in, cols] expected");
+  TORCH_CHECK(ids.size(0) == x_in.size(0) && x_in.size(1) == weights.size(2), op, ": shapes do not match");
+  const int64_t I = weights.size(2), O = weights.size(1);
+  // [O, I] (a view: nothing copied) @ [I, M * K], the rows side by side
+  return per_expert(op, ids, x_in.to(weights.scalar_type()), weights.size(0), O, [&](int64_t e, const at::Tensor& xs) {
+    const int64_t M = xs.size(0), K = xs.size(2);
+    return at::mm(weights.select(0, e), xs.permute({1, 0, 2}).reshape({I, M * K})).view({O, M, K}).permute({1, 0, 2});
+  });
 }
 
 // Kiln's GEMV kernel (gemv_kernel.cpp, loaded first): x [M, I] @ packed [I, O].
@@ -61,31 +62,17 @@ static at::Tensor kiln_linear(const at::Tensor& x, const at::Tensor& packed) {
 // The same product with each expert's matrix packed for Kiln's GEMV kernel: packed [E, I, O]
 // (weights[e].t() contiguous), so the rows of one expert are one call of the kernel that streams
 // a decode step's weights near the memory's bandwidth (BLAS's matrix-vector product does not).
-at::Tensor gathered_linear(const at::Tensor& packed, const at::Tensor& ids_in, const at::Tensor& x_in) {
+at::Tensor gathered_linear(const at::Tensor& packed, const at::Tensor& ids, const at::Tensor& x_in) {
   const char* op = "kiln::gathered_linear";
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == at::kFloat, op,
               ": packed must be contiguous float32 [experts, in, out]");
-  TORCH_CHECK(ids_in.dim() == 1 && x_in.dim() == 3 && ids_in.size(0) == x_in.size(0) &&
-                  x_in.size(1) == packed.size(1),
+  TORCH_CHECK(ids.dim() == 1 && x_in.dim() == 3 && ids.size(0) == x_in.size(0) && x_in.size(1) == packed.size(1),
               op, ": ids [rows] and x [rows, in, cols] do not match packed ", packed.sizes());
-  const int64_t N = x_in.size(0), I = packed.size(1), O = packed.size(2), K = x_in.size(2), E = packed.size(0);
-  at::Tensor ids = ids_in.to(at::kLong).contiguous(), x = x_in.to(at::kFloat);
-  at::Tensor out = at::empty({N, O, K}, x.options());
-  const int64_t* id = ids.data_ptr<int64_t>();
-  std::vector<std::vector<int64_t>> rows(E);
-  for (int64_t n = 0; n < N; n++) {
-    TORCH_CHECK(id[n] >= 0 && id[n] < E, op, ": expert id ", id[n], " is not in [0, ", E, ")");
-    rows[id[n]].push_back(n);
-  }
-  for (int64_t e = 0; e < E; e++) {
-    if (rows[e].empty()) continue;
-    const int64_t M = (int64_t)rows[e].size();
-    at::Tensor index = at::tensor(rows[e], ids.options());
-    at::Tensor columns = x.index_select(0, index).permute({0, 2, 1}).reshape({M * K, I});  // [M*K, I]
-    at::Tensor product = kiln_linear(columns, packed.select(0, e));                        // [M*K, O]
-    out.index_copy_(0, index, product.view({M, K, O}).permute({0, 2, 1}));
-  }
-  return out;
+  const int64_t I = packed.size(1), O = packed.size(2);
+  return per_expert(op, ids, x_in.to(at::kFloat), packed.size(0), O, [&](int64_t e, const at::Tensor& xs) {
+    const int64_t M = xs.size(0), K = xs.size(2);
+    return kiln_linear(xs.permute({0, 2, 1}).reshape({M * K, I}), packed.select(0, e)).view({M, K, O}).permute({0, 2, 1});
+  });
 }
 
 }  // namespace kiln_gathered_matmul

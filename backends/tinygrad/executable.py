@@ -32,7 +32,7 @@ from tinygrad import Tensor, TinyJit, UOp
 from kiln.backends.cache_rows import check_rows, run_at_rows
 from kiln.backends.errors import FeedError
 from kiln.backends.executable import BackendOptions, Executable, cache_inputs
-from kiln.backends.token_trees import has_token_trees, refuse_trees, tree_feeds
+from kiln.backends.token_trees import has_token_trees, lower_triangle, refuse_trees, tree_feeds
 from kiln.ir import Graph, evaluate, verify
 
 from .cpu_graph import install_cpu_graph
@@ -245,8 +245,9 @@ def _check_range(values: np.ndarray, limit: int, name: str) -> None:
 
 def _is_plain(positions: torch.Tensor, slots: torch.Tensor, tree: torch.Tensor) -> bool:
     """Whether (slots, tree) are a plain call's: slots = positions under the lower triangle."""
-    lower = torch.ones(tree.shape[-1], tree.shape[-1], dtype=torch.bool).tril()
-    return torch.equal(slots, positions.to(slots.dtype)) and torch.equal(tree, lower.expand_as(tree))
+    return torch.equal(slots, positions.to(slots.dtype)) and torch.equal(
+        tree, lower_triangle(tree.shape[-1]).expand_as(tree)
+    )
 
 
 def _torch_view(tensor: Tensor) -> torch.Tensor:

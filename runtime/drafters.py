@@ -1,0 +1,63 @@
+"""Which drafter a `speculative=` setting names, for the engine (per request) or run alone.
+
+Inside the engine: "prompt_lookup" (each request drafts from its own context) and "heads" /
+"heads:KIND" (the draft heads `kiln train-speculator` stored in the artifact, loaded once per
+kind and shared by every request's drafter). Run alone, one prompt at a time: a draft LLM or any
+object with propose() and feedback() (kiln.runtime.speculative.Drafter).
+"""
+
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+
+from kiln.runtime.errors import GenerationError
+from kiln.runtime.speculative import PromptLookupDrafter
+
+
+class StoredHeads:
+    """An artifact's draft heads, loaded on first use per kind."""
+
+    def __init__(self, directory: Path | None, manifest: dict, graph):
+        self.directory, self.manifest, self.graph = directory, manifest, graph
+        self._loaded: dict = {}  # kind -> HeadsDrafter holding the heads and the hidden-state solver
+
+    def drafter(self, kind: str | None):
+        """A fresh HeadsDrafter (its own per-generation state) over the stored heads of `kind`."""
+        from kiln.runtime.heads_drafter import HeadsDrafter
+
+        if self.directory is None or self.graph is None:
+            raise GenerationError(
+                "speculative='heads' reads the heads stored in an artifact. Fix: load the "
+                "artifact with kiln.load after `kiln train-speculator` on it."
+            )
+        if kind not in self._loaded:
+            self._loaded[kind] = HeadsDrafter.from_artifact(self.directory, self.manifest, self.graph, kind)
+        loaded = self._loaded[kind]
+        return HeadsDrafter(loaded.heads, loaded.to_hidden, loaded.min_confidence)
+
+
+def engine_drafter(speculative, heads: StoredHeads):
+    """A factory of per-request drafters for the engine (heads loaded here, so that missing heads
+    fail at the call); None for the drafters that run alone."""
+    if speculative == "prompt_lookup":
+        return PromptLookupDrafter
+    if isinstance(speculative, str) and speculative.split(":")[0] == "heads":
+        kind = speculative.partition(":")[2] or None
+        heads.drafter(kind)
+        return functools.partial(heads.drafter, kind)
+    return None
+
+
+def lone_drafter(speculative, draft_llm_class):
+    """The drafter of a generation that runs alone: a draft LLM's model, or the caller's object."""
+    from kiln.runtime.speculative import ModelDrafter
+
+    if isinstance(speculative, draft_llm_class):
+        return ModelDrafter(speculative.executable, vocab_size=speculative.vocab_size)
+    if hasattr(speculative, "propose") and hasattr(speculative, "feedback"):
+        return speculative
+    raise GenerationError(
+        f"speculative={speculative!r:.60} is not a drafter. Fix: pass 'prompt_lookup', "
+        "'heads', a draft LLM from kiln.load, or an object with propose() and feedback()."
+    )
