@@ -63,6 +63,7 @@ from kiln.runtime.openai_tools import (
     plan_tools,
     tool_message,
 )
+from kiln.runtime.openapi_document import openapi_document, operation
 from kiln.runtime.server_metrics import RequestTimer, ServerMetrics
 from kiln.runtime.sse import event, event_stream
 
@@ -94,7 +95,7 @@ def create_app(
     created = int(time.time())
     metrics = ServerMetrics(getattr(llm, "engine", None))
     app = FastAPI(title="Kiln", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
-    app.openapi = _openapi(app)
+    app.openapi = openapi_document(app)
     app.state.llm, app.state.model_name, app.state.metrics = llm, name, metrics
     app.add_middleware(BodyLimit, max_bytes=max_body_bytes)
     if api_key is not None:  # before the body is read
@@ -127,17 +128,17 @@ def create_app(
     async def prometheus():
         return Response(metrics.exposition(), media_type=metrics.content_type)
 
-    @app.get("/v1/models", openapi_extra=_operation(None, api.ModelList))
+    @app.get("/v1/models", openapi_extra=operation(None, api.ModelList))
     async def models():
         return _card_list(name, created, llm.max_seq_len).model_dump()
 
-    @app.get("/v1/models/{model_id:path}", openapi_extra=_operation(None, api.ModelCard))
+    @app.get("/v1/models/{model_id:path}", openapi_extra=operation(None, api.ModelCard))
     async def model(model_id: str):
         if model_id != name:
             raise model_not_found(model_id, name)
         return _card_list(name, created, llm.max_seq_len).data[0].model_dump()
 
-    @app.post("/v1/completions", openapi_extra=_operation(api.CompletionRequest, api.CompletionResponse))
+    @app.post("/v1/completions", openapi_extra=operation(api.CompletionRequest, api.CompletionResponse))
     async def completions(request: Request):
         return await _counted(
             metrics,
@@ -147,7 +148,7 @@ def create_app(
 
     @app.post(
         "/v1/chat/completions",
-        openapi_extra=_operation(api.ChatCompletionRequest, api.ChatCompletionResponse, api.ChatCompletionChunk),
+        openapi_extra=operation(api.ChatCompletionRequest, api.ChatCompletionResponse, api.ChatCompletionChunk),
     )
     async def chat_completions(request: Request):
         return await _counted(
@@ -175,65 +176,6 @@ def _unexpected(request: Request, error: Exception) -> Response:
     """A 500 for an exception outside the generation endpoints (they answer their own), logged."""
     log.error("%s %s failed", request.method, request.url.path, exc_info=error)
     return internal(error).response()
-
-
-# -- the OpenAPI document -------------------------------------------------------------------------
-# The generation endpoints take the raw Request (so parse_body can answer every bad body in OpenAI's
-# error shape), which leaves FastAPI nothing to describe; the request and response models are
-# declared here instead, for GET /openapi.json only: parsing and validation stay in parse_body.
-OPENAPI_MODELS = (
-    (api.CompletionRequest, "validation"),
-    (api.ChatCompletionRequest, "validation"),
-    (api.CompletionResponse, "serialization"),
-    (api.ChatCompletionResponse, "serialization"),
-    (api.ChatCompletionChunk, "serialization"),
-    (api.ModelList, "serialization"),
-    (api.ModelCard, "serialization"),
-)
-SCHEMA_REF = "#/components/schemas/{model}"
-
-
-def _ref(model: type[BaseModel]) -> dict:
-    return {"$ref": SCHEMA_REF.format(model=model.__name__)}
-
-
-def _operation(
-    request: type[BaseModel] | None, response: type[BaseModel], chunk: type[BaseModel] | None = None
-) -> dict:
-    """An operation's OpenAPI additions: the JSON request body and the 200 answer (streamed as
-    server-sent events of `chunk`, or of `response` again, when the request has stream=true)."""
-    content = {"application/json": {"schema": _ref(response)}}
-    if request is not None:
-        content["text/event-stream"] = {
-            "schema": {
-                "type": "string",
-                "description": (
-                    f"with stream=true: `data: <{(chunk or response).__name__} JSON>` events, then `data: [DONE]`"
-                ),
-            }
-        }
-    extra = {"responses": {"200": {"description": "Successful Response", "content": content}}}
-    if request is not None:  # the generation endpoints: errors are OpenAI error objects
-        extra["requestBody"] = {"required": True, "content": {"application/json": {"schema": _ref(request)}}}
-    return extra
-
-
-def _openapi(app: FastAPI):
-    """app.openapi: FastAPI's document with the request/response models added as components."""
-    from fastapi.openapi.utils import get_openapi
-
-    def openapi() -> dict:
-        if app.openapi_schema is None:
-            document = get_openapi(title=app.title, version=app.version, routes=app.routes)
-            schemas = document.setdefault("components", {}).setdefault("schemas", {})
-            for model, mode in OPENAPI_MODELS:
-                schema = model.model_json_schema(ref_template=SCHEMA_REF, mode=mode)
-                schemas.update(schema.pop("$defs", {}))
-                schemas[model.__name__] = schema
-            app.openapi_schema = document
-        return app.openapi_schema
-
-    return openapi
 
 
 # -- the two generation endpoints ----------------------------------------------------------------

@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+import urllib.error
+import urllib.request
 
 import uvicorn
 
@@ -54,3 +56,21 @@ def record_submits(llm, monkeypatch) -> list:
 
     monkeypatch.setattr(llm, "submit", recording)
     return handles
+
+
+def http(method: str, url: str, body: bytes | None = None) -> tuple[int, bytes]:
+    """(status, body) of a plain HTTP request, errors included."""
+    status, _, answer = http_with_headers(method, url, body)
+    return status, answer
+
+
+def http_with_headers(method: str, url: str, body: bytes | None = None, headers: dict | None = None):
+    """(status, response headers, body) of a plain HTTP request, errors included."""
+    request = urllib.request.Request(
+        url, data=body, method=method, headers={"content-type": "application/json", **(headers or {})}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, response.headers, response.read()
+    except urllib.error.HTTPError as error:
+        return error.code, error.headers, error.read()

@@ -8,26 +8,21 @@ request run directly through `LLM.generate`.
 from __future__ import annotations
 
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
-import threading
 import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
 import pytest
-import uvicorn
 
 import kiln
 from kiln.runtime.server import create_app
+from served import http, http_with_headers, served, tiny_llama_artifact
 
 MODEL = "tiny-llama"
-MAX_SEQ_LEN = 128
+MAX_SEQ_LEN = 128  # tiny_llama_artifact's context
 MAX_BODY = 64 * 1024
 PROMPTS = [
     "Once upon a time",
@@ -43,13 +38,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def artifact(tiny_model_dirs, tmp_path_factory):
-    return kiln.compile(
-        str(tiny_model_dirs("llama")),
-        out=tmp_path_factory.mktemp("served") / "model.kiln",
-        backend="reference",
-        max_seq_len=MAX_SEQ_LEN,
-        max_batch=4,
-    )
+    return tiny_llama_artifact(tiny_model_dirs, tmp_path_factory)
 
 
 @pytest.fixture(scope="module")
@@ -59,42 +48,13 @@ def llm(artifact):
 
 @pytest.fixture(scope="module")
 def base_url(llm):
-    server = uvicorn.Server(
-        uvicorn.Config(create_app(llm, MODEL, max_body_bytes=MAX_BODY), host="127.0.0.1", port=0, log_level="warning")
-    )
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "the server did not start"
-        time.sleep(0.02)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
+    with served(create_app(llm, MODEL, max_body_bytes=MAX_BODY)) as url:
+        yield url
 
 
 @pytest.fixture
 def client(base_url):
     return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=60)
-
-
-def http(method: str, url: str, body: bytes | None = None) -> tuple[int, bytes]:
-    """(status, body) of a plain HTTP request, errors included."""
-    status, _, answer = http_with_headers(method, url, body)
-    return status, answer
-
-
-def http_with_headers(method: str, url: str, body: bytes | None = None, headers: dict | None = None):
-    """(status, response headers, body) of a plain HTTP request, errors included."""
-    request = urllib.request.Request(
-        url, data=body, method=method, headers={"content-type": "application/json", **(headers or {})}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=60) as response:
-            return response.status, response.headers, response.read()
-    except urllib.error.HTTPError as error:
-        return error.code, error.headers, error.read()
 
 
 def alone(llm, prompt, max_tokens, **kwargs):
@@ -475,97 +435,3 @@ def test_choices_and_malformed_response_format(client):
             max_tokens=8,
             extra_body={"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
         )
-
-
-def test_a_killed_process_leaves_no_unpacked_aoti_package_behind(tiny_model_dirs, tmp_path, monkeypatch):
-    """Loading an inductor artifact unpacks its AOTInductor package under $TMPDIR; Kiln removes
-    that as soon as the load is done, so a server killed outright (no atexit, no destructor)
-    leaves nothing there."""
-    monkeypatch.setenv("KILN_LINEAR_KERNEL", "torch")  # keeps Kiln's own C++ kernels out of the build
-    monkeypatch.setenv("KILN_ATTENTION_KERNEL", "torch")
-    artifact = kiln.compile(
-        str(tiny_model_dirs("llama")), out=tmp_path / "aoti.kiln", backend="inductor", max_seq_len=32, max_batch=1
-    )
-    scratch = tmp_path / "tmp"
-    scratch.mkdir()
-    code = (
-        "import os, signal, sys, kiln\n"
-        f"llm = kiln.load({str(artifact)!r})\n"
-        "unpacked = [p for p in os.listdir(sys.argv[1]) if 'aoti' in p]\n"
-        "print(unpacked, len(llm.generate('Once', max_new_tokens=2).token_ids), flush=True)\n"
-        "os.kill(os.getpid(), signal.SIGKILL)\n"
-    )
-    done = subprocess.run(
-        [sys.executable, "-c", code, str(scratch)],
-        env={**os.environ, "TMPDIR": str(scratch)},
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == -signal.SIGKILL, done.stderr
-    assert done.stdout.strip() == "[] 2", done.stdout + done.stderr
-    assert not [p for p in scratch.rglob("*") if "aoti" in p.name]
-
-
-def test_serve_refuses_a_tensor_parallel_artifact(tmp_path, capsys):
-    from kiln.cli import kiln_main
-
-    (tmp_path / "manifest.json").write_text(json.dumps({"tensor_parallel": 2}))
-    assert kiln_main(["serve", str(tmp_path)]) == 2
-    assert "sharded over 2 ranks" in capsys.readouterr().err
-
-
-def test_kiln_serve_runs_the_engine_in_the_main_thread_and_stops_on_ctrl_c(artifact, llm):
-    """`kiln serve` answers from a model whose calls run in the main thread (uvicorn in another),
-    and Ctrl-C (SIGINT) stops both; a port already taken is a one-line error."""
-    import signal
-    import socket
-
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    code = (
-        "import sys, threading, kiln.runtime.engine as e\n"
-        "run = e.Engine.run_in_this_thread\n"
-        "def checked(self, stop):\n"
-        "    assert threading.current_thread() is threading.main_thread()\n"
-        "    print('engine in main thread', flush=True)\n"
-        "    run(self, stop)\n"
-        "e.Engine.run_in_this_thread = checked\n"
-        "from kiln.cli import kiln_main\n"
-        f"sys.exit(kiln_main(['serve', {str(artifact)!r}, '--port', '{port}', '--log-level', 'warning']))"
-    )
-    server = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if http("GET", f"http://127.0.0.1:{port}/health")[0] == 200:
-                    break
-            except OSError:
-                pass
-            assert server.poll() is None and time.monotonic() < deadline, server.stderr.read()
-            time.sleep(0.1)
-        body = json.dumps({"model": "model", "prompt": PROMPTS[1], "max_tokens": 4, "temperature": 0}).encode()
-        status, answer = http("POST", f"http://127.0.0.1:{port}/v1/completions", body)
-        assert status == 200, answer
-        assert json.loads(answer)["choices"][0]["text"] == alone(llm, PROMPTS[1], 4).text
-        assert (
-            http_with_headers("GET", f"http://127.0.0.1:{port}/health", None, {"host": f"localhost:{port}"})[0] == 200
-        )
-        status, _, answer = http_with_headers(
-            "GET", f"http://127.0.0.1:{port}/health", None, {"host": f"rebound.example:{port}"}
-        )
-        assert status == 400 and json.loads(answer)["error"]["code"] == "invalid_host"
-        taken = subprocess.run(
-            [sys.executable, "-m", "kiln", "serve", str(artifact), "--port", str(port)],
-            capture_output=True,
-            text=True,
-            timeout=120,
-        )
-        assert taken.returncode != 0 and "did not start" in taken.stderr
-    finally:
-        server.send_signal(signal.SIGINT)
-        out, err = server.communicate(timeout=60)
-    assert server.returncode == 0, err
-    assert "engine in main thread" in out
