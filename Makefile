@@ -50,7 +50,7 @@ lint: $(VENV_STAMP)
 	$(VENV)/bin/ruff format --check .
 
 test: lint $(VENV_STAMP) chromium clang
-	$(VENV)/bin/python -m pytest -q -ra
+	$(VENV)/bin/python -m pytest -q -ra --durations=15  # the slowest tests, to keep the suite short
 
 run: $(VENV_STAMP)
 	$(VENV)/bin/compile-model -o out/smollm2.kiln && \
