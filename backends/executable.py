@@ -30,7 +30,8 @@ import torch
 class BackendOptions:
     """What every backend is told when lowering. `dtype` is the compute/weight dtype name;
     `quantize` a weight scheme (kiln.passes.quant_schemes) or None, `quantize_embeddings` whether
-    it also covers the lm_head and token embedding."""
+    it also covers the lm_head and token embedding; `kv_cache` what the KV buffers hold ("f32", or
+    "int8": codes with a scale per token and head, see passes/insert_kv_cache.py)."""
 
     max_batch: int = 1
     max_seq_len: int = 1024
@@ -39,6 +40,7 @@ class BackendOptions:
     device: str = "cpu"
     quantize: str | None = None
     quantize_embeddings: bool = False
+    kv_cache: str = "f32"
 
 
 class Executable:

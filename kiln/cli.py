@@ -119,6 +119,12 @@ def compile_parser() -> argparse.ArgumentParser:
         help="also quantize the lm_head and the token embedding (kept f32 by default)",
     )
     parser.add_argument(
+        "--kv-cache",
+        default="f32",
+        help="what the KV cache holds: f32 (default), or int8 (a scale per token and head; "
+        "--backend inductor or reference)",
+    )
+    parser.add_argument(
         "--calibration", metavar="FILE", help="text the -awq schemes calibrate on (default: bundled Moby-Dick chapters)"
     )
     parser.add_argument(
@@ -164,6 +170,7 @@ def _compile_model(argv) -> int:
         device=args.device,
         cache=not args.no_cache,
         progress=progress,
+        kv_cache=args.kv_cache,
     )
     manifest = json.loads((Path(path) / "manifest.json").read_text())
     stats = manifest.get("graph_stats", {})
@@ -178,7 +185,7 @@ def _compile_model(argv) -> int:
         print(f"breaks     {summary_line(manifest['graph_breaks'])} (report.md in the artifact)")
     print(
         f"options    max_seq_len={args.max_seq_len} max_batch={args.max_batch} dtype={args.dtype} device={args.device} "
-        f"quantize={args.quantize}{' (with embeddings)' if args.quantize_embeddings else ''}"
+        f"quantize={args.quantize}{' (with embeddings)' if args.quantize_embeddings else ''} kv_cache={args.kv_cache}"
     )
     print(f"time       {time.perf_counter() - started:.1f}s")
     return 0

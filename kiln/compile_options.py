@@ -31,6 +31,8 @@ BACKENDS_WITH_TENSOR_PARALLEL = ("inductor", "reference")
 
 
 TOKEN_TREE_BACKENDS = frozenset({"inductor", "onnxruntime", "reference", "tinygrad"})
+KV_CACHE_KINDS = ("f32", "int8")
+INT8_KV_BACKENDS = ("inductor", "reference")  # whose attention reads an int8 cache (docs/kv-cache.md)
 
 
 @dataclass(frozen=True)
@@ -49,12 +51,14 @@ class CompileOptions:
     calibration: object = None
     tensor_parallel: int = 1
     dump_ir: Path | None = None
+    kv_cache: str = "f32"
 
     @classmethod
     def checked(cls, **given) -> CompileOptions:
         """The options, or the KilnError of the first one that is wrong (in the order below)."""
         options = cls(**{**given, "quantize": None if given.get("quantize") in (None, "none") else given["quantize"]})
-        for check in (_check_numbers, _check_target, _check_quantize, _check_tensor_parallel, _check_paths):
+        checks = (_check_numbers, _check_target, _check_quantize, _check_kv_cache, _check_tensor_parallel, _check_paths)
+        for check in checks:
             check(options)
         from kiln.backends.registry import get_backend
 
@@ -91,6 +95,7 @@ class CompileOptions:
             quantize=self.quantize,
             quantize_embeddings=self.quantize_embeddings,
             device=self.device,
+            kv_cache=self.kv_cache,
         )
 
     def manifest_options(self, calibration_source: str | None) -> dict:
@@ -169,6 +174,37 @@ def _check_quantize(options: CompileOptions) -> None:
             check_source(options.calibration)
 
 
+def _check_kv_cache(options: CompileOptions) -> None:
+    kind = options.kv_cache
+    if not isinstance(kind, str) or kind not in KV_CACHE_KINDS:
+        raise OptionError(
+            f"kv_cache {kind!r} is not a KV-cache kind Kiln builds. "
+            "Fix: kv_cache='f32' or 'int8' (--kv-cache f32|int8)."
+        )
+    if kind == "f32":
+        return
+    if options.backend not in INT8_KV_BACKENDS:
+        raise OptionError(
+            f"kv_cache='int8' is not supported by the {options.backend} backend: "
+            + INT8_KV_REFUSALS.get(options.backend, "its attention reads an f32 cache only.")
+            + " Fix: backend='inductor' (or 'reference') for an int8 KV cache, "
+            + f"or kv_cache='f32' with {options.backend}."
+        )
+    if options.dtype != "f32":
+        raise OptionError(f"kv_cache='int8' quantizes f32 keys and values, not {options.dtype}. Fix: dtype='f32'.")
+    if options.tensor_parallel > 1:
+        raise OptionError(
+            "kv_cache='int8' is not sharded over ranks yet. Fix: drop --tensor-parallel, or use kv_cache='f32'."
+        )
+
+
+INT8_KV_REFUSALS = {
+    "onnxruntime": "its GroupQueryAttention quantizes the cache with fixed per-tensor or per-channel scales "
+    "(k_quant_type), not Kiln's scale per token and head, so it would compute another model.",
+    "tinygrad": "its attention lowering reads an f32 cache only.",
+}
+
+
 def _check_tensor_parallel(options: CompileOptions) -> None:
     if options.tensor_parallel == 1:
         return
@@ -239,9 +275,16 @@ def kv_cache_bytes(config, options: CompileOptions) -> int | None:
         return None
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
-    element = torch.finfo(options.torch_dtype).bits // 8
-    per_position = 2 * layers * options.max_batch * kv_heads * head_dim * element + head_dim * 4
+    per_position = layers * options.max_batch * kv_bytes_per_token(kv_heads, head_dim, options) + head_dim * 4
     return per_position * options.max_seq_len
+
+
+def kv_bytes_per_token(kv_heads: int, head_dim: int, options) -> int:
+    """The KV bytes one layer stores per token of one row: keys and values, in the compute dtype,
+    or int8 codes with one f32 scale per head each."""
+    if getattr(options, "kv_cache", "f32") == "int8":
+        return 2 * kv_heads * (head_dim + 4)
+    return 2 * kv_heads * head_dim * (torch.finfo(COMPUTE_DTYPES[options.dtype]).bits // 8)
 
 
 def check_memory(config, options: CompileOptions) -> None:

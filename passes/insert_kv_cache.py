@@ -14,12 +14,19 @@ tokens are written to and attend from, where `positions` stay the tokens' positi
 sequence, which RoPE reads) and `tree` bool [batch, seq, seq] (which of the call's own tokens each
 one sees: its ancestors and itself). A token tree is then verified in one step: siblings share a
 position but not a slot. A plain call passes slots = positions and a lower-triangular tree.
+
+With `kv_cache="int8"`, each layer's k and v pass through `kv_quantize` (ir/ops/kv_quant.py)
+before their writes: four buffers per layer, `cache.k.L` / `cache.v.L` holding i8 codes and
+`cache.k_scale.L` / `cache.v_scale.L` f32 [max_batch, kv_heads, max_seq_len, 1] holding one scale
+per token and head, all written by `kv_write` and read by `attention` as its k_scales / v_scales.
 """
 
 from __future__ import annotations
 
 from kiln.ir import Graph, Node, TensorType, Value
 from kiln.ir.errors import KilnError
+
+KV_CACHE_KINDS = ("f32", "int8")  # what the buffers hold: the model's dtype, or int8 codes with scales
 
 
 class KVCacheInsertionError(KilnError, ValueError):
@@ -44,8 +51,12 @@ def grouped_source(value: Value) -> Value:
     return grouped
 
 
-def insert_kv_cache(graph: Graph, max_batch: int, max_seq_len: int, token_trees: bool = False) -> Graph:
+def insert_kv_cache(
+    graph: Graph, max_batch: int, max_seq_len: int, token_trees: bool = False, kv_cache: str = "f32"
+) -> Graph:
     """Rewrite `graph` in place to the stateful form; returns it."""
+    if kv_cache not in KV_CACHE_KINDS:
+        raise KVCacheInsertionError(f"kv_cache {kv_cache!r} is not one of {list(KV_CACHE_KINDS)}")
     if [v.name for v in graph.inputs] != ["tokens", "positions"]:
         raise KVCacheInsertionError("expected a stateless graph with inputs (tokens, positions)")
     positions = graph.inputs[1]
@@ -58,11 +69,14 @@ def insert_kv_cache(graph: Graph, max_batch: int, max_seq_len: int, token_trees:
     slots, tree = _tree_inputs(graph, positions) if token_trees else (positions, None)
     new_caches: list[Value] = []
     for layer, node in enumerate(attentions):
-        new_caches += _make_stateful(graph, node, layer, (slots, tree), max_batch, max_seq_len, windows[layer])
+        limits = (max_batch, max_seq_len, windows[layer])
+        new_caches += _make_stateful(graph, node, layer, (slots, tree), limits, kv_cache == "int8")
     if token_trees:  # after the caches: the inputs before them keep their places
         graph.inputs = [v for v in graph.inputs if v is not slots and v is not tree] + [slots, tree]
     graph.outputs = graph.outputs[:1] + new_caches
     graph.meta["kv_cache"] = {"max_batch": max_batch, "max_seq_len": max_seq_len, "layers": len(attentions)}
+    if kv_cache != "f32":  # an artifact without the key holds f32 buffers
+        graph.meta["kv_cache"]["kind"] = kv_cache
     return graph
 
 
@@ -77,22 +91,28 @@ def _make_stateful(
     node: Node,
     layer: int,
     placement: tuple[Value, Value | None],
-    max_batch: int,
-    max_seq_len: int,
-    window: int,
+    limits: tuple[int, int, int],
+    int8: bool,
 ) -> list[Value]:
     slots, tree = placement
+    max_batch, max_seq_len, window = limits
     q, k, v = node.inputs[:3]
     k, v = grouped_source(k), grouped_source(v)
+    created, sources = [], {"k": k, "v": v}
+    if int8:  # codes into cache.k / cache.v, one scale per token and head beside them
+        for kind, new in (("k", k), ("v", v)):
+            created.append(graph.create("kv_quantize", [new]))
+            sources[kind], sources[f"{kind}_scale"] = created[-1].outputs
     caches = []
-    for kind, new in (("k", k), ("v", v)):
-        _, kv_heads, _, head_dim = new.type.shape
-        cache_type = TensorType(new.type.dtype, (max_batch, kv_heads, max_seq_len, head_dim))
+    for kind, new in sources.items():
+        _, kv_heads, _, last = new.type.shape
+        cache_type = TensorType(new.type.dtype, (max_batch, kv_heads, max_seq_len, last))
         caches.append(graph.add_input(f"cache.{kind}.{layer}", cache_type))
-    written = [graph.create("kv_write", [cache, new, slots]) for cache, new in zip(caches, (k, v))]
+    written = [graph.create("kv_write", [cache, new, slots]) for cache, new in zip(caches, sources.values())]
+    scales = [w.output for w in written[2:]]
     attrs = dict(node.attrs, causal=False, window=window)
-    attention = graph.create("attention", [q, written[0].output, written[1].output, None, slots, tree], attrs)
-    graph.insert_before(node, *written, attention)
+    attention = graph.create("attention", [q, written[0].output, written[1].output, None, slots, tree, *scales], attrs)
+    graph.insert_before(node, *created, *written, attention)
     graph.replace_all_uses(node.output, attention.output)
     graph.erase(node)
     return [w.output for w in written]

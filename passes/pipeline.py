@@ -43,6 +43,7 @@ def kv_cache_insertion(options) -> Pass:
             max_batch=options.max_batch,
             max_seq_len=options.max_seq_len,
             token_trees=bool(getattr(options, "token_trees", False)),
+            kv_cache=getattr(options, "kv_cache", "f32"),
         )
 
     return Pass("insert_kv_cache", insert, preserves_signature=False)

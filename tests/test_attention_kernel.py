@@ -44,7 +44,7 @@ def test_the_kernel_matches_the_irs_attention(batch, heads, kv_heads, seq, head_
     q = torch.randn(batch, heads, seq, head_dim, generator=generator)
     k, v = (torch.randn(batch + 1, kv_heads, slots, head_dim, generator=generator) for _ in range(2))
     positions = positions_for(batch, seq, slots, generator)
-    expected = attention_reference(q, k, v, None, positions, None, None, False, window, 0.0)
+    expected = attention_reference(q, k, v, None, positions, None, scale=None, causal=False, window=window, softcap=0.0)
     torch.testing.assert_close(cached_attention(q, k, v, positions, window), expected, atol=1e-5, rtol=1e-5)
 
 

@@ -210,9 +210,19 @@ OP_CASES = {
         ["w: f32[4, 5, 3]", "i: i64<4[batch]", "x: f32[batch, 3, 2]"],
         lambda g, w, i, x: g.call("gathered_matmul", w, i, x),
     ),
+    "gathered_matmul_q": (  # experts as inputs: the gathering, dequantizing form (parameters take the kernels)
+        ["q: u8<256[4, 3, 16]", "s: f32[4, 3, 2]", "i: i64<4[batch]", "x: f32[batch, 32, 2]", "z: u8<16[4, 3, 2]"],
+        lambda g, q, s, i, x, z: g.call("gathered_matmul_q", q, s, i, x, z, bits=4, group_size=16),
+    ),
     "kv_write": (
         ["c: f32[3, 2, 6, 8]", "n: f32[batch, 2, seq, 8]", "p: i64<6[batch, seq]"],
         lambda g, c, n, p: g.call("kv_write", c, n, p),
+    ),
+    "kv_quantize": (  # both outputs used: the codes times their scales
+        ["x: f32[batch, 2, seq, 8]"],
+        lambda g, x: (lambda codes, scales: g.call("mul", g.call("cast", codes, dtype="f32"), scales))(
+            *g.call("kv_quantize", x)
+        ),
     ),
     # A world of one rank (the identity); several ranks are tested by test_tensor_parallel.py.
     "all_reduce": (["x: f32[batch, seq, 3]"], lambda g, x: g.call("all_reduce", x, world_size=1)),

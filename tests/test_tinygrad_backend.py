@@ -63,9 +63,10 @@ def test_every_registered_op_has_a_tinygrad_lowering():
 
 def test_all_ops_match_the_interpreter():
     """Every op case in one graph (one eager tinygrad run), caches as plain inputs: the generic
-    kv_write and attention forms, as the IR defines them."""
-    graph = build_op_graph(OP_CASES)
-    feeds = random_feeds(graph, OP_CASES, batch=2, seq=3)
+    kv_write and attention forms, as the IR defines them (an int8 KV cache is refused instead)."""
+    cases = {name: case for name, case in OP_CASES.items() if name != "kv_quantize"}
+    graph = build_op_graph(cases)
+    feeds = random_feeds(graph, cases, batch=2, seq=3)
     expected = run_graph(graph, [f.clone() for f in feeds])
     from tinygrad import Tensor
 

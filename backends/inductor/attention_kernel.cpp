@@ -7,6 +7,10 @@
 // With a token tree (bool [B, T, T], optional), of the slots positions[b, 0] + j that hold this
 // call's own tokens, query t sees only those with tree[b, t, j] (its ancestors and itself).
 // A query that sees no slot gets zeros (the IR's attention does the same).
+// An int8 cache (k_scales, v_scales f32 [B', Hkv, S, 1] given, k and v int8 codes): key slot s is
+// k[s] * k_scales[s]. Few queries convert each code row to f32 inside the dot products (the key's
+// scale multiplies its score, the value's its softmax weight); longer chunks dequantize only the
+// slots up to the chunk's last position for ATen's attention. No f32 copy of the cache is made.
 //
 // Why: decomposed, a grouped attention over a static cache expands k and v to every query
 // head and scores all S slots of every step (Inductor copied 2.4 MB per layer per decode token
@@ -27,6 +31,10 @@ extern "C" {
 void kiln_attend_one_query(const float* q, const float* k, const float* v, int64_t D, int64_t lo, int64_t hi,
                            float scale, float* scratch, float* out, const bool* seen, int64_t own_first,
                            int64_t own_count);
+// The same over an int8 cache: key/value slot s is k[s] * k_scales[s] (v likewise).
+void kiln_attend_one_query_q8(const float* q, const int8_t* k, const float* k_scales, const int8_t* v,
+                              const float* v_scales, int64_t D, int64_t lo, int64_t hi, float scale, float* scratch,
+                              float* out, const bool* seen, int64_t own_first, int64_t own_count);
 }
 
 #ifdef KILN_ATTENTION_KERNELS
@@ -155,6 +163,80 @@ void weighted_values(const float* p, const float* v, int64_t D, int64_t n, float
   }
 }
 
+// Eight int8 codes as eight floats (exact).
+inline __m256 codes8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+
+inline float dot_q8(const float* q, const int8_t* k, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(q + i), codes8(k + i), acc);
+  float s = hsum(acc);
+  for (; i < n; i++) s += q[i] * k[i];
+  return s;
+}
+
+// scores[i] = scale * k_scales[i] * q . codes[i] for i < n, eight keys at a time (D % 8 == 0).
+void scores_q8(const float* q, const int8_t* k, const float* k_scales, int64_t D, int64_t n, float scale,
+               float* scores) {
+  const __m256 scale8 = _mm256_set1_ps(scale);
+  int64_t i = 0;
+  for (; i + 8 <= n && D % 8 == 0; i += 8) {
+    __m256 acc[8];
+    for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < D; c += 8) {
+      const __m256 qv = _mm256_loadu_ps(q + c);
+      for (int j = 0; j < 8; j++) acc[j] = _mm256_fmadd_ps(codes8(k + (i + j) * D + c), qv, acc[j]);
+    }
+    const __m256 key_scales = _mm256_mul_ps(_mm256_loadu_ps(k_scales + i), scale8);
+    _mm256_storeu_ps(scores + i, _mm256_mul_ps(sums_of_eight(acc), key_scales));
+  }
+  for (; i < n; i++) scores[i] = scale * k_scales[i] * dot_q8(q, k + i * D, D);
+}
+
+// out[0:D] = sum_i w[i] * codes[i] / total, w[i] = p[i] * v_scales[i] (already folded into p).
+void weighted_values_q8(const float* w, const int8_t* v, int64_t D, int64_t n, float total, float* out) {
+  const __m256 inverse = _mm256_set1_ps(1.f / total);
+  int64_t c = 0;
+  for (; c + 32 <= D; c += 32) {
+    __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int64_t i = 0; i < n; i++) {
+      const __m256 wv = _mm256_broadcast_ss(w + i);
+      for (int j = 0; j < 4; j++) a[j] = _mm256_fmadd_ps(wv, codes8(v + i * D + c + 8 * j), a[j]);
+    }
+    for (int j = 0; j < 4; j++) _mm256_storeu_ps(out + c + 8 * j, _mm256_mul_ps(a[j], inverse));
+  }
+  for (; c + 8 <= D; c += 8) {
+    __m256 a = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i++) a = _mm256_fmadd_ps(_mm256_broadcast_ss(w + i), codes8(v + i * D + c), a);
+    _mm256_storeu_ps(out + c, _mm256_mul_ps(a, inverse));
+  }
+  if (c < D) {  // head dims that are not a multiple of 8: the last columns one at a time
+    for (int64_t d = c; d < D; d++) {
+      float a = 0.f;
+      for (int64_t i = 0; i < n; i++) a += w[i] * v[i * D + d];
+      out[d] = a / total;
+    }
+  }
+}
+
+// Softmax numerators of scores[0, n) (slots lo..hi) in place, a tree's hidden slots at exactly
+// zero (scored -inf first, so they cannot set the maximum); returns their sum.
+float visible_softmax(float* scores, int64_t lo, int64_t hi, const bool* seen, int64_t own_first, int64_t own_count) {
+  const int64_t first = seen ? (lo > own_first ? lo : own_first) : 0;
+  const int64_t last = seen ? (hi < own_first + own_count - 1 ? hi : own_first + own_count - 1) : -1;
+  for (int64_t s = first; s <= last; s++)
+    if (!seen[s - own_first]) scores[s - lo] = -INFINITY;
+  float total = exponentiate(scores, hi - lo + 1);
+  for (int64_t s = first; s <= last; s++)
+    if (!seen[s - own_first]) {
+      total -= scores[s - lo];
+      scores[s - lo] = 0.f;
+    }
+  return total;
+}
+
 }  // namespace
 
 // Head dims that are multiples of 8 (every model Kiln meets): scores eight keys at a time, the
@@ -171,19 +253,25 @@ extern "C" void kiln_attend_one_query(const float* q, const float* k, const floa
   const bool any_dim = D % 8 != 0;
   if (any_dim) scores_any_dim(q, k, D, n, scale, scratch);
   else scores_of(q, k, D, n, scale, scratch);
-  const int64_t first = seen ? (lo > own_first ? lo : own_first) : 0;
-  const int64_t last = seen ? (hi < own_first + own_count - 1 ? hi : own_first + own_count - 1) : -1;
-  for (int64_t s = first; s <= last; s++)
-    if (!seen[s - own_first]) scratch[s - lo] = -INFINITY;
-  float total = exponentiate(scratch, n);
-  for (int64_t s = first; s <= last; s++)
-    if (!seen[s - own_first]) {
-      total -= scratch[s - lo];
-      scratch[s - lo] = 0.f;
-    }
+  const float total = visible_softmax(scratch, lo, hi, seen, own_first, own_count);
   if (!(total > 0.f)) return;  // every slot hidden
   if (any_dim) weighted_any_dim(scratch, v, D, n, total, out);
   else weighted_values(scratch, v, D, n, total, out);
+}
+
+// An int8 cache: codes converted to f32 inside the dot products, never stored as f32.
+extern "C" void kiln_attend_one_query_q8(const float* q, const int8_t* k, const float* k_scales, const int8_t* v,
+                                         const float* v_scales, int64_t D, int64_t lo, int64_t hi, float scale,
+                                         float* scratch, float* out, const bool* seen, int64_t own_first,
+                                         int64_t own_count) {
+  for (int64_t d = 0; d < D; d++) out[d] = 0.f;
+  if (hi < lo) return;
+  const int64_t n = hi - lo + 1;
+  scores_q8(q, k + lo * D, k_scales + lo, D, n, scale, scratch);
+  const float total = visible_softmax(scratch, lo, hi, seen, own_first, own_count);
+  if (!(total > 0.f)) return;  // every slot hidden
+  for (int64_t i = 0; i < n; i++) scratch[i] *= v_scales[lo + i];
+  weighted_values_q8(scratch, v + lo * D, D, n, total, out);
 }
 
 #else  // ---------------------------------------------------------------- torch binding TU
@@ -202,8 +290,7 @@ constexpr int64_t kFewQueries = 16;  // more queries per row than this: ATen's S
 static void check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& positions) {
   const char* op = "kiln::cached_attention";
   TORCH_CHECK(q.device().is_cpu() && k.device().is_cpu() && v.device().is_cpu(), op, ": CPU tensors only");
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
-              op, ": q, k, v must be float32");
+  TORCH_CHECK(q.scalar_type() == at::kFloat, op, ": q must be float32");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4, op, ": q, k, v must be [batch, heads, seq, head_dim]");
   TORCH_CHECK(k.sizes() == v.sizes(), op, ": k and v caches differ in shape");
   TORCH_CHECK(k.size(0) >= q.size(0), op, ": the cache has ", k.size(0), " rows, fewer than the batch ", q.size(0));
@@ -213,6 +300,23 @@ static void check(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   TORCH_CHECK(positions.scalar_type() == at::kLong && positions.dim() == 2 && positions.size(0) == q.size(0) &&
                   positions.size(1) == q.size(2),
               op, ": positions must be int64 [batch, seq]");
+}
+
+// An f32 cache, or an int8 one: int8 codes with f32 scales [rows, kv heads, slots, 1] for k and v.
+static void check_cache_kind(const at::Tensor& k, const at::Tensor& v, const std::optional<at::Tensor>& k_scales,
+                             const std::optional<at::Tensor>& v_scales) {
+  const char* op = "kiln::cached_attention";
+  TORCH_CHECK(k_scales.has_value() == v_scales.has_value(), op, ": k_scales and v_scales come together");
+  if (!k_scales) {
+    TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat, op,
+                ": k, v must be float32 (or int8 with k_scales and v_scales)");
+    return;
+  }
+  TORCH_CHECK(k.scalar_type() == at::kChar && v.scalar_type() == at::kChar, op, ": an int8 cache's k, v must be int8");
+  for (const at::Tensor* scales : {&*k_scales, &*v_scales})
+    TORCH_CHECK(scales->scalar_type() == at::kFloat && scales->dim() == 4 && scales->size(0) == k.size(0) &&
+                    scales->size(1) == k.size(1) && scales->size(2) == k.size(2) && scales->size(3) == 1,
+                op, ": k_scales and v_scales must be float32 [rows, kv_heads, slots, 1] like the cache");
 }
 
 // The visible slots [lo, hi] of a query at position p.
@@ -231,13 +335,19 @@ static void check_tree(const at::Tensor& tree, const at::Tensor& q) {
 
 static at::Tensor few_queries(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               const at::Tensor& positions, double scale, int64_t window,
-                              const std::optional<at::Tensor>& tree) {
+                              const std::optional<at::Tensor>& tree, const std::optional<at::Tensor>& k_scales,
+                              const std::optional<at::Tensor>& v_scales) {
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
   const int64_t Hkv = k.size(1), S = k.size(2), groups = H / Hkv;
   at::Tensor out = at::empty({B, H, T, D}, q.options());
   const float* qp = q.data_ptr<float>();
-  const float* kp = k.data_ptr<float>();
-  const float* vp = v.data_ptr<float>();
+  const bool int8 = k_scales.has_value();
+  const float* kp = int8 ? nullptr : k.data_ptr<float>();
+  const float* vp = int8 ? nullptr : v.data_ptr<float>();
+  const int8_t* kc = int8 ? k.data_ptr<int8_t>() : nullptr;
+  const int8_t* vc = int8 ? v.data_ptr<int8_t>() : nullptr;
+  const float* ks = int8 ? k_scales->data_ptr<float>() : nullptr;
+  const float* vs = int8 ? v_scales->data_ptr<float>() : nullptr;
   const int64_t* pos = positions.data_ptr<int64_t>();
   const bool* seen = tree ? tree->data_ptr<bool>() : nullptr;
   float* op = out.data_ptr<float>();
@@ -249,22 +359,34 @@ static at::Tensor few_queries(const at::Tensor& q, const at::Tensor& k, const at
     for (int64_t task = first; task < last; task++) {
       const int64_t b = task / (H * T), h = task / T % H, t = task % T;
       const auto [lo, hi] = visible(pos[b * T + t], window, S);
-      const int64_t row = (b * Hkv + h / groups) * S * D;
-      kiln_attend_one_query(qp + ((b * H + h) * T + t) * D, kp + row, vp + row, D, lo, hi, (float)scale,
-                            scratch.data(), op + ((b * H + h) * T + t) * D, seen ? seen + (b * T + t) * T : nullptr,
-                            pos[b * T], T);
+      const int64_t head = (b * Hkv + h / groups) * S;  // the kv head's first slot
+      const float* query = qp + ((b * H + h) * T + t) * D;
+      float* result = op + ((b * H + h) * T + t) * D;
+      const bool* row_seen = seen ? seen + (b * T + t) * T : nullptr;
+      if (int8)
+        kiln_attend_one_query_q8(query, kc + head * D, ks + head, vc + head * D, vs + head, D, lo, hi, (float)scale,
+                                 scratch.data(), result, row_seen, pos[b * T], T);
+      else
+        kiln_attend_one_query(query, kp + head * D, vp + head * D, D, lo, hi, (float)scale, scratch.data(), result,
+                              row_seen, pos[b * T], T);
     }
   });
   return out;
 }
 
 // Longer chunks: SDPA over the slots [0, last position] with a boolean visibility mask.
+// An int8 cache: the codes of those slots dequantized (the rest of the cache is not read).
 static at::Tensor many_queries(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                const at::Tensor& positions, double scale, int64_t window,
-                               const std::optional<at::Tensor>& tree) {
+                               const std::optional<at::Tensor>& tree, const std::optional<at::Tensor>& k_scales,
+                               const std::optional<at::Tensor>& v_scales) {
   const int64_t B = q.size(0), S = k.size(2);
   const int64_t used = std::min<int64_t>(positions.max().item<int64_t>() + 1, S);
   at::Tensor keys = k.narrow(0, 0, B).narrow(2, 0, used), values = v.narrow(0, 0, B).narrow(2, 0, used);
+  if (k_scales) {
+    keys = keys.to(at::kFloat) * k_scales->narrow(0, 0, B).narrow(2, 0, used);
+    values = values.to(at::kFloat) * v_scales->narrow(0, 0, B).narrow(2, 0, used);
+  }
   at::Tensor slot = at::arange(used, positions.options()).view({1, 1, 1, used});
   at::Tensor query_pos = positions.view({B, 1, positions.size(1), 1});
   at::Tensor mask = slot <= query_pos;
@@ -284,8 +406,15 @@ static at::Tensor many_queries(const at::Tensor& q, const at::Tensor& k, const a
 
 at::Tensor cached_attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                             const at::Tensor& positions_in, double scale, int64_t window,
-                            const std::optional<at::Tensor>& tree_in) {
+                            const std::optional<at::Tensor>& tree_in, const std::optional<at::Tensor>& k_scales_in,
+                            const std::optional<at::Tensor>& v_scales_in) {
   check(q_in, k_in, v_in, positions_in);
+  check_cache_kind(k_in, v_in, k_scales_in, v_scales_in);
+  std::optional<at::Tensor> k_scales, v_scales;
+  if (k_scales_in) {
+    k_scales = k_scales_in->contiguous();
+    v_scales = v_scales_in->contiguous();
+  }
   std::optional<at::Tensor> tree;
   if (tree_in) {
     check_tree(*tree_in, q_in);
@@ -294,15 +423,15 @@ at::Tensor cached_attention(const at::Tensor& q_in, const at::Tensor& k_in, cons
   at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
   at::Tensor positions = positions_in.contiguous();
   if (q.numel() == 0) return at::empty(q.sizes(), q.options());
-  if (q.size(2) <= kFewQueries) return few_queries(q, k, v, positions, scale, window, tree);
-  return many_queries(q, k, v, positions, scale, window, tree);
+  if (q.size(2) <= kFewQueries) return few_queries(q, k, v, positions, scale, window, tree, k_scales, v_scales);
+  return many_queries(q, k, v, positions, scale, window, tree, k_scales, v_scales);
 }
 
 }  // namespace kiln_attention
 
 TORCH_LIBRARY_FRAGMENT(kiln, m) {
   m.def("cached_attention(Tensor q, Tensor k, Tensor v, Tensor positions, float scale, int window, "
-        "Tensor? tree=None) -> Tensor");
+        "Tensor? tree=None, Tensor? k_scales=None, Tensor? v_scales=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kiln, CPU, m) { m.impl("cached_attention", &kiln_attention::cached_attention); }

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.ir.ops.attention import tree_visibility
+from kiln.ir.ops.kv_quant import dequantize_kv, kv_quantize_reference
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float) -> torch.Tensor:
@@ -79,6 +80,11 @@ def kv_write_functional(cache: torch.Tensor, new: torch.Tensor, positions: torch
     return kv_write_inplace(cache.clone(), new, positions)
 
 
+def kv_quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The IR's `kv_quantize` (int8 codes and per-row scales): plain torch ops Inductor fuses."""
+    return kv_quantize_reference(x)
+
+
 def visible_keys(
     q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None, causal: bool, window: int
 ) -> torch.Tensor | None:
@@ -117,6 +123,8 @@ def attention(
     mask: torch.Tensor | None,
     positions: torch.Tensor | None,
     tree: torch.Tensor | None,
+    k_scales: torch.Tensor | None,
+    v_scales: torch.Tensor | None,
     scale: float | None,
     causal: bool,
     window: int,
@@ -129,10 +137,13 @@ def attention(
     Reads only the first `batch` rows of k/v (a static cache has max_batch rows). Without softcap
     this is one `scaled_dot_product_attention` with a boolean mask (or a float mask where the
     graph supplies one or ALiBi adds its bias); softcap needs the scores themselves, so it is
-    spelled out.
+    spelled out. An int8 cache (k_scales, v_scales given) is dequantized whole here: Kiln's
+    attention kernel (fast_attention.py) reads it row by row instead.
     """
     batch = q.size(0)
     k, v = k[:batch], v[:batch]
+    if k_scales is not None:
+        k, v = dequantize_kv(k, k_scales[:batch]), dequantize_kv(v, v_scales[:batch])
     visible = visible_keys(q, k, positions, causal, window)
     if tree is not None:  # positions are given with it (the IR checks)
         visible = visible & tree_visibility(positions, tree, k.size(2))

@@ -5,7 +5,7 @@ query head and scores over every slot of the buffer, each decode step (attention
 what that cost). The kernel reads each kv head once, only up to each query's position.
 
 It takes the stateful form: positions given (a token tree too), no extra mask, no softcap or ALiBi,
-f32 q/k/v. Otherwise,
+f32 q with an f32 cache or an int8 one (codes and scales). Otherwise,
 when the CPU or compiler cannot build the kernel (warned once), or when
 `KILN_ATTENTION_KERNEL=torch` asks for the decomposed one (benchmarks comparing the two), the
 composite `scaled_dot_product_attention` lowering stays.
@@ -37,11 +37,15 @@ def wanted() -> bool:
 
 
 def lower_cached_attention(b, node, args, attrs):
-    """attention(q, k, v, positions, tree?) -> kiln.cached_attention(q, k, v, positions, scale, window, tree)."""
-    q, k, v, mask, positions, tree = node.inputs
+    """attention(q, k, v, positions, tree?, k_scales?, v_scales?) -> kiln.cached_attention(q, k, v,
+    positions, scale, window, tree, k_scales, v_scales)."""
+    q, k, v, mask, positions, tree, k_scales, _ = node.inputs
     if mask is not None or positions is None or attrs["softcap"] or attrs["alibi"]:
         return None
-    if any(t.type.dtype != "f32" for t in (q, k, v)) or not isinstance(q.type.shape[3], int):
+    cache_dtype = "i8" if k_scales is not None else "f32"
+    if q.type.dtype != "f32" or k.type.dtype != cache_dtype or v.type.dtype != cache_dtype:
+        return None
+    if not isinstance(q.type.shape[3], int):
         return None
     if not wanted() or not kernel_available():
         return None
@@ -55,7 +59,7 @@ def lower_cached_attention(b, node, args, attrs):
         position_ids,
         float(scale),
         int(attrs["window"] or 0),
-        *([args[5]] if tree is not None else []),
+        *(args[5:8] if k_scales is not None else [args[5]] if tree is not None else []),
     )
 
 

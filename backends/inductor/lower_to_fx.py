@@ -270,6 +270,7 @@ FX_LOWERINGS: dict[str, Lowering] = {
     "rope": _rope,
     "attention": _attention,
     "kv_write": _kv_write,
+    "kv_quantize": _torch_call(composite_ops.kv_quantize),
     **QUANTIZED_LOWERINGS,  # linear_q, embedding_q (quantized_linear.py)
     **COLLECTIVE_LOWERINGS,  # all_reduce, all_gather (collectives.py)
 }

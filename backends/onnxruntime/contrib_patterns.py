@@ -69,8 +69,10 @@ def plan_contrib_ops(graph: Graph, attention_dtypes: frozenset[str] = frozenset(
 
 # -- attention -----------------------------------------------------------------------------
 def _plan_attention(graph: Graph, node: Node, outputs, plan: Plan) -> None:
-    q, k, v, mask, positions, tree = node.inputs
+    q, k, v, mask, positions, tree, k_scales, _ = node.inputs
     writes = [k.producer, v.producer]
+    if k_scales is not None:
+        return  # an int8 cache: the plain lowering refuses it (op_lowerings.py)
     if mask is not None or positions is not _slots_input(graph) or any(w is None or w.op != "kv_write" for w in writes):
         return
     if tree is not None and tree is not graph.inputs[-1]:
@@ -211,7 +213,7 @@ def _emit_gqa(
     """`inputs`: (packed qkv [b, s, (h + 2 kv) d],) or (q, k, v) each [b, h, s, d]. A token tree
     comes in as position_ids (RoPE's positions, apart from the slots the lengths give) and an
     attention_bias hiding the call's own slots the tree hides."""
-    q, _, v_written, _, slots, tree = node.inputs
+    q, _, v_written, _, slots, tree = node.inputs[:6]
     q_heads, head_dim = q.type.shape[1], q.type.shape[3]
     kv_heads = v_written.type.shape[1]
     query, key, value = (b.value(inputs[0]), "", "") if len(inputs) == 1 else tuple(_bsh(b, x) for x in inputs)

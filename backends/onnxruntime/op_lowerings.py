@@ -344,6 +344,7 @@ ONNX_LOWERINGS: dict[str, Lowering] = {
     "embedding": _embedding,
     "linear_q": quantized_lowerings.lower_linear_q,
     "embedding_q": quantized_lowerings.lower_embedding_q,
+    "gathered_matmul_q": quantized_lowerings.lower_gathered_matmul_q,
     "layer_norm": _layer_norm,
     "rms_norm": _rms_norm,
     "add_rms_norm": _add_rms_norm,
@@ -363,6 +364,17 @@ def _refuse_collective(b, node):
 
 
 ONNX_LOWERINGS.update(all_reduce=_refuse_collective, all_gather=_refuse_collective)
+
+
+def _refuse_int8_kv(b, node):
+    raise UnsupportedOpError(
+        "the onnxruntime backend cannot run an int8 KV cache (it has kv_quantize): GroupQueryAttention's "
+        "quantized cache takes fixed per-tensor or per-channel scales, not one per token and head. "
+        "Fix: compile with --kv-cache f32, or --backend inductor for an int8 KV cache"
+    )
+
+
+ONNX_LOWERINGS["kv_quantize"] = _refuse_int8_kv
 
 
 def check_lowering_table() -> None:

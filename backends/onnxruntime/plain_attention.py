@@ -42,7 +42,7 @@ def lower_kv_write(b: OnnxBuilder, node: Node) -> str:
 
 
 def lower_attention(b: OnnxBuilder, node: Node) -> str:
-    q, k, v, mask, positions, tree = node.inputs
+    q, k, v, mask, positions, tree = node.inputs[:6]  # an int8 cache's scales: kv_quantize refused it first
     attrs = node.attrs
     q_heads, kv_heads, head_dim = q.type.shape[1], k.type.shape[1], q.type.shape[3]
     if not all(isinstance(d, int) for d in (q_heads, kv_heads, head_dim, v.type.shape[3])):

@@ -53,7 +53,7 @@ def lower_attention(ctx, node, args, attrs):
     """attention(q, k, v, mask?, positions?, tree?) {scale, causal, window, softcap, alibi}.
 
     A `tree` input fed as None (the executable's plain steps) is the lower triangle: nothing to hide."""
-    q, k, v, mask, positions, tree = args
+    q, k, v, mask, positions, tree = args[:6]  # an int8 cache's scales: kv_quantize refused it first
     scale = attrs["scale"] if attrs["scale"] is not None else q.shape[-1] ** -0.5
     if ctx.starts is not None and ctx.written_in_place(node.inputs[1]) and ctx.written_in_place(node.inputs[2]):
         return _attention_to_written_keys(ctx, q, k, v, mask, tree, scale, attrs)

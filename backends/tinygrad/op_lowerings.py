@@ -258,6 +258,7 @@ TENSOR_LOWERINGS: dict[str, Lowering] = {
     "rope": _rope,
     "linear_q": quantized_lowerings.lower_linear_q,
     "embedding_q": quantized_lowerings.lower_embedding_q,
+    "gathered_matmul_q": quantized_lowerings.lower_gathered_matmul_q,
     "kv_write": cache_attention.lower_kv_write,
     "attention": cache_attention.lower_attention,
 }
@@ -273,6 +274,16 @@ def _refuse_collective(ctx, node, args, attrs):
 
 
 TENSOR_LOWERINGS.update(all_reduce=_refuse_collective, all_gather=_refuse_collective)
+
+
+def _refuse_int8_kv(ctx, node, args, attrs):
+    raise UnsupportedOpError(
+        "the tinygrad backend cannot run an int8 KV cache (it has kv_quantize): its attention reads f32 "
+        "caches only. Fix: compile with --kv-cache f32, or --backend inductor for an int8 KV cache"
+    )
+
+
+TENSOR_LOWERINGS["kv_quantize"] = _refuse_int8_kv
 
 
 def check_lowering_table() -> None:

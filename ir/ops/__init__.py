@@ -1,3 +1,14 @@
 """The built-in op set. Importing this package registers every op."""
 
-from . import attention, collectives, elementwise, fused, nn, quantized, reduction, routing, shape  # noqa: F401
+from . import (  # noqa: F401
+    attention,
+    collectives,
+    elementwise,
+    fused,
+    kv_quant,
+    nn,
+    quantized,
+    reduction,
+    routing,
+    shape,
+)

@@ -1,8 +1,10 @@
 """Attention and the static KV cache's write.
 
-`attention(q, k, v, mask?, positions?, tree?)`: q is [batch, q_heads, seq, head_dim], k/v are
-[kv_batch, kv_heads, keys, head_dim] with q_heads a multiple of kv_heads (GQA kept grouped) and
-kv_batch >= batch (a static cache has max_batch rows; the first `batch` are read).
+`attention(q, k, v, mask?, positions?, tree?, k_scales?, v_scales?)`: q is [batch, q_heads, seq,
+head_dim], k/v are [kv_batch, kv_heads, keys, head_dim] with q_heads a multiple of kv_heads (GQA
+kept grouped) and kv_batch >= batch (a static cache has max_batch rows; the first `batch` are read).
+With `k_scales` and `v_scales` (f32 [kv_batch, kv_heads, keys, 1]), k and v are an int8 cache's
+codes (see kv_quant.py): key slot s is k[s] * k_scales[s], value slot s likewise.
 Which keys a query sees:
 - `positions` given (the stateful form): key slot s is visible to query (b, t) when
   s <= positions[b, t], and, with a sliding `window`, s > positions[b, t] - window;
@@ -25,9 +27,13 @@ import torch
 
 from ..dims import dims_equal
 from ..registry import OpDef, OpError, register
+from .kv_quant import dequantize_kv
 
 
-def _attention_infer(q, k, v, mask, positions, tree, scale, causal, window, softcap, alibi=()):
+def _attention_infer(
+    q, k, v, mask, positions, tree, k_scales=None, v_scales=None, *, scale, causal, window, softcap, alibi=()
+):
+    _check_int8_cache(k, v, k_scales, v_scales, positions)
     if q.rank != 4 or k.rank != 4 or v.rank != 4:
         raise OpError("attention: q, k, v must be [batch, heads, seq, head_dim]")
     q_heads, kv_heads = q.shape[1], k.shape[1]
@@ -42,6 +48,22 @@ def _attention_infer(q, k, v, mask, positions, tree, scale, causal, window, soft
     if alibi and isinstance(q_heads, int) and len(alibi) != q_heads:
         raise OpError(f"attention: {len(alibi)} ALiBi slopes for {q_heads} query heads")
     return q.with_shape(q.shape[:3] + (v.shape[3],))
+
+
+def _check_int8_cache(k, v, k_scales, v_scales, positions) -> None:
+    if k_scales is None and v_scales is None:
+        if k.dtype == "i8" or v.dtype == "i8":
+            raise OpError("attention: int8 k/v need their k_scales and v_scales")
+        return
+    if k_scales is None or v_scales is None or positions is None:
+        raise OpError("attention: k_scales and v_scales come together, beside positions (an int8 KV cache)")
+    for name, codes, scales in (("k", k, k_scales), ("v", v, v_scales)):
+        if codes.dtype != "i8" or scales.dtype != "f32" or scales.rank != 4 or not dims_equal(scales.shape[3], 1):
+            raise OpError(
+                f"attention: an int8 cache's {name} must be i8 with f32 scales [..., 1], got {codes}, {scales}"
+            )
+        if not all(dims_equal(a, b) for a, b in zip(codes.shape[:3], scales.shape[:3])):
+            raise OpError(f"attention: {name} scales {scales} do not match the codes {codes}")
 
 
 def query_positions(positions, seq: int, keys: int):
@@ -66,10 +88,16 @@ def tree_visibility(positions, tree, keys: int) -> torch.Tensor:
     return (~inside | seen)[:, None]
 
 
-def attention_reference(q, k, v, mask, positions, tree, scale, causal, window, softcap, alibi=()):
+def attention_reference(
+    q, k, v, mask, positions, tree, k_scales=None, v_scales=None, *, scale, causal, window, softcap, alibi=()
+):
     batch, q_heads, seq, head_dim = q.shape
     k, v = k[:batch], v[:batch]
     groups = q_heads // k.shape[1]
+    if k_scales is not None:  # an int8 cache: the slots a query can see, dequantized (see kv_quant.py)
+        used = int(positions.max()) + 1
+        k = dequantize_kv(k[:, :, :used], k_scales[:batch, :, :used])
+        v = dequantize_kv(v[:, :, :used], v_scales[:batch, :, :used])
     k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
     scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
     scores = (q @ k.transpose(-1, -2)) * scale
@@ -121,7 +149,7 @@ def kv_write_reference(cache, new, positions):
 register(
     OpDef(
         "attention",
-        ("q", "k", "v", "mask?", "positions?", "tree?"),
+        ("q", "k", "v", "mask?", "positions?", "tree?", "k_scales?", "v_scales?"),
         _attention_infer,
         attention_reference,
         attrs={"scale": None, "causal": False, "window": 0, "softcap": 0.0, "alibi": ()},
