@@ -3,7 +3,7 @@ model's output most, which stay 8-bit while the weights fit a bytes budget.
 
 Sensitivity of a layer = the mean KL divergence of the next-token distributions (stateless
 forward on the first calibration row, 512 tokens, through the interpreter) when that layer's
-linears alone are rounded to the 4-bit scheme, all else f32. Layers are upgraded to int8 (per
+linears (and experts) alone are rounded to the 4-bit scheme, all else f32. Layers are upgraded to int8 (per
 output channel) in order of sensitivity per extra byte while the quantized linears average at
 most `budget_bits` bits per weight (scales included); the rest are rounded as the 4-bit scheme
 says. A layer is what its weight names say (`...layers.N...`); a linear outside any is a layer of its own.
@@ -32,18 +32,18 @@ def layer_of(name: str) -> str:
 
 
 def layer_weights(graph: Graph, scheme: QuantScheme, include_embeddings: bool) -> dict[str, list[str]]:
-    """The weight names of the linears the scheme quantizes, by layer, in graph order."""
+    """The weight names of the linears (and stacked experts) the scheme quantizes, by layer, in graph order."""
     skipped = set() if include_embeddings else output_projections(graph) | embedding_tables(graph)
     layers: dict[str, list[str]] = {}
     for node in graph.nodes:
-        if (
-            node.op == "linear"
-            and node.inputs[1].name not in skipped
-            and eligible_weight(graph, node.inputs[1], scheme)
-        ):
-            names = layers.setdefault(layer_of(node.inputs[1].name), [])
-            if node.inputs[1].name not in names:
-                names.append(node.inputs[1].name)
+        weight = {"linear": 1, "gathered_matmul": 0}.get(node.op)
+        if weight is None:
+            continue
+        value = node.inputs[weight]
+        if value.name not in skipped and eligible_weight(graph, value, scheme):
+            names = layers.setdefault(layer_of(value.name), [])
+            if value.name not in names:
+                names.append(value.name)
     return layers
 
 

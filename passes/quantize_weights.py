@@ -1,9 +1,10 @@
 """quantize_weights: replace each eligible `linear` by `linear_q` with its weight quantized
-round-to-nearest or fitted, as a named scheme says (passes/quant_schemes.py, scheme_rounding.py).
+round-to-nearest or fitted, as a named scheme says (passes/quant_schemes.py, scheme_rounding.py),
+and each `gathered_matmul` of stacked experts by `gathered_matmul_q` (every expert on the same grid).
 
-Eligible: a `linear` whose weight is a 2-D f32 parameter that the grid fits (4-bit needs an even
-K). The output projection (lm_head, the linear that makes the logits) and the token embedding
-share one table in tied models; both stay f32 unless `include_embeddings`, which quantizes the
+Eligible: a `linear` whose weight is a 2-D f32 parameter, or a `gathered_matmul` whose experts are a
+3-D f32 parameter [experts, out, in], that the grid fits (4-bit needs an even K). The output
+projection (lm_head, the linear that makes the logits) and the token embedding share one table in tied models; both stay f32 unless `include_embeddings`, which quantizes the
 lm_head and turns `embedding` into `embedding_q` (tied: both read one quantized table).
 A parameter read by several linears is quantized once. The f32 weights nothing reads any more
 are dropped. `graph.meta["quantization"]` records the scheme and what was quantized.
@@ -42,13 +43,15 @@ def embedding_tables(graph: Graph) -> set[str]:
 
 
 def eligible_weight(graph: Graph, value: Value, scheme: QuantScheme) -> bool:
+    """A 2-D f32 parameter (a linear's weight, an embedding table) or a 3-D one (stacked experts)
+    whose in-features (last dim) the scheme's grid fits."""
     t = value.type
     return (
         value.name in graph.params
         and t.dtype == "f32"
-        and t.rank == 2
-        and isinstance(t.shape[1], int)
-        and fits(t.shape[1], scheme.bits, scheme.group_size_for(t.shape[1]))
+        and t.rank in (2, 3)
+        and isinstance(t.shape[-1], int)
+        and fits(t.shape[-1], scheme.bits, scheme.group_size_for(t.shape[-1]))
     )
 
 
@@ -90,7 +93,7 @@ class WeightQuantizer:
 
     def attrs(self, weight: Value) -> dict:
         scheme = self.scheme_of(weight)
-        return {"bits": scheme.bits, "group_size": scheme.group_size_for(weight.type.shape[1])}
+        return {"bits": scheme.bits, "group_size": scheme.group_size_for(weight.type.shape[-1])}
 
 
 def quantize_weights(
@@ -116,6 +119,11 @@ def quantize_weights(
             qweight, scales, zeros = quantizer.params_for(node.inputs[1])
             replacement = graph.create(
                 "linear_q", [node.inputs[0], qweight, scales, zeros, node.inputs[2]], quantizer.attrs(node.inputs[1])
+            )
+        elif node.op == "gathered_matmul" and eligible_weight(graph, node.inputs[0], scheme):
+            qweight, scales, zeros = quantizer.params_for(node.inputs[0])
+            replacement = graph.create(
+                "gathered_matmul_q", [qweight, scales, *node.inputs[1:], zeros], quantizer.attrs(node.inputs[0])
             )
         elif node.op == "embedding" and include_embeddings and eligible_weight(graph, node.inputs[0], scheme):
             qweight, scales, zeros = quantizer.params_for(node.inputs[0])

@@ -1,4 +1,5 @@
-// Kiln's mixture-of-experts product: kiln::gathered_matmul(weights, ids, x).
+// Kiln's mixture-of-experts products: kiln::gathered_matmul(weights, ids, x), gathered_linear (the same
+// through Kiln's f32 GEMV kernel) and gathered_linear_q (quantized experts through its int8 / int4 kernels).
 //
 // weights [E, O, I] f32, ids [N] int64, x [N, I, K] -> out [N, O, K], out[n] = weights[ids[n]] @ x[n].
 // Why: decomposed, the product gathers every routed row's whole expert matrix into a copy first
@@ -75,16 +76,66 @@ at::Tensor gathered_linear(const at::Tensor& packed, const at::Tensor& ids, cons
   });
 }
 
+using Optional = std::optional<at::Tensor>;
+using Int8Linear = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const Optional&);
+using Int4Linear = at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&, const Optional&,
+                              const Optional&, int64_t, const Optional&);
+
+// The product over quantized experts: each routed expert's codes go through Kiln's int8 or int4
+// kernel (loaded first: int8_kernel.cpp, gemv_kernel.cpp, int4_kernel.cpp), which read them as they
+// lie, so a decode step reads only the routed experts' codes. Which kernel, by `weight`'s form:
+//   u8 [E, panels, K/4, 64]  linear_q8's panels per expert (int8_kernel.pack_int8_weight), scales [E, O]
+//   i8 [E, K, O]             linear_i8's [K, N] per expert, scales [E, O]
+//   u8 [E, O, K/2]           the IR's packed int4 codes, for linear_q4 with scales [E, O, G], zeros, group_size
+at::Tensor gathered_linear_q(const at::Tensor& weight, const at::Tensor& scales,
+                             const std::optional<at::Tensor>& zeros, const at::Tensor& ids, const at::Tensor& x_in,
+                             int64_t group_size, const std::optional<at::Tensor>& decode_scales) {
+  const char* op = "kiln::gathered_linear_q";
+  const bool q8 = weight.scalar_type() == at::kByte && weight.dim() == 4;
+  const bool i8 = weight.scalar_type() == at::kChar && weight.dim() == 3;
+  const bool q4 = weight.scalar_type() == at::kByte && weight.dim() == 3;
+  TORCH_CHECK(q8 || i8 || q4, op, ": weight must be u8 [E, panels, K/4, 64], i8 [E, K, O] or u8 [E, O, K/2], got ",
+              weight.scalar_type(), " ", weight.sizes());
+  const int64_t E = weight.size(0), O = scales.size(1);
+  const int64_t I = q8 ? weight.size(2) * 4 : i8 ? weight.size(1) : weight.size(2) * 2;
+  TORCH_CHECK(scales.size(0) == E && ids.dim() == 1 && x_in.dim() == 3 && ids.size(0) == x_in.size(0) &&
+                  x_in.size(1) == I,
+              op, ": scales [experts, out, ...], ids [rows] and x [rows, ", I, ", cols] expected, got scales ",
+              scales.sizes(), ", x ", x_in.sizes());
+  auto expert = [](const Optional& t, int64_t e) { return t ? Optional(t->select(0, e)) : std::nullopt; };
+  return per_expert(op, ids, x_in.to(at::kFloat), E, O, [&](int64_t e, const at::Tensor& xs) {
+    const int64_t M = xs.size(0), K = xs.size(2);
+    const at::Tensor rows = xs.permute({0, 2, 1}).reshape({M * K, I});
+    const at::Tensor w = weight.select(0, e), s = scales.select(0, e);
+    at::Tensor y;
+    // Each kernel is looked up on first use: only the ones a model's experts need are loaded.
+    if (q8) {
+      static auto q8_op = c10::Dispatcher::singleton().findSchemaOrThrow("kiln::linear_q8", "").typed<Int8Linear>();
+      y = q8_op.call(rows, w, s, std::nullopt);
+    } else if (i8) {
+      static auto i8_op = c10::Dispatcher::singleton().findSchemaOrThrow("kiln::linear_i8", "").typed<Int8Linear>();
+      y = i8_op.call(rows, w, s, std::nullopt);
+    } else {
+      static auto q4_op = c10::Dispatcher::singleton().findSchemaOrThrow("kiln::linear_q4", "").typed<Int4Linear>();
+      y = q4_op.call(rows, w, s, expert(zeros, e), std::nullopt, group_size, expert(decode_scales, e));
+    }
+    return y.view({M, K, O}).permute({0, 2, 1});
+  });
+}
+
 }  // namespace kiln_gathered_matmul
 
 TORCH_LIBRARY_FRAGMENT(kiln, m) {
   m.def("gathered_matmul(Tensor weights, Tensor ids, Tensor x) -> Tensor");
   m.def("gathered_linear(Tensor packed, Tensor ids, Tensor x) -> Tensor");
+  m.def("gathered_linear_q(Tensor weight, Tensor scales, Tensor? zeros, Tensor ids, Tensor x, int group_size, "
+        "Tensor? decode_scales=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kiln, CPU, m) {
   m.impl("gathered_matmul", &kiln_gathered_matmul::gathered_matmul);
   m.impl("gathered_linear", &kiln_gathered_matmul::gathered_linear);
+  m.impl("gathered_linear_q", &kiln_gathered_matmul::gathered_linear_q);
 }
 
 #endif  // KILN_GATHERED_MATMUL_KERNELS

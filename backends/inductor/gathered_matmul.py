@@ -3,7 +3,7 @@
 expert's matrix first. Experts that are an fp32 parameter are packed at lowering for Kiln's GEMV
 kernel (`kiln::gathered_linear`: one kernel call per routed expert, its rows together); others go
 through BLAS in place (`kiln::gathered_matmul`). Where the ops cannot be built (warned once), the
-composite form stays."""
+composite form stays. Quantized experts (`gathered_matmul_q`): gathered_matmul_q.py."""
 
 from __future__ import annotations
 
@@ -27,10 +27,15 @@ def _register_fake() -> None:
     def _gathered_linear_fake(packed, ids, x):
         return x.new_empty((x.shape[0], packed.shape[2], x.shape[2]), dtype=packed.dtype)
 
+    @torch.library.register_fake("kiln::gathered_linear_q")
+    def _gathered_linear_q_fake(weight, scales, zeros, ids, x, group_size, decode_scales=None):
+        return x.new_empty((x.shape[0], scales.shape[1], x.shape[2]), dtype=torch.float32)
+
 
 def ensure_loaded() -> None:
-    """Build (once, cached) and load the ops; registers torch.ops.kiln.gathered_matmul and
-    gathered_linear (which calls Kiln's GEMV kernel, loaded first). Idempotent."""
+    """Build (once, cached) and load the ops; registers torch.ops.kiln.gathered_matmul,
+    gathered_linear (which calls Kiln's GEMV kernel, loaded first) and gathered_linear_q (which
+    calls the int8 / int4 kernel its weights need, loaded before its first call). Idempotent."""
     gemv_kernel.ensure_loaded()
     gemv_kernel.load_extension(_SRC, "KILN_GATHERED_MATMUL_KERNELS", "kiln_gathered_matmul", _register_fake)
 

@@ -1,4 +1,5 @@
-"""`linear_q` -> MatMulNBits and `embedding_q` -> GatherBlockQuantized (com.microsoft).
+"""`linear_q` -> MatMulNBits, `embedding_q` -> GatherBlockQuantized (com.microsoft), and
+`gathered_matmul_q` (quantized MoE experts) -> GatherBlockQuantized of the routed experts + MatMul.
 
 The IR's quantized weight (see ir/ops/quantized.py): q [N, K] in groups of `group_size` along K,
 W = (q - z) * scale per group; 4-bit q packed two per byte, element 2j in the low nibble; 8-bit q
@@ -181,3 +182,76 @@ def lower_embedding_q(b: OnnxBuilder, node: Node) -> str:
     )
     b.declare(out, node.output.type.dtype, node.output.type.shape)
     return out
+
+
+def lower_gathered_matmul_q(b: OnnxBuilder, node: Node) -> str:
+    """Quantized MoE experts (`gathered_matmul_q`): the routed experts' codes gathered and
+    dequantized (GatherBlockQuantized where ORT's blocks fit, else Gather + dequantizing ops), then
+    one MatMul per row: only the routed experts' codes are read."""
+    qweight, scales, _, x, zeros = node.inputs
+    bits, group_size = node.attrs["bits"], node.attrs["group_size"]
+    q = b.weight(qweight)
+    float_scales, zero_points = float_parts(b.weight(scales), None if zeros is None else b.weight(zeros))
+    block = ort_block_size(group_size)
+    fractional = zero_points is not None and zero_points.dtype != np.uint8
+    if block is None or qweight_in(q[0], bits) % block or fractional:
+        weights = _gathered_dequantized(b, node, q, float_scales, zero_points)
+    else:
+        weights = _gathered_blocks(b, node, q, float_scales, zero_points, block)
+    out = b.op("MatMul", weights, b.value(x))
+    b.declare(out, node.output.type.dtype, node.output.type.shape)
+    return out
+
+
+def _stacked(a: np.ndarray | None, experts: int) -> np.ndarray | None:
+    return None if a is None else np.ascontiguousarray(a.reshape(experts, -1, *a.shape[1:]))
+
+
+def _gathered_blocks(b, node, q, scales, zeros, block) -> str:
+    """GatherBlockQuantized over the experts' codes in ORT blocks along K (gather axis 0)."""
+    qweight, scales_value, ids, _, zeros_value = node.inputs
+    bits, group_size = node.attrs["bits"], node.attrs["group_size"]
+    experts, out = q.shape[:2]
+    flat = [None if a is None else a.reshape(experts * out, -1) for a in (q, scales, zeros)]
+    codes, block_scales, block_zeros = _blocked(*flat, bits, group_size, block)
+    codes = codes.reshape(experts * out, -1)
+    inputs = [
+        b.initializer(f"{qweight.name}.gather", _stacked(pack_nibbles(codes) if bits == 4 else codes, experts)),
+        b.value(ids),
+        b.initializer(f"{scales_value.name}.gather", _stacked(block_scales, experts)),
+    ]
+    if block_zeros is not None:
+        even = np.full((experts * out, block_zeros.shape[1] + block_zeros.shape[1] % 2), DEFAULT_ZERO[4], np.uint8)
+        even[:, : block_zeros.shape[1]] = block_zeros
+        inputs.append(b.initializer(f"{zeros_value.name}.gather", _stacked(pack_nibbles(even), experts)))
+    return b.op(
+        "GatherBlockQuantized", *inputs, domain=MS_DOMAIN, bits=bits, block_size=block, gather_axis=0, quantize_axis=2
+    )
+
+
+def _gathered_dequantized(b, node, q, scales, zeros) -> str:
+    """(codes - zero) * scale over the gathered experts in ONNX ops, for group sizes or fractional
+    zero points GatherBlockQuantized does not take: 4-bit codes stay packed until gathered."""
+    qweight, scales_value, ids, _, zeros_value = node.inputs
+    bits, group_size = node.attrs["bits"], node.attrs["group_size"]
+    k = qweight_in(q[0], bits)
+    routed = b.value(ids)
+    data = q if bits == 4 else unsigned_codes(q.reshape(-1, k), 8).reshape(q.shape)
+    codes = b.op("Gather", b.initializer(f"{qweight.name}.codes", data), routed, axis=0)
+    if bits == 4:
+        low = b.op("BitwiseAnd", codes, b.const(np.uint8(0x0F), np.uint8))
+        high = b.op("BitShift", codes, b.const(np.uint8(4), np.uint8), direction="RIGHT")
+        pairs = b.op("Concat", b.op("Unsqueeze", low, b.const([-1])), b.op("Unsqueeze", high, b.const([-1])), axis=-1)
+        codes = b.op("Reshape", pairs, b.const([0, 0, -1]))
+    columns = b.const(np.arange(k) // group_size)  # each column's group
+
+    def per_column(table: str) -> str:
+        return b.op("Gather", b.op("Gather", table, routed, axis=0), columns, axis=2)
+
+    zero = (
+        b.const(np.float32(DEFAULT_ZERO[bits]), np.float32)
+        if zeros is None
+        else per_column(b.initializer(f"{zeros_value.name}.f32", zeros.astype(np.float32)))
+    )
+    centered = b.op("Sub", b.cast(codes, "u8", "f32"), zero)
+    return b.op("Mul", centered, per_column(b.initializer(f"{scales_value.name}.f32", scales)))

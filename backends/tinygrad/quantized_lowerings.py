@@ -1,4 +1,5 @@
-"""`linear_q` and `embedding_q` (ir/ops/quantized.py) as tinygrad Tensor operations.
+"""`linear_q`, `embedding_q` (ir/ops/quantized.py) and `gathered_matmul_q` (quantized MoE experts,
+ir/ops/routing.py) as tinygrad Tensor operations.
 
 tinygrad has no low-bit kernel, so the codes are turned into f32 inside the kernels that read
 them, in two forms:
@@ -102,3 +103,13 @@ def lower_embedding_q(ctx, node, args, attrs):
         qweight[flat], scales[flat], None if zeros is None else zeros[flat], attrs["bits"], attrs["group_size"]
     )
     return rows.reshape(*ids.shape, rows.shape[-1])
+
+
+def lower_gathered_matmul_q(ctx, node, args, attrs):
+    """Quantized MoE experts: the routed experts' codes gathered, dequantized, multiplied."""
+    qweight, scales, ids, x, zeros = args
+    routed = ids.cast(dtypes.int32)
+    rows, out = routed.shape[0], qweight.shape[1]
+    parts = [None if t is None else t[routed].reshape(rows * out, t.shape[2]) for t in (qweight, scales, zeros)]
+    weights = dequantize(*parts, attrs["bits"], attrs["group_size"])
+    return weights.reshape(rows, out, weights.shape[1]) @ x

@@ -62,14 +62,18 @@ def expand_groups(per_group: torch.Tensor, group_size: int, in_features: int) ->
 def dequantize(
     qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor | None, bits: int, group_size: int
 ) -> torch.Tensor:
-    """The f32 [N, K] weight that (qweight, scales, zeros) stand for (the formula above)."""
+    """The f32 [N, K] weight that (qweight, scales, zeros) stand for (the formula above); stacked
+    weights [..., N, K] (a mixture's experts) dequantize each matrix alike."""
+    if qweight.dim() > 2:
+        flat = [None if t is None else t.flatten(0, -2) for t in (qweight, scales, zeros)]
+        return dequantize(*flat, bits, group_size).view(*qweight.shape[:-1], -1)
     q = unpack_int4(qweight) if bits == 4 else qweight
     k = q.shape[1]
     z = SYMMETRIC_ZERO[bits] if zeros is None else expand_groups(zeros.float(), group_size, k)
     return (q.float() - z) * expand_groups(scales.float(), group_size, k)
 
 
-def _check_quantized_weight(op: str, qweight, scales, zeros, bits, group_size):
+def check_quantized_weight(op: str, qweight, scales, zeros, bits, group_size):
     """Check the weight's parts against each other; returns (N, K)."""
     if bits not in QWEIGHT_DTYPES:
         raise OpError(f"{op}: bits must be 4 or 8, got {bits}")
@@ -106,7 +110,7 @@ def _check_quantized_weight(op: str, qweight, scales, zeros, bits, group_size):
 
 
 def _linear_q_infer(x, qweight, scales, zeros, bias, bits, group_size):
-    n, k = _check_quantized_weight("linear_q", qweight, scales, zeros, bits, group_size)
+    n, k = check_quantized_weight("linear_q", qweight, scales, zeros, bits, group_size)
     if x.dtype != "f32" or not dims_equal(x.shape[-1], k):
         raise OpError(f"linear_q: input {x} must be f32 with last dim K={k}")
     if bias is not None and (bias.rank != 1 or not dims_equal(bias.shape[0], n)):
@@ -120,7 +124,7 @@ def linear_q_reference(x, qweight, scales, zeros, bias, bits, group_size):
 
 
 def _embedding_q_infer(qweight, scales, ids, zeros, bits, group_size):
-    _, k = _check_quantized_weight("embedding_q", qweight, scales, zeros, bits, group_size)
+    _, k = check_quantized_weight("embedding_q", qweight, scales, zeros, bits, group_size)
     if ids.dtype not in ("i64", "i32"):
         raise OpError(f"embedding_q: ids must be integers, got {ids.dtype}")
     return scales.with_shape(ids.shape + (k,)).with_dtype("f32")

@@ -1,9 +1,12 @@
 """Routing ops of mixture-of-experts models: `topk` picks each token's experts, `gathered_matmul`
-applies each routed row's expert weights."""
+applies each routed row's expert weights, `gathered_matmul_q` the same with the experts
+quantized (each expert's [out, in] matrix in linear_q's layout, ir/ops/quantized.py, stacked)."""
 
 import torch
 
+from ..dims import dims_equal
 from ..registry import REQUIRED, OpDef, OpError, register
+from .quantized import check_quantized_weight, dequantize
 from .shape_rules import norm_axis
 
 
@@ -52,5 +55,47 @@ register(
         _gathered_matmul_infer,
         _gathered_matmul_reference,
         doc="out[n] = weights[ids[n]] @ x[n]: each row's expert matrix applied in place, never gathered into a copy",
+    )
+)
+
+
+def _gathered_matmul_q_infer(qweight, scales, ids, x, zeros, bits, group_size):
+    parts = [p for p in (qweight, scales, zeros) if p is not None]
+    if any(p.rank != 3 for p in parts) or not all(dims_equal(p.shape[0], qweight.shape[0]) for p in parts):
+        raise OpError(
+            "gathered_matmul_q: qweight, scales and zeros are stacked per expert [experts, out, ...], "
+            f"got {', '.join(str(p) for p in parts)}"
+        )
+    per_expert = [None if p is None else p.with_shape(p.shape[1:]) for p in (qweight, scales, zeros)]
+    out, k = check_quantized_weight("gathered_matmul_q", *per_expert, bits, group_size)
+    if ids.rank != 1 or ids.dtype not in ("i64", "i32"):
+        raise OpError(f"gathered_matmul_q: ids must be integers [rows], got {ids}")
+    if x.rank != 3 or x.dtype != "f32" or not dims_equal(x.shape[1], k) or not dims_equal(x.shape[0], ids.shape[0]):
+        raise OpError(f"gathered_matmul_q: x must be f32 [rows, {k}, cols] with a row per id, got {x} for ids {ids}")
+    return x.with_shape((x.shape[0], out, x.shape[2]))
+
+
+def gathered_matmul_q_reference(qweight, scales, ids, x, zeros, bits, group_size):
+    """Gather the routed experts' codes, dequantize only those, multiply."""
+    rows, out = ids.shape[0], qweight.shape[1]
+    weights = dequantize(
+        qweight[ids].flatten(0, 1),
+        scales[ids].flatten(0, 1),
+        None if zeros is None else zeros[ids].flatten(0, 1),
+        bits,
+        group_size,
+    )
+    return weights.view(rows, out, -1) @ x
+
+
+register(
+    OpDef(
+        "gathered_matmul_q",
+        ("qweight", "scales", "ids", "x", "zeros?"),
+        _gathered_matmul_q_infer,
+        gathered_matmul_q_reference,
+        attrs={"bits": REQUIRED, "group_size": REQUIRED},
+        doc="gathered_matmul over quantized experts: out[n] = dequantize(expert ids[n]) @ x[n]; "
+        "qweight, scales, zeros [experts, out, ...] in linear_q's layout per expert",
     )
 )
