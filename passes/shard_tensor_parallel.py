@@ -5,7 +5,10 @@ Runs on the stateful graph after fusion (and KV-cache insertion). For `world_siz
   its heads' rows; with fewer KV heads than ranks, a KV head is replicated on the ranks whose
   query heads read it. rope, kv_write and attention run on the rank's heads, and the KV buffers
   (graph inputs) shrink to them;
-- MLP: gate/up column-parallel, down row-parallel;
+- MLP: gate/up column-parallel, down row-parallel; a mixture's experts (`gathered_matmul` over
+  stacked [experts, out, in] weights) alike: every expert's gate/up rows and down columns split
+  over the ranks, so each rank computes its share of whichever experts a token routes to (the
+  router and the routing weights stay whole on every rank);
 - a row-parallel linear (o_proj, down) multiplies the rank's columns and is followed by
   `all_reduce` (its bias, if any, is added after the sum);
 - the token embedding by vocab: rank r holds rows [r V/N, (r+1) V/N); a token outside them looks up zeros
@@ -36,6 +39,8 @@ from kiln.ir.ops.shape_rules import numel
 VOCAB_ROWS = "tensor_parallel.vocab_rows"
 # Ops whose first input may be split (each has a `_<op>` rule below); their other inputs may not.
 SPLIT_FIRST_INPUT = {"rope", "rms_norm", "layer_norm", "slice", "reshape", "permute"}
+# The axis a parameter spec splits: a linear's [out, in] rows or columns, stacked experts' [experts, out, in].
+PARAM_AXES = {"rows": 0, "cols": 1, "expert_rows": 1, "expert_cols": 2}
 
 
 class ShardingError(KilnError, ValueError):
@@ -143,7 +148,7 @@ class _Sharder:
         self.param_specs[name] = spec
         tensor = self.src.weights[name]
         if spec[0] != "replicated":
-            axis = 0 if spec[0] == "rows" else 1
+            axis = PARAM_AXES[spec[0]]
             pieces, start = [], 0
             for seg in spec[1]:
                 lo, hi = seg.chunk(self.rank, self.world)
@@ -160,6 +165,8 @@ class _Sharder:
             result = self._embedding(node)
         elif node.op == "kv_write":
             result = self._kv_write(node)
+        elif node.op == "gathered_matmul":
+            result = self._experts(node)
         else:
             inputs = [self._value(v) for v in node.inputs]
             layouts = [self._layout(v) for v in inputs]
@@ -199,6 +206,31 @@ class _Sharder:
             return self._emit("all_gather", [out], {"axis": -1, "world_size": self.world})
         return out
 
+    def _experts(self, node: Node) -> Value:
+        """gathered_matmul as a linear per expert: column-parallel where its output feeds the
+        next one (each expert's rows of this rank), row-parallel where its input is split (each
+        expert's columns of this rank, then the sum over ranks)."""
+        weights, ids, x = node.inputs
+        where = f"gathered_matmul %{node.output.name}"
+        if weights.name not in self.src.params:
+            raise ShardingError(f"{where}: its experts %{weights.name} are computed, not a parameter")
+        ids_new, x_new = self._value(ids), self._value(x)
+        layout = self._layout(x_new)
+        if self._layout(ids_new) is not None:
+            raise ShardingError(f"{where}: its expert ids are split")
+        if layout is not None:
+            if layout.axis != -2:
+                raise ShardingError(f"{where}: input split on axis {layout.axis}, not the features")
+            experts = self._param(weights.name, ("expert_cols", layout.segments))
+            partial = self._emit("gathered_matmul", [experts, ids_new, x_new], {})
+            return self._emit("all_reduce", [partial], {"world_size": self.world})
+        if node not in self.column:
+            return self._emit("gathered_matmul", [self._value(weights), ids_new, x_new], {})
+        features = node.output.users[0].output if _drops_last_axis(node.output) else node.output
+        segments = self._column_segments(node, features if features is not node.output else None)
+        experts = self._param(weights.name, ("expert_rows", segments))
+        return self._emit("gathered_matmul", [experts, ids_new, x_new], {}, Layout(-2, segments))
+
     def _vocab_segment(self, weight: Value) -> Segment:
         vocab = weight.type.shape[0]
         if vocab % self.world:
@@ -208,11 +240,13 @@ class _Sharder:
             )
         return Segment(vocab, self.world)
 
-    def _column_segments(self, node: Node) -> tuple[Segment, ...]:
+    def _column_segments(self, node: Node, features: Value | None = None) -> tuple[Segment, ...]:
         """The output's segments: one per slice of the last axis that reads it (fused q/k/v or
-        gate/up), else one; a segment that a reshape splits into heads is cut by heads."""
-        width = node.output.type.shape[-1]
-        readers = node.output.users
+        gate/up), else one; a segment that a reshape splits into heads is cut by heads.
+        `features`: the value whose last axis is the output features, where not the output."""
+        features = node.output if features is None else features
+        width = features.type.shape[-1]
+        readers = features.users
         if readers and all(
             r.op == "slice" and r.attrs["axis"] in (-1, node.output.type.rank - 1) and r.attrs["step"] == 1
             for r in readers
@@ -225,7 +259,7 @@ class _Sharder:
             if [lo for lo, _ in bounds] != [0] + [hi for _, hi in bounds[:-1]] or bounds[-1][1] != width:
                 raise ShardingError(f"the slices of linear %{node.output.name} do not tile its {width} outputs")
             return tuple(self._segment(hi - lo, heads[(lo, hi)], node) for lo, hi in bounds)
-        return (self._segment(width, self._heads_after(node.output), node),)
+        return (self._segment(width, self._heads_after(features), node),)
 
     def _heads_after(self, value: Value) -> int | None:
         """n where a reader reshapes [..., n * d] into [..., n, d] (attention heads), else None."""
@@ -376,15 +410,20 @@ class _Sharder:
         return self._emit("slice", inputs, attrs, Layout(layout.axis, tuple(picked)))
 
     def _reshape(self, node, inputs, layout, rank, where):
-        if len(layout.segments) != 1:
-            raise ShardingError(f"{where}: reshapes an axis made of several segments")
-        seg, axis = layout.segments[0], layout.axis % rank
+        axis = layout.axis % rank
         src, dst = node.inputs[0].type.shape, node.output.type.shape
         before = numel(src[:axis])
         new_axis = next((i for i in range(len(dst) + 1) if dims_equal(numel(dst[:i]), before)), None)
         if new_axis is None or new_axis == len(dst) or not isinstance(dst[new_axis], int):
             raise ShardingError(f"{where}: cannot follow the split axis through this reshape")
         size, whole = dst[new_axis], src[axis]
+        if size == whole and dims_equal(numel(dst[new_axis:]), numel(src[axis:])):  # only unit axes move
+            shape = list(dst)
+            shape[new_axis] = sum(s.local for s in layout.segments)
+            return self._emit("reshape", inputs, {"shape": tuple(shape)}, Layout(new_axis - len(dst), layout.segments))
+        if len(layout.segments) != 1:
+            raise ShardingError(f"{where}: reshapes an axis made of several segments")
+        seg = layout.segments[0]
         if not (size % seg.parts == 0 and (size % whole == 0 or whole % size == 0)):
             raise ShardingError(f"{where}: the split axis of {whole} does not map onto {size}")
         if size % whole == 0 and not dims_equal(numel(dst[new_axis:]), numel(src[axis:])):
@@ -398,7 +437,8 @@ class _Sharder:
 
 # -- which linears are column-parallel ------------------------------------------------------
 def _column_parallel_linears(graph: Graph) -> set:
-    """Linears whose outputs feed an attention or another linear through head-preserving ops."""
+    """Linears (and experts' gathered_matmul) whose outputs feed an attention or another linear
+    through head-preserving ops."""
     column = set()
     for node in graph.nodes:
         if node.op == "attention":
@@ -406,10 +446,24 @@ def _column_parallel_linears(graph: Graph) -> set:
                 if v.producer is not None and v.producer.op == "kv_write":
                     v = v.producer.inputs[1]
                 column |= _source_linears(v) or set()
-        elif node.op == "linear":
-            sources = _source_linears(node.inputs[0], through_attention=True)
+        elif node.op in LINEAR_INPUT:
+            sources = _source_linears(node.inputs[LINEAR_INPUT[node.op]], through_attention=True)
             column |= sources or set()
     return column
+
+
+LINEAR_INPUT = {"linear": 0, "gathered_matmul": 2}  # which input is the activations
+
+
+def _drops_last_axis(value: Value) -> bool:
+    """Whether `value` [rows, out, 1] is read by one reshape to [rows, out] (experts' output)."""
+    users = value.users
+    if len(users) != 1 or users[0].op != "reshape":
+        return False
+    shape = users[0].output.type.shape
+    return (
+        value.type.shape[-1] == 1 and len(shape) == value.type.rank - 1 and dims_equal(shape[-1], value.type.shape[-2])
+    )
 
 
 def _source_linears(value: Value, through_attention: bool = False) -> set | None:
@@ -426,7 +480,7 @@ def _source_linears(value: Value, through_attention: bool = False) -> set | None
             if v.type.rank == 0 or all(d == 1 for d in v.type.shape[-1:]):
                 continue  # a scalar or broadcast constant
             return None
-        if node.op == "linear":
+        if node.op in LINEAR_INPUT:
             found.add(node)
         elif node.op == "attention" and through_attention:
             continue  # o_proj reads attention's heads: a row-parallel linear with no linear sources

@@ -8,16 +8,19 @@ per rank; greedy tokens must equal the unsharded artifact's, token for token, on
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
 
 import kiln
 from kiln.backends.executable import BackendOptions
+from kiln.ir import run_graph
 from kiln.passes.shard_tensor_parallel import ShardingError, shard_tensor_parallel
 from kiln.runtime.distributed import TensorParallelError
 
@@ -159,6 +162,69 @@ def test_onnxruntime_and_tinygrad_refuse_a_sharded_graph(stateful_graph, tmp_pat
         graph_to_onnx(shard)
     with pytest.raises(ShardingError, match="tinygrad backend cannot run a tensor-parallel graph"):
         kiln.compile(str(tiny_model_dirs("llama")), out=tmp_path / "x.kiln", backend="tinygrad", tensor_parallel=2)
+
+
+class ThreadRanks:
+    """Ranks run side by side in threads, their collectives met at a barrier (no process group)."""
+
+    def __init__(self, world_size: int):
+        self.barrier, self.slots, self.local = threading.Barrier(world_size), [None] * world_size, threading.local()
+
+    def _exchange(self, x: torch.Tensor) -> list[torch.Tensor]:
+        self.slots[self.local.rank] = x
+        self.barrier.wait()
+        gathered = list(self.slots)
+        self.barrier.wait()  # every rank has read the slots before any writes its next
+        return gathered
+
+    def all_reduce(self, x, world_size):
+        return torch.stack(self._exchange(x)).sum(0)
+
+    def all_gather(self, x, axis, world_size):
+        return torch.cat(self._exchange(x), dim=axis)
+
+    def run(self, shards, feeds) -> list[torch.Tensor]:
+        results = [None] * len(shards)
+
+        def rank_main(rank):
+            self.local.rank = rank
+            caches = {v.name: torch.zeros(tuple(v.type.shape)) for v in shards[rank].inputs[2:]}
+            results[rank] = run_graph(shards[rank], {**feeds, **caches})[0]
+
+        threads = [threading.Thread(target=rank_main, args=(rank,)) for rank in range(len(shards))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return results
+
+
+def test_a_sharded_mixture_of_experts_gives_the_unsharded_logits(tiny_model_dirs, monkeypatch):
+    """Mixtral's experts split like a dense MLP over 2 ranks (each expert's gate/up rows, down
+    columns): the ranks together give the unsharded model's logits."""
+    from kiln.frontend.capture import capture_causal_lm
+    from kiln.frontend.checkpoint import load_model
+    from kiln.ir import registry
+    from kiln.passes.pipeline import run_pipeline
+
+    model = load_model(tiny_model_dirs("mixtral")).model
+    graph = run_pipeline(
+        capture_causal_lm(model, max_batch=1, max_seq_len=MAX_SEQ_LEN), BackendOptions(max_seq_len=MAX_SEQ_LEN)
+    )
+    shards = [shard_tensor_parallel(graph, rank, 2) for rank in range(2)]
+    down, gate_up = (f"model.layers.0.mlp.experts.{name}" for name in ("down_proj", "gate_up_proj"))
+    assert torch.equal(torch.cat([s.weights[down] for s in shards], dim=2), graph.weights[down])
+    gate, up = graph.weights[gate_up].chunk(2, dim=1)  # rank r: its half of the gate rows, then of the up rows
+    assert torch.equal(shards[1].weights[gate_up], torch.cat([gate.chunk(2, dim=1)[1], up.chunk(2, dim=1)[1]], 1))
+    ranks = ThreadRanks(2)
+    for name in ("all_reduce", "all_gather"):
+        op = registry.get_op(name)
+        monkeypatch.setitem(registry._REGISTRY, name, dataclasses.replace(op, reference=getattr(ranks, name)))
+    tokens = torch.randint(3, 512, (1, 9), generator=torch.Generator().manual_seed(0))
+    feeds = {"tokens": tokens, "positions": torch.arange(9)[None]}
+    expected = run_graph(graph, {**feeds, **{v.name: torch.zeros(tuple(v.type.shape)) for v in graph.inputs[2:]}})[0]
+    for logits in ranks.run(shards, feeds):
+        torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
 
 
 # -- artifacts under torchrun --------------------------------------------------------------
