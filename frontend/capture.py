@@ -118,7 +118,7 @@ def capture_causal_lm(
     batch = ("batch", 1, max(max_batch, EXAMPLE_BATCH))
     seq = ("seq", 1, max(max_seq_len, EXAMPLE_SEQ))
     dynamic = {(0, 0): batch, (0, 1): seq, (1, 0): batch, (1, 1): seq}
-    with gathered_experts(lm):
+    with gathered_experts(lm), alibi_table_past(lm, seq[2]):
         graph = capture_module(StatelessForward(lm), (tokens, positions), ["tokens", "positions"], ["logits"], dynamic)
     graph.meta["model"] = model_meta(lm)
     return graph
@@ -139,6 +139,26 @@ def gathered_experts(lm: torch.nn.Module):
         yield
     finally:
         lm.set_experts_implementation(implementation)
+
+
+@contextlib.contextmanager
+def alibi_table_past(lm: torch.nn.Module, longest: int):
+    """MPT builds its ALiBi bias as a table of `config.max_seq_len` keys and slices off the last
+    `seq`; a capture whose `seq` reaches the table's length makes torch.export specialize that
+    slice (a start of 0) and fail with a constraint violation on `seq`. The sliced values,
+    `slope * (key - last key)`, do not depend on the table's length, so the capture sees a table
+    one key longer than its `longest` sequence: the same bias at every length MPT itself runs,
+    and the same slopes continued past it (as BLOOM's ALiBi, which has no table)."""
+    config = lm.config
+    table = getattr(config, "max_seq_len", None)
+    if getattr(config, "model_type", None) != "mpt" or not isinstance(table, int) or table > longest:
+        yield
+        return
+    config.max_seq_len = longest + 1
+    try:
+        yield
+    finally:
+        config.max_seq_len = table
 
 
 def _kv_heads(text, heads: int) -> int:

@@ -23,7 +23,7 @@ from kiln.ir import parse_graph, print_graph, run_graph
 from kiln.passes.pipeline import run_pipeline
 from kiln.runtime.generate import LLM
 from kiln.runtime.tokenizer import Tokenizer
-from tiny_models import EOS_TOKEN_ID, FAMILIES
+from tiny_models import EOS_TOKEN_ID, FAMILIES, tiny_config
 
 NEW_TOKENS = 32
 OPTIONS = BackendOptions(max_batch=2, max_seq_len=128)
@@ -97,6 +97,23 @@ def test_tensor_parallel_ranks_keep_the_alibi_slopes_of_their_query_heads(compil
     for rank, heads in ((0, slice(0, 2)), (1, slice(2, 4))):
         shard = shard_tensor_parallel(graph, rank, 2)
         assert [n.attrs["alibi"] for n in shard.nodes if n.op == "attention"] == [s[heads] for s in full]
+
+
+def test_mpt_captures_at_its_own_max_seq_len_and_matches_hugging_face_there():
+    """MPT slices its ALiBi bias off a table of its max_seq_len keys: a capture whose longest
+    sequence is that length (torch.export specializes the slice there) gives HF's logits at it."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_config("mpt", max_seq_len=24), attn_implementation="eager").eval()
+    limit = model.config.max_seq_len
+    graph = capture_causal_lm(model, max_batch=1, max_seq_len=limit)
+    assert model.config.max_seq_len == limit and graph.symbols["seq"].max == limit
+    tokens = torch.randint(3, 512, (1, limit), generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(limit)[None]
+    with torch.no_grad():
+        expected = model(input_ids=tokens).logits
+    torch.testing.assert_close(run_graph(graph, [tokens, positions])[0], expected, atol=1e-4, rtol=0)
 
 
 @pytest.mark.parametrize("backend", ["reference", "onnxruntime"])
