@@ -177,3 +177,18 @@ def test_real_smollm2_greedy_equals_hugging_face(smollm2_dir, tmp_path):
     result = llm.generate(question, max_new_tokens=NEW_TOKENS)
     assert result.token_ids == hf_greedy(model, question, NEW_TOKENS, eos_ids(llm))
     assert "Paris" in result.text
+
+
+def test_prompt_pieces_fixed_padded_and_symbolic_match_hugging_face(compiled):
+    """40 tokens run as a fixed chunk of 32 and 8 padded to 32; 20 more at position 40, where a
+    padded chunk would pass the cache's end, at a symbolic length; last_only keeps the last row."""
+    _, llm, model = compiled("llama")
+    executable = llm.executable
+    tokens = torch.tensor(prompts([60], seed=5))
+    want = model(input_ids=tokens).logits.float()
+    executable.reset()
+    first = executable.run(tokens[:, :40], torch.arange(40)[None])
+    last = executable.run(tokens[:, 40:], torch.arange(40, 60)[None], last_only=True)
+    assert executable._chunk_plan(40, 0) == [(32, 32), (8, 32)] and executable._chunk_plan(20, 40) == [(20, None)]
+    torch.testing.assert_close(first, want[:, :40], atol=2e-4, rtol=2e-4)
+    torch.testing.assert_close(last, want[:, 59:], atol=2e-4, rtol=2e-4)

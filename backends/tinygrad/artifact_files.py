@@ -43,7 +43,8 @@ def write_backend_info(directory, executable: TinygradExecutable) -> list[str]:
         "renderer": chosen_renderer(),
         "prefill_chunk": executable.prefill_chunk,
         "stored_weights": {
-            n: {"transposed": s.transposed, "rows": s.rows} for n, s in executable.layouts.stored.items()
+            n: {"transposed": s.transposed, "rows": s.rows, "lanes": s.lanes}
+            for n, s in executable.layouts.stored.items()
         },
     }
     (directory / INFO_FILE).write_text(json.dumps(info, indent=1) + "\n")

@@ -5,10 +5,12 @@
   updates in place.
 - Each row's cache position is a symbolic `Variable` (`start0`, `start1`, ...) bound at every
   call, so the jitted step is traced once and replayed at every position.
-- Decode (seq == 1) and prefill (seq > 1) are separate `TinyJit` functions, one pair per batch
-  size. Prefill runs in chunks of at most `prefill_chunk` tokens whose length is itself a bound
-  Variable (`seq`), so every prompt length replays the same captured kernels; a longer prompt
-  is several chunks, each at its own start position (jitted_step.py).
+- Decode (seq == 1) and prefill (seq > 1) are separate `TinyJit` functions per batch size.
+  A prompt runs as fixed-length chunks (FIXED_CHUNKS, each compiled once, so products tile
+  along the tokens), the rest under 32 tokens padded to 32 where the cache has room, else in
+  chunks of at most `prefill_chunk` tokens whose length is a bound Variable (`seq`); each
+  chunk at its own start position (jitted_step.py). `last_only` steps return the last
+  position's logits alone.
 - A graph compiled with token trees (kiln.backends.token_trees) takes `slots` and `tree`: a call
   that feeds a real tree (not slots = positions under the lower triangle) runs a third kind of
   step, "tree", which feeds both and attends under the tree; every other call runs the plain
@@ -22,6 +24,7 @@ time, then read from tinygrad's cache); prefill kernels keep the hand-coded opti
 
 from __future__ import annotations
 
+import functools
 import os
 
 import numpy as np
@@ -39,11 +42,13 @@ from .cpu_graph import install_cpu_graph
 from .disk_cache import install_thread_connections
 from .graph_to_tensors import LoweringContext, graph_to_tensors
 from .jitted_step import JittedStep
+from .kernel_opts import install_kernel_opts
 from .op_lowerings import check_lowering_table, tiny_dtype
 from .toolchain import configure_cpu_device
 from .weight_layouts import plan_weights, stored_weight
 
 PREFILL_CHUNK = 64
+FIXED_CHUNKS = (512, 128, 32)  # prompt pieces compiled at a fixed length, so products tile along tokens
 
 
 def decode_beam() -> int:
@@ -72,6 +77,7 @@ class TinygradExecutable(Executable):
         configure_cpu_device(options.device)
         install_cpu_graph(options.threads)
         install_thread_connections()
+        install_kernel_opts()
         verify(graph)
         check_lowering_table()
         self.graph, self.options = graph, options
@@ -93,7 +99,9 @@ class TinygradExecutable(Executable):
         self.token_trees = has_token_trees(graph)
         self._batch_dim, self._seq_dim = graph.inputs[0].type.shape
         self.decode_beam = decode_beam()
-        self.steps: dict[tuple[int, str], JittedStep] = {}
+        self.fixed_chunks = tuple(c for c in FIXED_CHUNKS if c <= self.max_seq_len)
+        self._last_var = {c: UOp.variable(f"last{c}", 0, c - 1) for c in (*self.fixed_chunks, self.prefill_chunk)}
+        self.steps: dict[tuple, JittedStep] = {}
 
     # -- the jitted steps ---------------------------------------------------------------
     def _forward(self, batch: int):
@@ -116,62 +124,110 @@ class TinygradExecutable(Executable):
                 bindings[dim.name] = size
         return bindings
 
-    def _step(self, batch: int, kind: str) -> JittedStep:
-        key = (batch, kind)
+    def _step(self, batch: int, kind: str, length: int | None = None, last_only: bool = False) -> JittedStep:
+        """The step of `kind` ("decode", "prefill", "tree", or "fixed" of `length` tokens) for
+        `batch` rows, made on first use; `last_only`: it returns one position's logits."""
+        key = (batch, kind) + ((length,) if kind == "fixed" else ()) + (("last",) if last_only else ())
         if key not in self.steps:
             logits = self.graph.outputs[0].type
-            decode = kind == "decode"
+            decode, fixed = kind == "decode", kind == "fixed"
+            length = 1 if decode else length if fixed else self.prefill_chunk
             self.steps[key] = JittedStep(
                 self._forward(batch),
                 list(self.caches.values()),
                 batch,
-                1 if decode else self.prefill_chunk,
+                length,
                 logits.shape[-1],
                 tiny_dtype(logits.dtype),
-                seq_var=None if decode else self._tree_seq_var if kind == "tree" else self._seq_var,
+                seq_var=None if decode or fixed else self._tree_seq_var if kind == "tree" else self._seq_var,
                 beam=self.decode_beam if decode else 0,
                 tree=kind == "tree",
+                last_var=self._last_var[length] if last_only else None,
             )  # BEAM would time symbolic-length kernels at one length only
         return self.steps[key]
 
     @property
-    def jits(self) -> dict[tuple[int, str], TinyJit]:
-        """The TinyJit of each step made so far, by (batch, "decode" | "prefill" | "tree")."""
+    def jits(self) -> dict[tuple, TinyJit]:
+        """The TinyJit of each step made so far, by (batch, "decode" | "prefill" | "tree") or
+        (batch, "fixed", length), with "last" appended for a step returning one position's logits."""
         return {key: step.jit for key, step in self.steps.items()}
 
     # -- running ------------------------------------------------------------------------
+    selects_logits = True  # run(..., last_only=True): the lm_head runs for the last position alone
+
     def run(
-        self, tokens: torch.Tensor, positions: torch.Tensor, first_row: int = 0, *, slots=None, tree=None
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        first_row: int = 0,
+        out: torch.Tensor | None = None,
+        last_only: bool = False,
+        *,
+        slots=None,
+        tree=None,
     ) -> torch.Tensor:
-        """Logits f32[batch, seq, vocab] for int64 tokens/positions [batch, seq]; writes the caches of
-        rows [first_row, first_row + batch) (the jitted steps address rows from 0: others are swapped in).
-        `slots`/`tree`: see kiln.backends.token_trees."""
+        """Logits f32[batch, seq, vocab] for int64 tokens/positions [batch, seq] ([batch, 1, vocab],
+        the last position's, with `last_only`); writes the caches of rows [first_row, first_row +
+        batch) (the jitted steps address rows from 0: others are swapped in).
+        `slots`/`tree`: see kiln.backends.token_trees. `out` is not used (logits_buffer is None)."""
         check_rows(first_row, tokens.size(0), self.max_batch)
         given = slots is not None or tree is not None
         extra = tree_feeds(positions, slots, tree) if self.token_trees and given else refuse_trees(slots, tree)
-        return run_at_rows(self._run_front, self.cache_views(), tokens, positions, first_row, extra)
+        front = functools.partial(self._run_front, last_only=last_only)
+        logits = run_at_rows(front, self.cache_views(), tokens, positions, first_row, extra)
+        return logits[:, -1:] if last_only and logits.shape[1] > 1 else logits
 
     def cache_views(self) -> list[torch.Tensor]:
         """The realized buffers' memory as torch tensors (zero-copy on the CPU device)."""
         return [_torch_view(cache) for cache in self.caches.values()]
 
-    def _run_front(self, tokens: torch.Tensor, positions: torch.Tensor, slots=None, tree=None) -> torch.Tensor:
+    def _run_front(
+        self, tokens: torch.Tensor, positions: torch.Tensor, slots=None, tree=None, last_only: bool = False
+    ) -> torch.Tensor:
         if tree is not None and not _is_plain(positions, slots, tree):
             return self._run_tree(tokens, positions, slots, tree)
         tokens, starts = self._check_feeds(tokens, positions)
-        seq = tokens.shape[1]
-        pieces = []
-        for begin in range(0, seq, self.prefill_chunk):
-            chunk = tokens[:, begin : begin + self.prefill_chunk]
-            pieces.append(self._run_chunk(chunk, starts + begin))
+        pieces, begin = [], 0
+        for used, length in self._chunk_plan(tokens.shape[1], int(starts.max())):
+            chunk = tokens[:, begin : begin + used]
+            pieces.append(self._run_chunk(chunk, starts + begin, length, last_only))
+            begin += used
+        if last_only:
+            return pieces[-1]
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
 
-    def _run_chunk(self, tokens: np.ndarray, starts: np.ndarray) -> torch.Tensor:
+    def _chunk_plan(self, seq: int, start: int) -> list[tuple[int, int | None]]:
+        """The prompt's pieces as (tokens used, fixed length or None for the symbolic-length step).
+
+        Each piece is the longest fixed chunk that the tokens left fill; what is left under the
+        shortest one runs padded to it (the padding writes keys past the prompt, which are
+        overwritten before any query reads them) where the cache has the room, else at a
+        symbolic length (one token: the decode step)."""
+        plan, begin = [], 0
+        while begin < seq:
+            left, at = seq - begin, start + begin
+            fitting = [c for c in self.fixed_chunks if c <= left]
+            if fitting:
+                plan.append((fitting[0], fitting[0]))
+            elif left > 1 and self.fixed_chunks and at + self.fixed_chunks[-1] <= self.max_seq_len:
+                plan.append((left, self.fixed_chunks[-1]))
+            else:
+                plan.append((min(left, self.prefill_chunk), None))
+            begin += plan[-1][0]
+        return plan
+
+    def _run_chunk(self, tokens: np.ndarray, starts: np.ndarray, length: int | None, last_only: bool) -> torch.Tensor:
         batch, seq = tokens.shape
-        positions = starts[:, None] + np.arange(seq, dtype=np.int64)
+        positions = starts[:, None] + np.arange(length or seq, dtype=np.int64)
         bound = [var.bind(int(s)) for var, s in zip(self._start_vars, starts)]
-        step = self._step(batch, "decode" if seq == 1 else "prefill")
-        return torch.from_numpy(step(tokens, positions, bound))
+        if length is None:
+            kind = "decode" if seq == 1 else "prefill"
+            step = self._step(batch, kind, last_only=last_only and kind == "prefill")
+            return torch.from_numpy(step(tokens, positions, bound))
+        padded = np.zeros((batch, length), dtype=np.int64)
+        padded[:, :seq] = tokens
+        logits = self._step(batch, "fixed", length, last_only)(padded, positions, bound, last=seq - 1)
+        return torch.from_numpy(logits if last_only else logits[:, :seq])
 
     def _run_tree(self, tokens, positions, slots, tree) -> torch.Tensor:
         """A token tree: the tree step over chunks of at most prefill_chunk tokens, each at the

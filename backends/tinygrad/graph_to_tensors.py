@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from tinygrad import Tensor, dtypes
+from tinygrad import Tensor
 
 from kiln.ir import Graph, Value
 
@@ -55,10 +55,8 @@ class LoweringContext:
         return self.layouts.matmul(node.inputs[1], a, b)
 
     def embedding(self, node, weight: Tensor, ids: Tensor) -> Tensor:
-        """weight[ids] (rows gathered by integer ids of any shape)."""
-        flat = ids.reshape(-1).cast(dtypes.int32)
-        rows = weight[flat]
-        return rows.reshape(*ids.shape, *weight.shape[1:])
+        """weight[ids] (rows gathered by integer ids of any shape), in the weight's stored layout."""
+        return self.layouts.embedding(node.inputs[0], weight, ids)
 
 
 def graph_to_tensors(graph: Graph, tensors: Mapping[str, Tensor], ctx: LoweringContext) -> list[Tensor]:

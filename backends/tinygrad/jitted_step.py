@@ -7,7 +7,9 @@ step fed fresh `Tensor(numpy)` inputs would pay tinygrad's scheduler for two cop
 
 A prefill step's buffers hold `chunk` tokens; the traced function slices the first `seq` of
 them, `seq` a bound Variable, so every length up to `chunk` replays the same kernels. A token-tree
-step (`tree=True`) is a prefill step with two more buffers, the slots and the tree.
+step (`tree=True`) is a prefill step with two more buffers, the slots and the tree. A step with a
+`last_var` returns one position's logits, [batch, 1, vocab], at the bound index: the lm_head
+runs for that position alone.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ class JittedStep:
         seq_var: UOp | None = None,
         beam: int = 0,
         tree: bool = False,
+        last_var: UOp | None = None,
     ):
         """`length` tokens per row (1 for decode); `seq_var` makes the used length symbolic (prefill);
         `tree` adds slots [batch, length] and tree [batch, length, length] inputs; `state` (the KV
@@ -52,8 +55,9 @@ class JittedStep:
         if tree:
             slots = Tensor.zeros(batch, length, dtype=dtypes.int64).contiguous().realize()
             self.tree_inputs = [slots, Tensor.zeros(batch, length, length, dtype=dtypes.bool).contiguous().realize()]
-        self.logits = Tensor.zeros(batch, length, vocab, dtype=logits_dtype).contiguous().realize()
-        self.seq_var, self.beam = seq_var, beam
+        kept = 1 if last_var is not None else length
+        self.logits = Tensor.zeros(batch, kept, vocab, dtype=logits_dtype).contiguous().realize()
+        self.seq_var, self.beam, self.last_var = seq_var, beam, last_var
         logits_buffer, tree_count = self.logits, len(self.tree_inputs)
 
         def step(tokens: Tensor, positions: Tensor, *rest) -> Tensor:
@@ -66,7 +70,9 @@ class JittedStep:
                 if tree_count:
                     slots, tree = slots[:, :seq], tree[:, :seq, :seq]
             logits = forward(tokens, positions, starts, slots, tree)
-            logits_buffer[:, : tokens.shape[1]].assign(logits.cast(logits_buffer.dtype))
+            if last_var is not None:  # the index, passed last
+                logits = logits[:, variables[-1] : variables[-1] + 1]
+            logits_buffer[:, : logits.shape[1]].assign(logits.cast(logits_buffer.dtype))
             Tensor.realize(logits_buffer, *state)
             return logits_buffer
 
@@ -83,16 +89,20 @@ class JittedStep:
         starts: list[UOp],
         slots: np.ndarray | None = None,
         tree: np.ndarray | None = None,
+        last: int | None = None,
     ) -> np.ndarray:
         """Logits [batch, seq, vocab] (a copy) for int64 tokens/positions [batch, seq] (and, for a
-        token-tree step, int64 slots [batch, seq] and bool tree [batch, seq, seq])."""
+        token-tree step, int64 slots [batch, seq] and bool tree [batch, seq, seq]); a `last_var`
+        step: [batch, 1, vocab], those of token `last` (default: the last one fed)."""
         seq = tokens.shape[1]
         host_view(self.tokens)[:, :seq] = tokens
         host_view(self.positions)[:, :seq] = positions
         if self.tree_inputs:
             host_view(self.tree_inputs[0])[:, :seq] = slots
             host_view(self.tree_inputs[1])[:, :seq, :seq] = tree
-        variables = [*starts, self.seq_var.bind(seq)] if self.seq_var is not None else starts
-        with Context(BEAM=self.beam):
+        variables = [*starts, self.seq_var.bind(seq)] if self.seq_var is not None else list(starts)
+        if self.last_var is not None:
+            variables.append(self.last_var.bind(seq - 1 if last is None else last))
+        with Context(BEAM=self.beam, PARALLEL=0):  # kernel_opts' hook lives in this process only
             self.jit(self.tokens, self.positions, *self.tree_inputs, *variables)
-        return host_view(self.logits)[:, :seq].copy()
+        return host_view(self.logits)[:, : 1 if self.last_var is not None else seq].copy()

@@ -15,6 +15,12 @@ picks good loops for a decode step's matrix-vector product. Measured per kernel 
 - **split-K under 2048 outputs**: below 1024 outputs the optimizer upcasts nothing (768-wide
   projections ran at 2.1 GB/s). Such products are computed as `splits` partial dot products
   per output, [.., splits, out] in one kernel, then summed in a second, tiny one.
+A fourth supersedes the dot-product form for the weights read only by `linear` (and a tied
+embedding's gather) or as a transposed `matmul`:
+- **16 rows interleaved**: stored [rows/16, in, 16], the 16 outputs of a block side by side
+  for each k, so one contiguous run of 16 floats feeds 16 accumulators; kernel_opts.py gives
+  these products their loops (lanes x16, no split-K needed). The decode GEMVs then stream the
+  weights at about twice the dot-product form's speed.
 """
 
 from __future__ import annotations
@@ -22,13 +28,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from tinygrad import Tensor
+from tinygrad import Tensor, dtypes
 
 from kiln.ir import Graph, Value
 
 ROW_MULTIPLE = 64
 SPLIT_K_BELOW = 2048  # outputs under which a product is split along K
 MAX_SPLITS = 16
+LANES = 16  # rows interleaved per block (kernel_opts.LANES)
+INTERLEAVED_READERS = {("linear", 1), ("embedding", 0), ("matmul", 1)}
 
 
 @dataclass(frozen=True)
@@ -37,6 +45,7 @@ class StoredWeight:
 
     transposed: bool = False
     rows: int | None = None  # stored row count when padded, else None
+    lanes: int | None = None  # stored [rows/lanes, in, lanes] when interleaved, else [rows, in]
 
 
 class WeightLayouts:
@@ -55,15 +64,31 @@ class WeightLayouts:
         return self.stored.get(value.name, StoredWeight())
 
     def linear(self, weight_value: Value, x: Tensor, weight: Tensor, out_features: int) -> Tensor:
-        """x @ W.T for the graph's W [out, in], stored [rows >= out, in]."""
+        """x @ W.T for the graph's W [out, in], stored [rows >= out, in] (or interleaved)."""
+        if self._plan(weight_value).lanes:
+            return _unpadded(interleaved_product(x, weight), out_features)
         return _unpadded(matvec(x, weight), out_features)
+
+    def embedding(self, weight_value: Value, weight: Tensor, ids: Tensor) -> Tensor:
+        """weight[ids] for the graph's weight [rows, dim], whatever its storage."""
+        flat = ids.reshape(-1).cast(dtypes.int32)
+        lanes = self._plan(weight_value).lanes
+        if not lanes:
+            rows = weight[flat]
+        else:  # the ids' blocks [T, dim, lanes], then each id's lane of its block
+            blocks, dim = weight.shape[0], weight.shape[1]
+            block_rows = weight.reshape(blocks, dim * lanes)[flat // lanes].reshape(-1, dim, lanes)
+            lane = (flat % lanes).reshape(-1, 1, 1) == Tensor.arange(lanes, dtype=dtypes.int32).reshape(1, 1, lanes)
+            rows = lane.where(block_rows, 0).sum(-1)
+        return rows.reshape(*ids.shape, rows.shape[-1])
 
     def matmul(self, b_value: Value, a: Tensor, b: Tensor) -> Tensor:
         """a @ B for the graph's B [in, out]; a transposed B is stored [rows >= out, in]."""
         plan = self._plan(b_value)
         if not plan.transposed:
             return a @ b
-        return _unpadded(matvec(a, b), b_value.type.shape[-1])
+        product = interleaved_product(a, b) if plan.lanes else matvec(a, b)
+        return _unpadded(product, b_value.type.shape[-1])
 
 
 def _unpadded(y: Tensor, out_features: int) -> Tensor:
@@ -101,12 +126,23 @@ def matvec(x: Tensor, weight: Tensor) -> Tensor:
     return partial.sum(-2)
 
 
+def interleaved_product(x: Tensor, weight: Tensor) -> Tensor:
+    """x @ W.T for W stored interleaved, [rows/LANES, in, LANES]: [..., rows].
+
+    x is made contiguous first, as in matvec."""
+    x = x.contiguous()
+    blocks, in_features, lanes = weight.shape
+    y = (x.reshape(*x.shape[:-1], 1, in_features, 1) * weight).sum(-2)  # [..., blocks, lanes]
+    return y.reshape(*x.shape[:-1], blocks * lanes)
+
+
 def plan_weights(graph: Graph) -> WeightLayouts:
     """Which product weights to transpose or pad.
 
     A matmul's right operand is stored transposed ([out, in]) when nothing else reads it; any
     2-d weight read by `linear` or stored transposed gets its rows padded to a multiple of 64
-    (gathers such as a tied embedding's read only rows < vocab, so they are unaffected).
+    (gathers such as a tied embedding's read only rows < vocab, so they are unaffected); one
+    read only by `linear`, a gather or as a transposed matmul is also interleaved (LANES).
     """
     readers: dict[str, set[tuple[str, int]]] = {}
     for node in graph.nodes:
@@ -125,7 +161,8 @@ def plan_weights(graph: Graph) -> WeightLayouts:
             continue  # read both ways: keep the graph's layout, no padding
         rows = value.type.shape[1] if transposed else value.type.shape[0]
         padded = -(-rows // ROW_MULTIPLE) * ROW_MULTIPLE
-        stored[name] = StoredWeight(transposed, padded if padded != rows else None)
+        lanes = LANES if uses <= INTERLEAVED_READERS else None
+        stored[name] = StoredWeight(transposed, padded if padded != rows else None, lanes)
     return WeightLayouts(stored)
 
 
@@ -135,4 +172,7 @@ def stored_weight(name: str, tensor: torch.Tensor, layouts: WeightLayouts) -> to
     weight = tensor.t() if plan.transposed else tensor
     if plan.rows is not None:
         weight = torch.cat([weight, weight.new_zeros(plan.rows - weight.shape[0], *weight.shape[1:])])
+    if plan.lanes:
+        rows, in_features = weight.shape
+        weight = weight.reshape(rows // plan.lanes, plan.lanes, in_features).transpose(1, 2)
     return weight.contiguous()

@@ -1,0 +1,116 @@
+"""Fixed loop optimizations for the products over lane-interleaved weights (weight_layouts.py).
+
+tinygrad 0.14 picks each kernel's optimizations (upcasts, unrolls, thread split) with a hand-coded
+heuristic (codegen/opt/heuristic.py) or a timed BEAM search. For a matrix-vector product the
+heuristic upcasts 3-4 output rows, each a dot product: the loads are float4 but the sums land in
+one scalar accumulator per row, and the step waits on add latency (~6 GB/s per core).
+
+A weight stored [N/16, K, 16] (16 output rows interleaved along K) is read instead as 16
+outputs per K step: upcasting that lane axis by 16 makes every load a run of 16 contiguous
+floats and keeps 16 independent accumulators, the shape a hand-written GEMV has. The heuristic
+does not find it (it upcasts by 3 or 4), and BEAM would time every kernel at every load. So
+`install_kernel_opts` wraps tinygrad's `apply_opts`: a kernel that reads such a weight gets
+these optimizations, decided from its shape alone (nothing is searched or timed, so nothing
+differs between compile and load); every other kernel keeps tinygrad's own choice.
+- decode (one row, or a symbolic row count): lanes x16, two blocks at once, the reduction
+  unrolled by 4, blocks split over the threads;
+- prefill (a fixed chunk of rows): lanes x16 and 4 rows at once (a 4 x 16 register tile, so
+  each weight load serves 4 tokens), blocks split over the threads.
+"""
+
+from __future__ import annotations
+
+from tinygrad.codegen.opt import KernelOptError, Opt, OptOps
+
+LANES = 16
+THREAD_MIN_WORK = 1 << 18  # multiply-adds per row under which a thread split costs more than it gains
+
+_installed = {"original": None}
+
+
+def interleaved_product_axes(k) -> tuple[int, int, int, list[int]] | None:
+    """(lane axis, block axis, reduce axis, row axes) of a kernel summing over a weight stored
+    [blocks, K, LANES]; None for any other kernel."""
+    from tinygrad.uop.ops import AxisType, Ops
+
+    reduces = k.axes_of(AxisType.REDUCE)
+    if len(reduces) != 1 or k.reduceop is None or k.reduceop.arg[0] is not Ops.ADD:
+        return None
+    reduce_rng = k.rngs[reduces[0]]
+    for buf in k.bufs:
+        terms = list(buf.src[1].get_idx().split_uop(Ops.ADD))
+        strides = {}
+        for term in terms:
+            if term.op is Ops.RANGE:
+                strides[term] = 1
+            elif term.op is Ops.MUL and term.src[0].op is Ops.RANGE and term.src[1].op is Ops.CONST:
+                strides[term.src[0]] = term.src[1].arg
+        if strides.get(reduce_rng) != LANES:
+            continue
+        lanes = [r for r, s in strides.items() if s == 1 and r is not reduce_rng and r.vmax + 1 == LANES]
+        blocks = [r for r, s in strides.items() if r not in (reduce_rng, *lanes) and r in k.rngs]
+        if len(lanes) != 1 or len(blocks) != 1:
+            continue
+        lane, block = k.rngs.index(lanes[0]), k.rngs.index(blocks[0])
+        rows = [i for i in k.axes_of(AxisType.GLOBAL, AxisType.LOCAL, AxisType.WEAK) if i not in (lane, block)]
+        return lane, block, reduces[0], rows
+    return None
+
+
+def _axis_of(k, range_id) -> int:
+    return next(i for i, r in enumerate(k.rngs) if r.arg[0] == range_id)
+
+
+def interleaved_product_opts(k):
+    """k with the fixed optimizations applied, or None when k is not such a product (or they do
+    not apply)."""
+    from tinygrad.helpers import NUM_CPU_THREADS
+
+    axes = interleaved_product_axes(k)
+    if axes is None:
+        return None
+    lane, block, reduce, rows = axes
+    block_id, blocks, reduce_size = k.rngs[block].arg[0], k.full_shape[block], k.full_shape[reduce]
+    tiled_rows = [i for i in rows if isinstance(k.full_shape[i], int) and k.full_shape[i] % 4 == 0]
+    row_id = k.rngs[tiled_rows[0]].arg[0] if tiled_rows else None
+    k = k.copy()
+    try:
+        k.apply_opt(Opt(OptOps.UPCAST, lane, LANES))
+        if row_id is not None:
+            k.apply_opt(Opt(OptOps.UPCAST, _axis_of(k, row_id), 4))
+        else:
+            if k.full_shape[_axis_of(k, block_id)] % 2 == 0:
+                k.apply_opt(Opt(OptOps.UPCAST, _axis_of(k, block_id), 2))
+            if isinstance(reduce_size, int) and reduce_size % 4 == 0:
+                k.apply_opt(Opt(OptOps.UNROLL, 0, 4))
+        threads, left = NUM_CPU_THREADS.value, k.full_shape[_axis_of(k, block_id)]
+        if threads > 1 and left % threads == 0 and blocks * LANES * reduce_size >= THREAD_MIN_WORK:
+            k.apply_opt(Opt(OptOps.THREAD, _axis_of(k, block_id), threads))
+    except KernelOptError:
+        return None
+    return k
+
+
+def _apply_opts(ast, ren, beam: int = 0):
+    original = _installed["original"]
+    if beam >= 1 or ast.tag is not None or (ast.arg is not None and ast.arg.opts_to_apply is not None):
+        return original(ast, ren, beam)
+    from tinygrad.codegen.opt.postrange import Scheduler
+
+    k = Scheduler(ast, ren)
+    k.convert_loop_to_global()
+    chosen = interleaved_product_opts(k)
+    if chosen is None:
+        return original(ast, ren, beam)
+    return chosen.get_optimized_ast(
+        name_override=ast.arg.name if ast.arg is not None and ast.arg.name != "test" else None
+    )
+
+
+def install_kernel_opts() -> None:
+    """Route tinygrad's kernel optimization through `_apply_opts` (idempotent)."""
+    import tinygrad.codegen as codegen
+
+    if _installed["original"] is None:
+        _installed["original"] = codegen.apply_opts
+        codegen.apply_opts = _apply_opts
