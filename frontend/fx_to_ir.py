@@ -142,6 +142,9 @@ class FxToIr:
                 f"{_op_name(node.target)} ({e})", _arg_shapes(node), source_line(node)
             ) from None
         self.env[node] = result
+        line = source_line(node)
+        if isinstance(result, Value) and line is not None:
+            self.graph.source_lines.setdefault(result, line)
         if isinstance(result, Value) and isinstance(val, torch.Tensor):
             self._check_type(node, result)
 

@@ -12,6 +12,7 @@ node making it (`producer`) and the nodes reading it (`users`), both kept curren
 from __future__ import annotations
 
 import itertools
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,6 +87,9 @@ class Graph:
         self.outputs: list[Value] = []
         self.symbols: dict[str, SymbolBound] = {}
         self.meta: dict[str, Any] = {}
+        # value -> "file.py:line" of the model code that computed it, where capture knew it (for
+        # errors raised by later passes; not part of the graph's text form)
+        self.source_lines: weakref.WeakKeyDictionary[Value, str] = weakref.WeakKeyDictionary()
         self._names: set[str] = set()
         self._counter = itertools.count()
 

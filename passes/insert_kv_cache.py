@@ -7,7 +7,9 @@ with one buffer pair per layer, [max_batch, kv_heads, max_seq_len, head_dim]. Ea
 becomes `kv_write` of its grouped k/v into the buffers at `positions`, then `attention` over the
 whole buffer under the position mask (sliding windows from the model's metadata). The model's
 own mask-building ops and GQA head repetition become dead and are removed by DCE. One graph
-serves prefill and decode at every position: positions are data, not shapes.
+serves prefill and decode at every position: positions are data, not shapes. A float mask that is
+more than an additive causal mask of the positions (a learned or data-dependent bias) would be
+lost that way: it is refused with `UnsupportedMaskError`, naming the model's source line.
 
 With `token_trees`, two inputs follow the caches: `slots` [batch, seq] (the cache slots the call's
 tokens are written to and attend from, where `positions` stay the tokens' positions in their
@@ -31,6 +33,75 @@ KV_CACHE_KINDS = ("f32", "int8")  # what the buffers hold: the model's dtype, or
 
 class KVCacheInsertionError(KilnError, ValueError):
     """The graph does not have the shape this pass expects (a stateless causal LM forward)."""
+
+
+class UnsupportedMaskError(KVCacheInsertionError):
+    """An attention mask this pass cannot replace by the cache's position mask."""
+
+
+SHAPE_OPS = ("reshape", "expand", "slice", "permute", "cast")
+
+
+def _scalar(graph: Graph, value: Value) -> float | None:
+    """The number a one-element constant holds (a `full`, or a folded parameter), else None."""
+    node = value.producer
+    while node is not None and node.op in SHAPE_OPS:
+        value, node = node.inputs[0], node.inputs[0].producer
+    if node is not None and node.op == "full":
+        return float(node.attrs["value"])
+    tensor = graph.weights.get(value.name) if value.name in graph.params else None
+    return float(tensor.reshape(-1)[0]) if tensor is not None and tensor.numel() == 1 else None
+
+
+def _foreign_source(graph: Graph, mask: Value) -> Value | None:
+    """A value the mask is computed from other than `positions` and constants (a parameter that
+    is not a scalar, the tokens, another graph input), else None."""
+    stack, seen = [mask], set()
+    while stack:
+        value = stack.pop()
+        if id(value) in seen:
+            continue
+        seen.add(id(value))
+        if value.producer is not None:
+            stack.extend(i for i in value.producer.inputs if i is not None)
+        elif value.name != "positions" and _scalar(graph, value) is None:
+            return value
+    return None
+
+
+def _additive_position_mask(graph: Graph, mask: Value) -> bool:
+    """Whether a float mask is `where(a position mask, 0, -inf or a very negative number)` (either
+    way round, through shape ops): the causal mask the cache's position mask stands for."""
+    node = mask.producer
+    while node is not None and node.op in SHAPE_OPS and node.inputs[0].type.dtype == mask.type.dtype:
+        node = node.inputs[0].producer
+    if node is None or node.op != "where" or node.inputs[0].type.dtype != "bool":
+        return False
+    values = {_scalar(graph, node.inputs[1]), _scalar(graph, node.inputs[2])}
+    return None not in values and 0.0 in values and min(values) <= -1e4
+
+
+def _check_mask(graph: Graph, node: Node, layer: int) -> None:
+    """The cache replaces each attention's mask by its position mask: a mask that is more than a
+    causal (or sliding-window) mask of the positions would be dropped, so it is an error."""
+    mask = node.inputs[3] if len(node.inputs) > 3 else None
+    if mask is None:
+        return
+    if mask.type.dtype == "bool":
+        return  # a boolean mask only hides keys: the models' masks are causal ones of the positions
+    foreign = _foreign_source(graph, mask)
+    if foreign is None and _additive_position_mask(graph, mask):
+        return
+    made_by = f"`{mask.producer.op}`" if mask.producer is not None else "a graph input"
+    line = graph.source_lines.get(mask) or "an unknown source line"
+    reads = f", computed from %{foreign.name} {foreign.type}" if foreign is not None else ""
+    raise UnsupportedMaskError(
+        f"attention of layer {layer} takes a {mask.type.dtype} mask %{mask.name} made by {made_by} at {line}{reads}, "
+        "which is not a causal mask of the positions: the static KV cache would replace it by its own "
+        "position mask and drop what it adds. Fix: rewrite that line so the mask depends on the positions "
+        "alone (Kiln applies causal and sliding-window masking itself), or express the bias as an "
+        "attribute `attention` takes (ALiBi slopes, logit soft-capping)."
+    )
 
 
 def grouped_source(value: Value) -> Value:
@@ -96,6 +167,7 @@ def _make_stateful(
 ) -> list[Value]:
     slots, tree = placement
     max_batch, max_seq_len, window = limits
+    _check_mask(graph, node, layer)
     q, k, v = node.inputs[:3]
     k, v = grouped_source(k), grouped_source(v)
     created, sources = [], {"k": k, "v": v}

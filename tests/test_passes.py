@@ -280,3 +280,30 @@ def test_dump_dir_writes_one_parsable_file_per_phase(tmp_path):
     for name in files:
         text = (tmp_path / "ir" / name).read_text()
         assert print_graph(parse_graph(text)) == text
+
+
+class LearnedBiasAttention(torch.nn.Module):
+    """One attention layer whose float mask is a learned bias, not a mask of the positions."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 16)
+        self.bias = torch.nn.Parameter(torch.randn(1, 1, 16, 16))
+
+    def forward(self, tokens, positions):
+        x = self.embed(tokens)[:, None]
+        seq = tokens.shape[1]
+        attended = torch.nn.functional.scaled_dot_product_attention(x, x, x, attn_mask=self.bias[..., :seq, :seq])
+        return self.head(attended[:, 0])
+
+
+def test_a_float_mask_that_is_not_a_position_mask_is_an_error_naming_its_line():
+    from kiln.frontend.capture import capture_module
+    from kiln.passes.insert_kv_cache import UnsupportedMaskError, insert_kv_cache
+
+    dims = {(0, 0): ("batch", 1, 4), (0, 1): ("seq", 1, 8), (1, 0): ("batch", 1, 4), (1, 1): ("seq", 1, 8)}
+    feeds = (torch.randint(0, 16, (2, 5)), torch.arange(5).expand(2, 5))
+    graph = capture_module(LearnedBiasAttention(), feeds, ["tokens", "positions"], ["logits"], dims)
+    with pytest.raises(UnsupportedMaskError, match=r"layer 0 takes a f32 mask .* at .*test_passes.py:\d+.*%bias") as e:
+        insert_kv_cache(graph, max_batch=2, max_seq_len=8)
+    assert "Fix:" in str(e.value)
