@@ -2,7 +2,7 @@
 active parameters, on Kiln-Inductor and Hugging Face eager.
 
     .venv/bin/python bench/moe.py [--layers 6] [--hidden 384] [--expert-width 1024] [--experts 8]
-        [--tokens 64] [--threads 2]
+        [--tokens 64] [--threads 2] [--quantize int4-g32]
 
 The MoE model routes each token to 2 of `--experts` SwiGLU experts of width `--expert-width`; the
 dense model is the same Llama-style decoder whose one SwiGLU MLP is twice that wide, so a token
@@ -11,7 +11,9 @@ weights (the tiny test tokenizer, 512 tokens), compiled fp32 for Inductor, and d
 greedy tokens after a 16-token prompt; Hugging Face eager decodes the same with its KV cache.
 Reported per model: all weights, the weights one decode step reads (the routed experts' share of
 the expert weights; attention, norms, router, embedding row and lm_head in full), tokens/s and
-what that makes in GB/s. Writes bench/results/moe.md.
+what that makes in GB/s. With `--quantize SCHEME` (default int4-g32; "none" for no such rows)
+each model is compiled a second time with its weights (the experts' included) quantized by that
+scheme: its rows read the routed experts' codes and scales only. Writes bench/results/moe.md.
 """
 
 from __future__ import annotations
@@ -67,18 +69,18 @@ def build(config, directory: Path):
     return model
 
 
-def step_bytes(model) -> tuple[int, int]:
-    """(all weight bytes, the bytes one decode step reads): experts count top_k / experts of theirs;
-    of the embedding only one row is read."""
+def step_bytes(weights: dict, experts: int) -> tuple[int, int]:
+    """(all weight bytes, the bytes one decode step reads) of named weights (a model's parameters or
+    a compiled graph's, quantized ones included): experts count top_k / experts of theirs; of the
+    embedding only one row is read."""
     total = read = 0
-    experts = getattr(model.config, "num_local_experts", 0)
-    for name, parameter in model.named_parameters():
-        size = parameter.numel() * parameter.element_size()
+    for name, tensor in weights.items():
+        size = tensor.numel() * tensor.element_size()
         total += size
         if ".experts." in name:
             read += size * TOP_K // experts
         elif "embed_tokens" in name:
-            read += parameter.shape[1] * parameter.element_size()
+            read += size // tensor.shape[0]
         else:
             read += size
     return total, read
@@ -111,6 +113,21 @@ def timed(generate, repeats: int) -> tuple[float, float]:
     return statistics.median(seconds), others
 
 
+def quantized_row(args, name: str, directory: Path, prompt: list[int], experts: int) -> tuple:
+    """The model compiled for Inductor with its weights quantized by `args.quantize`, timed."""
+    import kiln
+    from kiln.runtime.artifact import read_artifact
+
+    path = kiln.compile(
+        directory, out=directory / "quantized.kiln", backend="inductor", max_seq_len=256, quantize=args.quantize
+    )
+    total, read = step_bytes(read_artifact(path).graph.weights, experts)
+    llm = kiln.load(path)
+    seconds, others = timed(lambda: llm.generate(prompt, max_new_tokens=args.tokens, ignore_eos=True), args.repeats)
+    rate = args.tokens / seconds
+    return name, total, read, f"kiln-inductor {args.quantize}", rate, rate * read / 1e9, "n/a", others
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", type=int, default=6)
@@ -120,6 +137,7 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quantize", default="int4-g32", help="a weight scheme for extra rows, or none")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     import kiln
@@ -130,7 +148,8 @@ def main(argv=None) -> int:
         for name, config in configs(args).items():
             directory = Path(root) / name.split()[0]
             model = build(config, directory)
-            total, read = step_bytes(model)
+            experts = getattr(model.config, "num_local_experts", 0)
+            total, read = step_bytes(dict(model.named_parameters()), experts)
             llm = kiln.load(kiln.compile(directory, out=directory / "model.kiln", backend="inductor", max_seq_len=256))
 
             def hf(model=model):
@@ -139,11 +158,13 @@ def main(argv=None) -> int:
             def kiln_decode(llm=llm):
                 return llm.generate(prompt, max_new_tokens=args.tokens, ignore_eos=True).token_ids
 
-            same = kiln_decode() == hf()
+            same = "yes" if kiln_decode() == hf() else "NO"
             for runner, run in (("kiln-inductor", kiln_decode), ("hf-eager", hf)):
                 seconds, others = timed(run, args.repeats)
                 rate = args.tokens / seconds  # prefill of 16 tokens included, alike for every row
                 rows.append((name, total, read, runner, rate, rate * read / 1e9, same, others))
+            if args.quantize != "none":
+                rows.append(quantized_row(args, name, directory, prompt, experts))
     lines = [
         "| model | weights MB | read per step MB | runner | tokens/s | GB/s | Kiln = HF greedy | others' cores |",
         "| --- | ---: | ---: | --- | ---: | ---: | --- | ---: |",
@@ -152,12 +173,14 @@ def main(argv=None) -> int:
         flag = " *" if others > CONTENDED_CORES else ""
         lines.append(
             f"| {name} | {total / 1e6:.0f} | {read / 1e6:.0f} | {runner} | {rate:.1f} | {gbs:.1f} | "
-            f"{'yes' if same else 'NO'} | {others:.2f}{flag} |"
+            f"{same} | {others:.2f}{flag} |"
         )
     report = "\n".join(lines) + (
         f"\n\n{args.layers} layers, hidden {args.hidden}, {args.experts} experts of width {args.expert_width} "
         f"(top-{TOP_K}) against one MLP of width {TOP_K * args.expert_width}; fp32, {args.threads} threads, "
-        f"{args.tokens} greedy tokens after a 16-token prompt (its prefill included). `*`: other processes kept "
+        f"{args.tokens} greedy tokens after a 16-token prompt (its prefill included); quantized rows: "
+        f"{args.quantize}, the experts' weights included (their greedy tokens are not HF's f32 ones). "
+        f"`*`: other processes kept "
         f"more than {CONTENDED_CORES} of a core busy during the run.\n"
     )
     print(report)
