@@ -4,10 +4,11 @@ and each `gathered_matmul` of stacked experts by `gathered_matmul_q` (every expe
 
 Eligible: a `linear` whose weight is a 2-D f32 parameter, or a `gathered_matmul` whose experts are a
 3-D f32 parameter [experts, out, in], that the grid fits (4-bit needs an even K). The output
-projection (lm_head, the linear that makes the logits) and the token embedding share one table in tied models; both stay f32 unless `include_embeddings`, which quantizes the
-lm_head and turns `embedding` into `embedding_q` (tied: both read one quantized table).
-A parameter read by several linears is quantized once. The f32 weights nothing reads any more
-are dropped. `graph.meta["quantization"]` records the scheme and what was quantized.
+projection (lm_head, the linear that makes the logits) and the token embedding share one table in
+tied models; both stay f32 unless `include_embeddings`, which quantizes the lm_head and turns
+`embedding` into `embedding_q` (tied: both read one quantized table). A parameter read by several
+linears is quantized once. The f32 weights nothing reads any more are dropped.
+`graph.meta["quantization"]` records the scheme and what was quantized.
 """
 
 from __future__ import annotations
