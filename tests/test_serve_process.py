@@ -91,7 +91,8 @@ def test_kiln_serve_runs_the_engine_in_the_main_thread_and_stops_on_ctrl_c(artif
                 pass
             assert server.poll() is None and time.monotonic() < deadline, server.stderr.read()
             time.sleep(0.1)
-        body = json.dumps({"model": "model", "prompt": PROMPT, "max_tokens": 4, "temperature": 0}).encode()
+        name = json.loads(http("GET", f"http://127.0.0.1:{port}/v1/models")[1])["data"][0]["id"]
+        body = json.dumps({"model": name, "prompt": PROMPT, "max_tokens": 4, "temperature": 0}).encode()
         status, answer = http("POST", f"http://127.0.0.1:{port}/v1/completions", body)
         assert status == 200, answer
         assert json.loads(answer)["choices"][0]["text"] == kiln.load(artifact).generate(PROMPT, max_new_tokens=4).text
