@@ -179,9 +179,9 @@ def test_real_smollm2_greedy_equals_hugging_face(smollm2_dir, tmp_path):
     assert "Paris" in result.text
 
 
-def test_prompt_pieces_fixed_padded_and_symbolic_match_hugging_face(compiled):
-    """40 tokens run as a fixed chunk of 32 and 8 padded to 32; 20 more at position 40, where a
-    padded chunk would pass the cache's end, at a symbolic length; last_only keeps the last row."""
+def test_prompt_pieces_fixed_and_symbolic_match_hugging_face(compiled):
+    """40 tokens run as a fixed chunk of 32 and 8 at a symbolic length; 20 more at position 40 at a
+    symbolic length; last_only keeps the last row."""
     _, llm, model = compiled("llama")
     executable = llm.executable
     tokens = torch.tensor(prompts([60], seed=5))
@@ -189,6 +189,6 @@ def test_prompt_pieces_fixed_padded_and_symbolic_match_hugging_face(compiled):
     executable.reset()
     first = executable.run(tokens[:, :40], torch.arange(40)[None])
     last = executable.run(tokens[:, 40:], torch.arange(40, 60)[None], last_only=True)
-    assert executable._chunk_plan(40, 0) == [(32, 32), (8, 32)] and executable._chunk_plan(20, 40) == [(20, None)]
+    assert executable._chunk_plan(40) == [(32, 32), (8, None)] and executable._chunk_plan(20) == [(20, None)]
     torch.testing.assert_close(first, want[:, :40], atol=2e-4, rtol=2e-4)
     torch.testing.assert_close(last, want[:, 59:], atol=2e-4, rtol=2e-4)

@@ -7,7 +7,7 @@
   call, so the jitted step is traced once and replayed at every position.
 - Decode (seq == 1) and prefill (seq > 1) are separate `TinyJit` functions per batch size.
   A prompt runs as fixed-length chunks (FIXED_CHUNKS, each compiled once, so products tile
-  along the tokens), the rest under 32 tokens padded to 32 where the cache has room, else in
+  along the tokens), the rest in
   chunks of at most `prefill_chunk` tokens whose length is a bound Variable (`seq`); each
   chunk at its own start position (jitted_step.py). `last_only` steps return the last
   position's logits alone.
@@ -188,7 +188,7 @@ class TinygradExecutable(Executable):
             return self._run_tree(tokens, positions, slots, tree)
         tokens, starts = self._check_feeds(tokens, positions)
         pieces, begin = [], 0
-        for used, length in self._chunk_plan(tokens.shape[1], int(starts.max())):
+        for used, length in self._chunk_plan(tokens.shape[1]):
             chunk = tokens[:, begin : begin + used]
             pieces.append(self._run_chunk(chunk, starts + begin, length, last_only))
             begin += used
@@ -196,21 +196,19 @@ class TinygradExecutable(Executable):
             return pieces[-1]
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
 
-    def _chunk_plan(self, seq: int, start: int) -> list[tuple[int, int | None]]:
+    def _chunk_plan(self, seq: int) -> list[tuple[int, int | None]]:
         """The prompt's pieces as (tokens used, fixed length or None for the symbolic-length step).
 
         Each piece is the longest fixed chunk that the tokens left fill; what is left under the
-        shortest one runs padded to it (the padding writes keys past the prompt, which are
-        overwritten before any query reads them) where the cache has the room, else at a
-        symbolic length (one token: the decode step)."""
+        shortest one runs at a symbolic length (one token: the decode step). Padding it to a fixed
+        chunk instead wrote keys past the prompt that the engine's token-tree and batched steps
+        then read: greedy output differed from plain decoding."""
         plan, begin = [], 0
         while begin < seq:
-            left, at = seq - begin, start + begin
+            left = seq - begin
             fitting = [c for c in self.fixed_chunks if c <= left]
             if fitting:
                 plan.append((fitting[0], fitting[0]))
-            elif left > 1 and self.fixed_chunks and at + self.fixed_chunks[-1] <= self.max_seq_len:
-                plan.append((left, self.fixed_chunks[-1]))
             else:
                 plan.append((min(left, self.prefill_chunk), None))
             begin += plan[-1][0]
