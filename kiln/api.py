@@ -17,6 +17,7 @@ from kiln.backends.executable import BackendOptions
 from kiln.backends.registry import get_backend
 from kiln.compile_options import CompileOptions
 from kiln.compile_steps import CompileSteps, Progress
+from kiln.passes.insert_kv_cache import KV_CACHE_KINDS
 from kiln.runtime.artifact import read_artifact
 from kiln.runtime.generate import LLM
 from kiln.runtime.tokenizer import Tokenizer
@@ -95,7 +96,7 @@ OPTION_CHECKS = {
     "device": lambda v: isinstance(v, str),
     "quantize": lambda v: v is None or isinstance(v, str),
     "quantize_embeddings": lambda v: isinstance(v, bool),
-    "kv_cache": lambda v: v in ("f32", "int8"),
+    "kv_cache": lambda v: v in KV_CACHE_KINDS,
 }
 
 

@@ -24,6 +24,7 @@ import torch
 
 from kiln.backends.executable import BackendOptions
 from kiln.ir.errors import OptionError
+from kiln.passes.insert_kv_cache import KV_CACHE_KINDS
 
 COMPUTE_DTYPES = {"f32": torch.float32, "f16": torch.float16}
 DEVICE = re.compile(r"(cpu|cuda)(:\d+)?")
@@ -31,7 +32,6 @@ BACKENDS_WITH_TENSOR_PARALLEL = ("inductor", "reference")
 
 
 TOKEN_TREE_BACKENDS = frozenset({"inductor", "onnxruntime", "reference", "tinygrad"})
-KV_CACHE_KINDS = ("f32", "int8")
 INT8_KV_BACKENDS = ("inductor", "reference")  # whose attention reads an int8 cache (docs/kv-cache.md)
 
 

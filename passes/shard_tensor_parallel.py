@@ -36,6 +36,8 @@ from kiln.ir.dims import dims_equal
 from kiln.ir.errors import KilnError
 from kiln.ir.ops.shape_rules import numel
 
+from .parallel_linears import column_parallel_linears, drops_last_axis, lm_head_linear
+
 VOCAB_ROWS = "tensor_parallel.vocab_rows"
 # Ops whose first input may be split (each has a `_<op>` rule below); their other inputs may not.
 SPLIT_FIRST_INPUT = {"rope", "rms_norm", "layer_norm", "slice", "reshape", "permute"}
@@ -94,8 +96,8 @@ class _Sharder:
         self.env: dict[int, Value] = {}  # source value -> rebuilt value
         self.layouts: dict[int, Layout] = {}  # rebuilt value -> its layout (absent: replicated)
         self.param_specs: dict[str, tuple] = {}
-        self.column = _column_parallel_linears(graph)
-        self.lm_head = _lm_head(graph)
+        self.column = column_parallel_linears(graph)
+        self.lm_head = lm_head_linear(graph)
 
     # -- driver ---------------------------------------------------------------------------
     def run(self) -> Graph:
@@ -226,7 +228,7 @@ class _Sharder:
             return self._emit("all_reduce", [partial], {"world_size": self.world})
         if node not in self.column:
             return self._emit("gathered_matmul", [self._value(weights), ids_new, x_new], {})
-        features = node.output.users[0].output if _drops_last_axis(node.output) else node.output
+        features = node.output.users[0].output if drops_last_axis(node.output) else node.output
         segments = self._column_segments(node, features if features is not node.output else None)
         experts = self._param(weights.name, ("expert_rows", segments))
         return self._emit("gathered_matmul", [experts, ids_new, x_new], {}, Layout(-2, segments))
@@ -433,76 +435,3 @@ class _Sharder:
         return self._emit(
             "reshape", inputs, {"shape": tuple(shape)}, Layout(new_axis - len(dst), (Segment(size, seg.parts),))
         )
-
-
-# -- which linears are column-parallel ------------------------------------------------------
-def _column_parallel_linears(graph: Graph) -> set:
-    """Linears (and experts' gathered_matmul) whose outputs feed an attention or another linear
-    through head-preserving ops."""
-    column = set()
-    for node in graph.nodes:
-        if node.op == "attention":
-            for v in node.inputs[:3]:
-                if v.producer is not None and v.producer.op == "kv_write":
-                    v = v.producer.inputs[1]
-                column |= _source_linears(v) or set()
-        elif node.op in LINEAR_INPUT:
-            sources = _source_linears(node.inputs[LINEAR_INPUT[node.op]], through_attention=True)
-            column |= sources or set()
-    return column
-
-
-LINEAR_INPUT = {"linear": 0, "gathered_matmul": 2}  # which input is the activations
-
-
-def _drops_last_axis(value: Value) -> bool:
-    """Whether `value` [rows, out, 1] is read by one reshape to [rows, out] (experts' output)."""
-    users = value.users
-    if len(users) != 1 or users[0].op != "reshape":
-        return False
-    shape = users[0].output.type.shape
-    return (
-        value.type.shape[-1] == 1 and len(shape) == value.type.rank - 1 and dims_equal(shape[-1], value.type.shape[-2])
-    )
-
-
-def _source_linears(value: Value, through_attention: bool = False) -> set | None:
-    """The linears `value` is computed from by head-preserving ops (None: it depends on anything
-    else, e.g. a residual stream or a norm over the features)."""
-    found, stack, seen = set(), [value], set()
-    while stack:
-        v = stack.pop()
-        if id(v) in seen:
-            continue
-        seen.add(id(v))
-        node = v.producer
-        if node is None:
-            if v.type.rank == 0 or all(d == 1 for d in v.type.shape[-1:]):
-                continue  # a scalar or broadcast constant
-            return None
-        if node.op in LINEAR_INPUT:
-            found.add(node)
-        elif node.op == "attention" and through_attention:
-            continue  # o_proj reads attention's heads: a row-parallel linear with no linear sources
-        elif node.op in ops_with("constant"):
-            continue
-        elif node.op in ops_with("elementwise") or node.op in ("slice", "reshape", "permute"):
-            stack.extend(i for i in node.inputs if i is not None)
-        elif node.op in ("rope", "rms_norm") and node.inputs[0].type.rank == 4:
-            stack.append(node.inputs[0])
-        else:
-            return None
-    return found
-
-
-def _lm_head(graph: Graph) -> Node | None:
-    """The linear the logits come from (through elementwise ops such as a final softcap)."""
-    value = graph.outputs[0]
-    while value.producer is not None and value.producer.op in ops_with("elementwise"):
-        value = next(
-            (i for i in value.producer.inputs if i is not None and i.producer is not None and i.producer.op != "full"),
-            None,
-        )
-        if value is None:
-            return None
-    return value.producer if value.producer is not None and value.producer.op == "linear" else None

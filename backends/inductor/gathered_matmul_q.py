@@ -15,45 +15,31 @@ from kiln.ir.ops.routing import gathered_matmul_q_reference
 
 from . import gathered_matmul
 from .lower_to_fx import FX_LOWERINGS
-from .quantized_linear import _int8_form_here, _kernels_wanted, int4_kernel_available
+from .quantized_linear import _kernels_wanted, int4_kernel_scales, int8_packed
 
 
 def _int8_experts(b, node, args, group_size):
-    from . import int8_kernel
     from .fast_linear import kernel_available
 
     qweight, scales = b.constant(args[0]), b.constant(args[1])
     if qweight is None or scales is None or group_size != qweight.shape[2] or not kernel_available():
         return None
-    name = node.inputs[0].name
     flat_scales = b.add_constant(
         node.inputs[1].name + ".flat", scales.reshape(scales.shape[0], -1).float().contiguous()
     )
-    if _int8_form_here(qweight.shape[2]) == "q8":
-        packed = torch.stack([int8_kernel.pack_int8_weight(expert) for expert in qweight])
-        weight = b.add_constant(name + ".q8", packed)
-    else:
-        weight = b.add_constant(name + ".kn", qweight.transpose(1, 2).contiguous())
+    form, packed = int8_packed(qweight)
+    weight = b.add_constant(f"{node.inputs[0].name}.{form}", packed)
     return b.call(torch.ops.kiln.gathered_linear_q, weight, flat_scales, None, args[2], args[3], group_size, None)
 
 
 def _int4_experts(b, node, args, group_size):
-    k = node.inputs[3].type.shape[1]
-    if not isinstance(k, int) or k % 64 or (group_size != 32 and group_size % 64) or not int4_kernel_available():
+    if b.constant(args[1]) is None:
         return None
-    scales = b.constant(args[1])
-    zeros = None if args[4] is None else b.constant(args[4])
-    if scales is None or (zeros is not None and zeros.dtype != torch.uint8):
-        return None  # fractional zero points: the kernel folds integer ones only
-    f32_scales, decode_scales = args[1], None
-    if scales.dtype != torch.float32:
-        f32_scales = b.add_constant(node.inputs[1].name + ".f32", scales.float().contiguous())
-    if args[4] is None:  # symmetric: decode reads f16 scales, as linear_q4 does
-        decode_scales = (
-            args[1]
-            if scales.dtype == torch.float16
-            else b.add_constant(node.inputs[1].name + ".f16", scales.to(torch.float16).contiguous())
-        )
+    k = node.inputs[3].type.shape[1]
+    prepared = int4_kernel_scales(b, k, group_size, args[1], node.inputs[1].name, args[4])
+    if prepared is None:
+        return None
+    f32_scales, decode_scales = prepared
     return b.call(
         torch.ops.kiln.gathered_linear_q, args[0], f32_scales, args[4], args[2], args[3], group_size, decode_scales
     )

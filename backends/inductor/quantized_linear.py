@@ -114,40 +114,57 @@ def _kernels_wanted() -> bool:
     return wanted()
 
 
+def int8_packed(qweight: torch.Tensor) -> tuple[str, torch.Tensor]:
+    """(form, codes as that kernel reads them) for int8 codes [N, K], or stacked experts [E, N, K]
+    each alike: "q8", linear_q8's panels, or "kn", linear_i8's [K, N]."""
+    if _int8_form_here(qweight.shape[-1]) == "q8":
+        from . import int8_kernel
+
+        pack = int8_kernel.pack_int8_weight
+        return "q8", pack(qweight) if qweight.dim() == 2 else torch.stack([pack(e) for e in qweight])
+    return "kn", qweight.transpose(-1, -2).contiguous()
+
+
+def int4_kernel_scales(b, k, group_size: int, scales_arg, scales_name: str, zeros_arg):
+    """(f32 scales, f16 decode scales or None) for Kiln's int4 kernel, or None where it does not
+    apply (K not a multiple of 64, a group size it lacks, fractional zero points)."""
+    if not isinstance(k, int) or k % 64 or (group_size != 32 and group_size % 64) or not int4_kernel_available():
+        return None
+    scales, decode_scales = b.constant(scales_arg), None
+    zeros = None if zeros_arg is None else b.constant(zeros_arg)
+    if zeros is not None and zeros.dtype != torch.uint8:
+        return None  # fractional zero points: the kernel folds integer ones only
+    f32_scales = scales_arg
+    if scales is not None and scales.dtype != torch.float32:  # f16 in the IR: the kernel's f32 copy
+        f32_scales = b.add_constant(scales_name + ".f32", scales.float().contiguous())
+    if zeros_arg is None and scales is not None:  # symmetric: decode reads f16 scales
+        decode_scales = (
+            scales_arg
+            if scales.dtype == torch.float16
+            else b.add_constant(scales_name + ".f16", scales.to(torch.float16).contiguous())
+        )
+    return f32_scales, decode_scales
+
+
 def _int8_kernel(b, node, args, attrs):
     from .fast_linear import kernel_available
 
     qweight, scales = b.constant(args[1]), b.constant(args[2])
     if qweight is None or scales is None or attrs["group_size"] != qweight.shape[1] or not kernel_available():
         return None
-    from . import int8_kernel
-
     flat_scales = b.add_constant(node.inputs[2].name + ".flat", scales.reshape(-1).float().contiguous())
-    if _int8_form_here(qweight.shape[1]) == "q8":
-        packed = b.add_constant(node.inputs[1].name + ".q8", int8_kernel.pack_int8_weight(qweight))
-        return b.call(torch.ops.kiln.linear_q8, args[0], packed, flat_scales, args[4])
-    packed = b.add_constant(node.inputs[1].name + ".kn", qweight.t().contiguous())
-    return b.call(torch.ops.kiln.linear_i8, args[0], packed, flat_scales, args[4])
+    form, packed = int8_packed(qweight)
+    packed = b.add_constant(f"{node.inputs[1].name}.{form}", packed)
+    kernel = torch.ops.kiln.linear_q8 if form == "q8" else torch.ops.kiln.linear_i8
+    return b.call(kernel, args[0], packed, flat_scales, args[4])
 
 
 def _int4_kernel(b, node, args, attrs):
-    k = node.inputs[0].type.shape[-1]
-    group_size = attrs["group_size"]
-    if not isinstance(k, int) or k % 64 or (group_size != 32 and group_size % 64) or not int4_kernel_available():
+    k, group_size = node.inputs[0].type.shape[-1], attrs["group_size"]
+    prepared = int4_kernel_scales(b, k, group_size, args[2], node.inputs[2].name, args[3])
+    if prepared is None:
         return None
-    scales, decode_scales = b.constant(args[2]), None
-    zeros = None if args[3] is None else b.constant(args[3])
-    if zeros is not None and zeros.dtype != torch.uint8:
-        return None  # fractional zero points: the kernel folds integer ones only
-    f32_scales = args[2]
-    if scales is not None and scales.dtype != torch.float32:  # f16 in the IR: the kernel's f32 copy
-        f32_scales = b.add_constant(node.inputs[2].name + ".f32", scales.float().contiguous())
-    if args[3] is None and scales is not None:  # symmetric: decode reads f16 scales
-        decode_scales = (
-            args[2]
-            if scales.dtype == torch.float16
-            else b.add_constant(node.inputs[2].name + ".f16", scales.to(torch.float16).contiguous())
-        )
+    f32_scales, decode_scales = prepared
     return b.call(torch.ops.kiln.linear_q4, args[0], args[1], f32_scales, *args[3:5], group_size, decode_scales)
 
 

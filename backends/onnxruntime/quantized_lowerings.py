@@ -155,6 +155,19 @@ def qweight_in(q: np.ndarray, bits: int) -> int:
     return q.shape[1] * 2 if bits == 4 else q.shape[1]
 
 
+def _gather_block_tables(q, scales, zeros, bits: int, group_size: int, block: int):
+    """GatherBlockQuantized's data, scales and zero points for the rows of q [n, ...] in ORT blocks
+    along K: 4-bit codes and zero points two per byte (zero points padded to an even count)."""
+    codes, block_scales, block_zeros = _blocked(q, scales, zeros, bits, group_size, block)
+    n = codes.shape[0]
+    data = pack_nibbles(codes.reshape(n, -1)) if bits == 4 else codes.reshape(n, -1)
+    if block_zeros is not None:
+        even = np.full((n, block_zeros.shape[1] + block_zeros.shape[1] % 2), DEFAULT_ZERO[4], np.uint8)
+        even[:, : block_zeros.shape[1]] = block_zeros
+        block_zeros = pack_nibbles(even)
+    return data, block_scales, block_zeros
+
+
 def lower_embedding_q(b: OnnxBuilder, node: Node) -> str:
     qweight, scales, ids, zeros = node.inputs
     bits, group_size = node.attrs["bits"], node.attrs["group_size"]
@@ -165,18 +178,14 @@ def lower_embedding_q(b: OnnxBuilder, node: Node) -> str:
     if block is None or q is None or qweight_in(q, bits) % block or fractional:
         w = dequantized(q, float_scales, zero_points, bits, group_size)
         return b.op("Gather", b.initializer(f"{qweight.name}.dequantized", w), b.value(ids), axis=0)
-    codes, block_scales, block_zeros = _blocked(q, float_scales, zero_points, bits, group_size, block)
-    n = codes.shape[0]
-    data = pack_nibbles(codes.reshape(n, -1)) if bits == 4 else codes.reshape(n, -1)
+    data, block_scales, block_zeros = _gather_block_tables(q, float_scales, zero_points, bits, group_size, block)
     inputs = [
         b.initializer(f"{qweight.name}.gather", data),
         b.value(ids),
         b.initializer(f"{scales.name}.gather", block_scales),
     ]
     if block_zeros is not None:
-        even = np.full((n, block_zeros.shape[1] + block_zeros.shape[1] % 2), DEFAULT_ZERO[4], np.uint8)
-        even[:, : block_zeros.shape[1]] = block_zeros
-        inputs.append(b.initializer(f"{zeros.name}.gather", pack_nibbles(even)))
+        inputs.append(b.initializer(f"{zeros.name}.gather", block_zeros))
     out = b.op(
         "GatherBlockQuantized", *inputs, domain=MS_DOMAIN, bits=bits, block_size=block, gather_axis=0, quantize_axis=1
     )
@@ -213,17 +222,14 @@ def _gathered_blocks(b, node, q, scales, zeros, block) -> str:
     bits, group_size = node.attrs["bits"], node.attrs["group_size"]
     experts, out = q.shape[:2]
     flat = [None if a is None else a.reshape(experts * out, -1) for a in (q, scales, zeros)]
-    codes, block_scales, block_zeros = _blocked(*flat, bits, group_size, block)
-    codes = codes.reshape(experts * out, -1)
+    data, block_scales, block_zeros = _gather_block_tables(*flat, bits, group_size, block)
     inputs = [
-        b.initializer(f"{qweight.name}.gather", _stacked(pack_nibbles(codes) if bits == 4 else codes, experts)),
+        b.initializer(f"{qweight.name}.gather", _stacked(data, experts)),
         b.value(ids),
         b.initializer(f"{scales_value.name}.gather", _stacked(block_scales, experts)),
     ]
     if block_zeros is not None:
-        even = np.full((experts * out, block_zeros.shape[1] + block_zeros.shape[1] % 2), DEFAULT_ZERO[4], np.uint8)
-        even[:, : block_zeros.shape[1]] = block_zeros
-        inputs.append(b.initializer(f"{zeros_value.name}.gather", _stacked(pack_nibbles(even), experts)))
+        inputs.append(b.initializer(f"{zeros_value.name}.gather", _stacked(block_zeros, experts)))
     return b.op(
         "GatherBlockQuantized", *inputs, domain=MS_DOMAIN, bits=bits, block_size=block, gather_axis=0, quantize_axis=2
     )

@@ -215,17 +215,17 @@ class TinygradExecutable(Executable):
         return plan
 
     def _run_chunk(self, tokens: np.ndarray, starts: np.ndarray, length: int | None, last_only: bool) -> torch.Tensor:
+        """One piece of `_chunk_plan`: `length` set, the fixed step of that many tokens (= seq)."""
         batch, seq = tokens.shape
-        positions = starts[:, None] + np.arange(length or seq, dtype=np.int64)
+        positions = starts[:, None] + np.arange(seq, dtype=np.int64)
         bound = [var.bind(int(s)) for var, s in zip(self._start_vars, starts)]
-        if length is None:
-            kind = "decode" if seq == 1 else "prefill"
-            step = self._step(batch, kind, last_only=last_only and kind == "prefill")
-            return torch.from_numpy(step(tokens, positions, bound))
-        padded = np.zeros((batch, length), dtype=np.int64)
-        padded[:, :seq] = tokens
-        logits = self._step(batch, "fixed", length, last_only)(padded, positions, bound, last=seq - 1)
-        return torch.from_numpy(logits if last_only else logits[:, :seq])
+        if length is not None:
+            return torch.from_numpy(
+                self._step(batch, "fixed", length, last_only)(tokens, positions, bound, last=seq - 1)
+            )
+        kind = "decode" if seq == 1 else "prefill"
+        step = self._step(batch, kind, last_only=last_only and kind == "prefill")
+        return torch.from_numpy(step(tokens, positions, bound))
 
     def _run_tree(self, tokens, positions, slots, tree) -> torch.Tensor:
         """A token tree: the tree step over chunks of at most prefill_chunk tokens, each at the
