@@ -31,7 +31,9 @@ class BackendOptions:
     """What every backend is told when lowering. `dtype` is the compute/weight dtype name;
     `quantize` a weight scheme (kiln.passes.quant_schemes) or None, `quantize_embeddings` whether
     it also covers the lm_head and token embedding; `kv_cache` what the KV buffers hold ("f32", or
-    "int8": codes with a scale per token and head, see passes/insert_kv_cache.py)."""
+    "int8": codes with a scale per token and head, see passes/insert_kv_cache.py); `kv_layout` how
+    they are laid out ("static" rows, or "paged": `kv_blocks` blocks of `kv_block_size` slots
+    addressed through a block table, None blocks meaning as many slots as the static rows)."""
 
     max_batch: int = 1
     max_seq_len: int = 1024
@@ -41,6 +43,9 @@ class BackendOptions:
     quantize: str | None = None
     quantize_embeddings: bool = False
     kv_cache: str = "f32"
+    kv_layout: str = "static"
+    kv_block_size: int = 32
+    kv_blocks: int | None = None
 
 
 class Executable:
@@ -73,12 +78,16 @@ class Executable:
         max_seq_len, head_dim] (a graph without caches keeps the options' limits)."""
         shapes = [tuple(shape) for shape in shapes]
         self.caches = caches
+        if getattr(self.options, "kv_layout", "static") == "paged":  # pools of blocks: no rows to count
+            self.max_batch, self.max_seq_len = self.options.max_batch, self.options.max_seq_len
+            return
         self.max_batch = min([shape[0] for shape in shapes] + [self.options.max_batch])
         self.max_seq_len = min([shape[2] for shape in shapes] + [self.options.max_seq_len])
 
     def run(self, tokens: torch.Tensor, positions: torch.Tensor, first_row: int = 0) -> torch.Tensor:
         """Logits f32[batch, seq, vocab] for int64 tokens/positions [batch, seq]; writes the caches
-        of rows [first_row, first_row + batch)."""
+        of rows [first_row, first_row + batch). A paged cache's executable takes `block_table=`
+        instead of rows (backends/paged_feeds.py)."""
         raise NotImplementedError
 
     def cache_views(self) -> list[torch.Tensor]:

@@ -14,6 +14,7 @@ import torch
 
 from kiln.backends.cache_rows import check_rows, run_at_rows
 from kiln.backends.executable import BackendOptions, Executable, cache_inputs
+from kiln.backends.paged_feeds import layout_feeds, paged_layout
 from kiln.backends.token_trees import has_token_trees, refuse_trees, tree_feeds
 from kiln.ir import Graph, evaluate, run_graph, to_torch, verify
 
@@ -39,6 +40,7 @@ class ReferenceExecutable(Executable):
         ]
         self.hold_caches(caches, [c.shape for c in caches])
         self.token_trees = has_token_trees(graph)
+        self.paged = paged_layout(graph)
 
     def reset(self) -> None:
         """Zero every KV buffer (in place: views of the buffers stay valid)."""
@@ -46,13 +48,22 @@ class ReferenceExecutable(Executable):
             cache.zero_()
 
     def run(
-        self, tokens: torch.Tensor, positions: torch.Tensor, first_row: int = 0, *, slots=None, tree=None
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        first_row: int = 0,
+        *,
+        slots=None,
+        tree=None,
+        block_table=None,
     ) -> torch.Tensor:
         """Logits [batch, seq, vocab] for int64 tokens/positions [batch, seq]; updates the caches
-        of rows [first_row, first_row + batch). `slots`/`tree`: see kiln.backends.token_trees."""
-        check_rows(first_row, tokens.size(0), self.caches[0].size(0) if self.caches else self.options.max_batch)
+        of rows [first_row, first_row + batch). `slots`/`tree`: see kiln.backends.token_trees;
+        `block_table` (a paged cache): kiln.backends.paged_feeds."""
+        table = layout_feeds(self.paged, tokens.size(0), first_row, block_table)
+        check_rows(first_row, tokens.size(0), self.max_batch)
         extra = tree_feeds(positions, slots, tree) if self.token_trees else refuse_trees(slots, tree)
-        return run_at_rows(self._run_front, self.caches, tokens, positions, first_row, extra)
+        return run_at_rows(self._run_front, self.caches, tokens, positions, first_row, (*table, *extra))
 
     def cache_views(self) -> list[torch.Tensor]:
         return self.caches

@@ -17,7 +17,7 @@ from kiln.backends.executable import BackendOptions
 from kiln.backends.registry import get_backend
 from kiln.compile_options import CompileOptions
 from kiln.compile_steps import CompileSteps, Progress
-from kiln.passes.insert_kv_cache import KV_CACHE_KINDS
+from kiln.passes.insert_kv_cache import KV_CACHE_KINDS, KV_LAYOUTS
 from kiln.runtime.artifact import read_artifact
 from kiln.runtime.generate import LLM
 from kiln.runtime.tokenizer import Tokenizer
@@ -87,6 +87,9 @@ OPTION_RULES = {
     "quantize": "null or a scheme name",
     "quantize_embeddings": "true or false",
     "kv_cache": '"f32" or "int8"',
+    "kv_layout": '"static" or "paged"',
+    "kv_block_size": "an integer >= 1",
+    "kv_blocks": "null or an integer >= 2",
 }
 OPTION_CHECKS = {
     "max_batch": lambda v: _count(v, 1),
@@ -97,6 +100,9 @@ OPTION_CHECKS = {
     "quantize": lambda v: v is None or isinstance(v, str),
     "quantize_embeddings": lambda v: isinstance(v, bool),
     "kv_cache": lambda v: v in KV_CACHE_KINDS,
+    "kv_layout": lambda v: v in KV_LAYOUTS,
+    "kv_block_size": lambda v: _count(v, 1),
+    "kv_blocks": lambda v: v is None or _count(v, 2),
 }
 
 
@@ -116,6 +122,9 @@ def compile(
     device: str = "cpu",
     cache: bool = True,
     kv_cache: str = "f32",
+    kv_layout: str = "static",
+    kv_block_size: int = 32,
+    kv_blocks: int | None = None,
 ) -> Path:
     """Compile `model` (a local Hugging Face directory or .gguf file; None = the bundled default,
     SmolLM2-135M-Instruct) into an artifact directory at `out`; returns its path.
@@ -146,7 +155,10 @@ def compile(
 
     `kv_cache` is what the KV buffers hold: "f32", or "int8" (one byte per number with an f32
     scale per token and head: 3.8x fewer bytes per token at head_dim 64; Inductor and the
-    reference backend, see docs/kv-cache.md).
+    reference backend, see docs/kv-cache.md). `kv_layout="paged"` lays it out as a pool of
+    `kv_blocks` blocks of `kv_block_size` tokens per layer (None: as many tokens as max_batch full
+    rows) addressed through a block table, which the engine fills as requests grow and shares
+    between requests with a common prefix (Inductor and the reference backend).
 
     `tensor_parallel` N > 1 shards the graph over N ranks (the pipeline's last phase) and
     writes one artifact with every rank's weights; run it with `torchrun --nproc-per-node N`.
@@ -165,6 +177,9 @@ def compile(
         tensor_parallel=tensor_parallel,
         dump_ir=dump_ir,
         kv_cache=kv_cache,
+        kv_layout=kv_layout,
+        kv_block_size=kv_block_size,
+        kv_blocks=kv_blocks,
     )
     steps = CompileSteps(options, progress, cache=cache)
     steps.locate()

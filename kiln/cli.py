@@ -125,6 +125,20 @@ def compile_parser() -> argparse.ArgumentParser:
         "--backend inductor or reference)",
     )
     parser.add_argument(
+        "--kv-layout",
+        default="static",
+        help="how the KV cache is laid out: static (a row of max_seq_len per request, default), or paged "
+        "(blocks of a shared pool, addressed through a block table; --backend inductor or reference)",
+    )
+    parser.add_argument("--kv-block-size", type=int, default=32, metavar="N", help="tokens per block (paged)")
+    parser.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=None,
+        metavar="N",
+        help="blocks in the pool (paged; default: as many tokens as max_batch full rows, plus a scratch block)",
+    )
+    parser.add_argument(
         "--calibration", metavar="FILE", help="text the -awq schemes calibrate on (default: bundled Moby-Dick chapters)"
     )
     parser.add_argument(
@@ -171,6 +185,9 @@ def _compile_model(argv) -> int:
         cache=not args.no_cache,
         progress=progress,
         kv_cache=args.kv_cache,
+        kv_layout=args.kv_layout,
+        kv_block_size=args.kv_block_size,
+        kv_blocks=args.kv_blocks,
     )
     manifest = json.loads((Path(path) / "manifest.json").read_text())
     stats = manifest.get("graph_stats", {})
@@ -185,7 +202,8 @@ def _compile_model(argv) -> int:
         print(f"breaks     {summary_line(manifest['graph_breaks'])} (report.md in the artifact)")
     print(
         f"options    max_seq_len={args.max_seq_len} max_batch={args.max_batch} dtype={args.dtype} device={args.device} "
-        f"quantize={args.quantize}{' (with embeddings)' if args.quantize_embeddings else ''} kv_cache={args.kv_cache}"
+        f"quantize={args.quantize}{' (with embeddings)' if args.quantize_embeddings else ''} "
+        f"kv_cache={args.kv_cache} kv_layout={args.kv_layout}"
     )
     print(f"time       {time.perf_counter() - started:.1f}s")
     return 0

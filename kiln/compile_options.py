@@ -24,7 +24,7 @@ import torch
 
 from kiln.backends.executable import BackendOptions
 from kiln.ir.errors import OptionError
-from kiln.passes.insert_kv_cache import KV_CACHE_KINDS
+from kiln.passes.insert_kv_cache import KV_CACHE_KINDS, KV_LAYOUTS
 
 COMPUTE_DTYPES = {"f32": torch.float32, "f16": torch.float16}
 DEVICE = re.compile(r"(cpu|cuda)(:\d+)?")
@@ -33,6 +33,7 @@ BACKENDS_WITH_TENSOR_PARALLEL = ("inductor", "reference")
 
 TOKEN_TREE_BACKENDS = frozenset({"inductor", "onnxruntime", "reference", "tinygrad"})
 INT8_KV_BACKENDS = ("inductor", "reference")  # whose attention reads an int8 cache (docs/kv-cache.md)
+PAGED_KV_BACKENDS = ("inductor", "reference")  # whose kv_write and attention read through a block table
 
 
 @dataclass(frozen=True)
@@ -52,12 +53,23 @@ class CompileOptions:
     tensor_parallel: int = 1
     dump_ir: Path | None = None
     kv_cache: str = "f32"
+    kv_layout: str = "static"
+    kv_block_size: int = 32
+    kv_blocks: int | None = None
 
     @classmethod
     def checked(cls, **given) -> CompileOptions:
         """The options, or the KilnError of the first one that is wrong (in the order below)."""
         options = cls(**{**given, "quantize": None if given.get("quantize") in (None, "none") else given["quantize"]})
-        checks = (_check_numbers, _check_target, _check_quantize, _check_kv_cache, _check_tensor_parallel, _check_paths)
+        checks = (
+            _check_numbers,
+            _check_target,
+            _check_quantize,
+            _check_kv_cache,
+            _check_kv_layout,
+            _check_tensor_parallel,
+            _check_paths,
+        )
         for check in checks:
             check(options)
         from kiln.backends.registry import get_backend
@@ -96,6 +108,9 @@ class CompileOptions:
             quantize_embeddings=self.quantize_embeddings,
             device=self.device,
             kv_cache=self.kv_cache,
+            kv_layout=self.kv_layout,
+            kv_block_size=self.kv_block_size,
+            kv_blocks=self.kv_blocks,
         )
 
     def manifest_options(self, calibration_source: str | None) -> dict:
@@ -198,6 +213,34 @@ def _check_kv_cache(options: CompileOptions) -> None:
         )
 
 
+def _check_kv_layout(options: CompileOptions) -> None:
+    if options.kv_layout not in KV_LAYOUTS:
+        raise OptionError(
+            f"kv_layout {options.kv_layout!r} is not a KV-cache layout Kiln builds. "
+            "Fix: kv_layout='static' or 'paged' (--kv-layout static|paged)."
+        )
+    if options.kv_layout == "static":
+        return
+    if options.backend not in PAGED_KV_BACKENDS:
+        raise OptionError(
+            f"kv_layout='paged' is not supported by the {options.backend} backend yet: its kv_write and "
+            "attention lowerings address static rows, not blocks through a block table. "
+            f"Fix: kv_layout='static' (--kv-layout static) with {options.backend}, or backend='inductor'."
+        )
+    _positive_int("kv_block_size", "--kv-block-size", options.kv_block_size, 32)
+    if options.kv_blocks is not None:
+        _positive_int("kv_blocks", "--kv-blocks", options.kv_blocks, 1024)
+        per_row = -(-options.max_seq_len // options.kv_block_size)
+        if options.kv_blocks - 1 < per_row:
+            raise OptionError(
+                f"kv_blocks={options.kv_blocks} cannot hold one sequence of max_seq_len={options.max_seq_len} "
+                f"({per_row} blocks of {options.kv_block_size}, plus a scratch block). "
+                f"Fix: --kv-blocks {per_row + 1} or more, or a smaller --max-seq-len."
+            )
+    if options.tensor_parallel > 1:
+        raise OptionError("kv_layout='paged' is not sharded over ranks yet. Fix: drop --tensor-parallel, or static.")
+
+
 INT8_KV_REFUSALS = {
     "onnxruntime": "its GroupQueryAttention quantizes the cache with fixed per-tensor or per-channel scales "
     "(k_quant_type), not Kiln's scale per token and head, so it would compute another model.",
@@ -275,8 +318,18 @@ def kv_cache_bytes(config, options: CompileOptions) -> int | None:
         return None
     kv_heads = getattr(config, "num_key_value_heads", None) or heads
     head_dim = getattr(config, "head_dim", None) or hidden // heads
-    per_position = layers * options.max_batch * kv_bytes_per_token(kv_heads, head_dim, options) + head_dim * 4
-    return per_position * options.max_seq_len
+    per_token = layers * kv_bytes_per_token(kv_heads, head_dim, options)
+    slots = kv_slots(options)
+    return per_token * slots + head_dim * 4 * options.max_seq_len
+
+
+def kv_slots(options) -> int:
+    """How many tokens' keys and values the cache holds: max_batch rows of max_seq_len, or the
+    paged pool's blocks (as many as the rows by default, plus a scratch block)."""
+    if getattr(options, "kv_layout", "static") != "paged":
+        return options.max_batch * options.max_seq_len
+    per_row = -(-options.max_seq_len // options.kv_block_size)
+    return (options.kv_blocks or options.max_batch * per_row + 1) * options.kv_block_size
 
 
 def kv_bytes_per_token(kv_heads: int, head_dim: int, options) -> int:

@@ -21,14 +21,31 @@ With `kv_cache="int8"`, each layer's k and v pass through `kv_quantize` (ir/ops/
 before their writes: four buffers per layer, `cache.k.L` / `cache.v.L` holding i8 codes and
 `cache.k_scale.L` / `cache.v_scale.L` f32 [max_batch, kv_heads, max_seq_len, 1] holding one scale
 per token and head, all written by `kv_write` and read by `attention` as its k_scales / v_scales.
+
+With `kv_layout="paged"` (ir/ops/paged_kv.py), each buffer is a pool [num_blocks, kv_heads,
+block_size, last] instead, and a `block_table` i32 [batch, blocks_per_row] input (after the caches,
+before the token-tree inputs) says which blocks hold each row's slots: `kv_write` writes through
+it, and `attention` reads `kv_pages` of the written pool (the row's slots gathered in order).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 from kiln.ir import Graph, Node, TensorType, Value
 from kiln.ir.errors import KilnError
 
 KV_CACHE_KINDS = ("f32", "int8")  # what the buffers hold: the model's dtype, or int8 codes with scales
+KV_LAYOUTS = ("static", "paged")  # a row per request, or blocks of a shared pool (docs/kv-cache.md)
+
+
+@dataclass(frozen=True)
+class PagedLayout:
+    """A paged cache's shape: `num_blocks` blocks of `block_size` slots per layer and buffer."""
+
+    block_size: int
+    num_blocks: int
+    blocks_per_row: int
 
 
 class KVCacheInsertionError(KilnError, ValueError):
@@ -122,10 +139,26 @@ def grouped_source(value: Value) -> Value:
     return grouped
 
 
+def paged_layout(max_batch: int, max_seq_len: int, block_size: int, num_blocks: int | None) -> PagedLayout:
+    """The pool for `max_seq_len` slots a row in blocks of `block_size`; `num_blocks` None: as many
+    as the static rows hold (max_batch full rows), plus the runtime's scratch block."""
+    if block_size < 1 or (num_blocks is not None and num_blocks < 2):
+        raise KVCacheInsertionError(
+            f"a paged cache needs block_size >= 1 and num_blocks >= 2, got {block_size}, {num_blocks}"
+        )
+    per_row = -(-max_seq_len // block_size)
+    return PagedLayout(block_size, num_blocks or max_batch * per_row + 1, per_row)
+
+
 def insert_kv_cache(
-    graph: Graph, max_batch: int, max_seq_len: int, token_trees: bool = False, kv_cache: str = "f32"
+    graph: Graph,
+    max_batch: int,
+    max_seq_len: int,
+    token_trees: bool = False,
+    kv_cache: str = "f32",
+    paged: PagedLayout | None = None,
 ) -> Graph:
-    """Rewrite `graph` in place to the stateful form; returns it."""
+    """Rewrite `graph` in place to the stateful form (static rows, or `paged` blocks); returns it."""
     if kv_cache not in KV_CACHE_KINDS:
         raise KVCacheInsertionError(f"kv_cache {kv_cache!r} is not one of {list(KV_CACHE_KINDS)}")
     if [v.name for v in graph.inputs] != ["tokens", "positions"]:
@@ -138,17 +171,30 @@ def insert_kv_cache(
     if len(windows) != len(attentions):
         raise KVCacheInsertionError(f"{len(attentions)} attention ops but {len(windows)} layers in the metadata")
     slots, tree = _tree_inputs(graph, positions) if token_trees else (positions, None)
+    table = _block_table_input(graph, positions, paged) if paged else None
     new_caches: list[Value] = []
     for layer, node in enumerate(attentions):
         limits = (max_batch, max_seq_len, windows[layer])
-        new_caches += _make_stateful(graph, node, layer, (slots, tree), limits, kv_cache == "int8")
-    if token_trees:  # after the caches: the inputs before them keep their places
-        graph.inputs = [v for v in graph.inputs if v is not slots and v is not tree] + [slots, tree]
+        layout = (paged, table)
+        new_caches += _make_stateful(graph, node, layer, (slots, tree), limits, kv_cache == "int8", layout)
+    late = [v for v in (table, slots if token_trees else None, tree) if v is not None]
+    # after the caches, the token-tree inputs last: the inputs before them keep their places
+    graph.inputs = [v for v in graph.inputs if all(v is not x for x in late)] + late
     graph.outputs = graph.outputs[:1] + new_caches
     graph.meta["kv_cache"] = {"max_batch": max_batch, "max_seq_len": max_seq_len, "layers": len(attentions)}
     if kv_cache != "f32":  # an artifact without the key holds f32 buffers
         graph.meta["kv_cache"]["kind"] = kv_cache
+    if paged:  # an artifact without the key holds static rows
+        graph.meta["kv_cache"]["layout"] = "paged"
+        graph.meta["kv_cache"].update(
+            block_size=paged.block_size, num_blocks=paged.num_blocks, blocks_per_row=paged.blocks_per_row
+        )
     return graph
+
+
+def _block_table_input(graph: Graph, positions: Value, paged: PagedLayout) -> Value:
+    batch = positions.type.shape[0]
+    return graph.add_input("block_table", TensorType("i32", (batch, paged.blocks_per_row)))
 
 
 def _tree_inputs(graph: Graph, positions: Value) -> tuple[Value, Value]:
@@ -164,9 +210,11 @@ def _make_stateful(
     placement: tuple[Value, Value | None],
     limits: tuple[int, int, int],
     int8: bool,
+    layout: tuple[PagedLayout | None, Value | None],
 ) -> list[Value]:
     slots, tree = placement
     max_batch, max_seq_len, window = limits
+    paged, table = layout
     _check_mask(graph, node, layer)
     q, k, v = node.inputs[:3]
     k, v = grouped_source(k), grouped_source(v)
@@ -176,15 +224,18 @@ def _make_stateful(
             created.append(graph.create("kv_quantize", [new]))
             sources[kind], sources[f"{kind}_scale"] = created[-1].outputs
     caches = []
+    rows, slots_per_row = (paged.num_blocks, paged.block_size) if paged else (max_batch, max_seq_len)
     for kind, new in sources.items():
         _, kv_heads, _, last = new.type.shape
-        cache_type = TensorType(new.type.dtype, (max_batch, kv_heads, max_seq_len, last))
+        cache_type = TensorType(new.type.dtype, (rows, kv_heads, slots_per_row, last))
         caches.append(graph.add_input(f"cache.{kind}.{layer}", cache_type))
-    written = [graph.create("kv_write", [cache, new, slots]) for cache, new in zip(caches, sources.values())]
-    scales = [w.output for w in written[2:]]
+    through = [table] if paged else []
+    written = [graph.create("kv_write", [c, new, slots, *through]) for c, new in zip(caches, sources.values())]
+    read = [graph.create("kv_pages", [w.output, table]) for w in written] if paged else written
+    scales = [r.output for r in read[2:]]
     attrs = dict(node.attrs, causal=False, window=window)
-    attention = graph.create("attention", [q, written[0].output, written[1].output, None, slots, tree, *scales], attrs)
-    graph.insert_before(node, *created, *written, attention)
+    attention = graph.create("attention", [q, read[0].output, read[1].output, None, slots, tree, *scales], attrs)
+    graph.insert_before(node, *created, *written, *(read if paged else []), attention)
     graph.replace_all_uses(node.output, attention.output)
     graph.erase(node)
     return [w.output for w in written]

@@ -36,14 +36,18 @@ def kv_cache_insertion(options) -> Pass:
     """The pass turning the stateless forward into the stateful one with static KV buffers."""
 
     def insert(graph: Graph) -> Graph:
-        from .insert_kv_cache import insert_kv_cache  # imported when run: a sibling file
+        from .insert_kv_cache import insert_kv_cache, paged_layout  # imported when run: a sibling file
 
+        paged = None
+        if getattr(options, "kv_layout", "static") == "paged":
+            paged = paged_layout(options.max_batch, options.max_seq_len, options.kv_block_size, options.kv_blocks)
         return insert_kv_cache(
             graph,
             max_batch=options.max_batch,
             max_seq_len=options.max_seq_len,
             token_trees=bool(getattr(options, "token_trees", False)),
             kv_cache=getattr(options, "kv_cache", "f32"),
+            paged=paged,
         )
 
     return Pass("insert_kv_cache", insert, preserves_signature=False)

@@ -14,6 +14,11 @@ real token will overwrite, which no query can see before that.
 
 A request's output does not depend on what runs beside it: rows never read each other's slots,
 and each request samples from its own seeded generator.
+
+With a paged KV cache (an executable compiled with kv_layout="paged"), a row is a lane of the
+call's block table instead, and memory is the pool's blocks (kv_blocks.py): a request is
+admitted when its tokens' blocks are free, takes a block each time it fills one, shares the
+blocks of a prefix others computed, and is preempted when the pool runs out (engine_paging.py).
 """
 
 from __future__ import annotations
@@ -32,7 +37,9 @@ from kiln.backends.cache_rows import copy_prefix, copy_slots
 from kiln.backends.executable import capabilities
 from kiln.backends.token_trees import executable_verifies_trees, lower_triangle
 from kiln.runtime.draft_tree import DraftTree
+from kiln.runtime.engine_paging import block_copier, decode_table_feed, make_room, table_feed
 from kiln.runtime.errors import QueueFullError
+from kiln.runtime.kv_blocks import KvBlocks
 from kiln.runtime.kv_slots import KvSlots, common_prefix_length
 from kiln.runtime.request import GenerationSettings, Request, RequestStatus
 from kiln.runtime.request_handle import RequestHandle
@@ -67,7 +74,13 @@ class Engine:
         self.capabilities = capabilities(executable)  # the optional ones (backends/executable.py)
         # drafts as token trees: where a tree is verified in one call and accepted slots can be moved
         self.verifies_trees = self.capabilities.copies_rows and executable_verifies_trees(executable)
-        self.slots = KvSlots(self.max_batch, prefix_caching, self.capabilities.copies_rows)
+        self.paged = getattr(executable, "paged", None)  # the block pool's layout, or None: static rows
+        self.preemptions = 0  # requests a paged cache's pool ran out for (engine_paging.py)
+        if self.paged:
+            self.verifies_trees = False  # drafts are not verified in the engine over a paged cache yet
+            self.slots = KvBlocks(self.max_batch, self.paged, block_copier(executable), prefix_caching)
+        else:
+            self.slots = KvSlots(self.max_batch, prefix_caching, self.capabilities.copies_rows)
         # a prompt chunk needs its last position's logits only, where the executable can skip the rest
         self._last_only = {"last_only": True} if self.capabilities.selects_logits else {}
         self.waiting: deque[Request] = deque()
@@ -87,6 +100,15 @@ class Engine:
     @property
     def slots_in_use(self) -> int:
         return self.slots.in_use
+
+    @property
+    def blocks_in_use(self) -> int | None:
+        """Blocks of a paged KV cache holding a request's keys and values (None: static rows)."""
+        return self.slots.blocks_in_use if self.paged else None
+
+    @property
+    def blocks_free(self) -> int | None:
+        return self.slots.blocks_free if self.paged else None
 
     def submit(
         self,
@@ -145,8 +167,7 @@ class Engine:
         try:
             yield self.executable
         finally:
-            for row in range(self.max_batch):
-                self.slots.contents[row] = []
+            self.slots.forget()
             self._stepping.release()
 
     def _ensure_thread(self) -> None:
@@ -218,7 +239,8 @@ class Engine:
         should wait for a prefill in flight (`_prefill_to_share`)."""
         if self._prefill_to_share(request):
             return False
-        placement = self.slots.place(request.prompt)
+        tokens = request.prompt + request.tokens  # a preempted request resumes with what it generated
+        placement = self.slots.place(tokens)
         if placement is None:
             return False
         with self._lock:
@@ -228,8 +250,12 @@ class Engine:
             return True
         request.status = RequestStatus.RUNNING
         request.kv_row, request.fed = placement.row, placement.reused
-        request.reused = placement.reused
-        self.slots.occupy(request.kv_row, request, request.prompt[: placement.reused])
+        if not request.tokens:
+            request.reused = placement.reused
+        if self.paged:
+            self.slots.occupy(request.kv_row, request, tokens, placement.reused)
+        else:
+            self.slots.occupy(request.kv_row, request, tokens[: placement.reused])
         self.running.append(request)
         if placement.copy_from is not None:
             copy_prefix(self.executable.cache_views(), placement.copy_from, placement.row, placement.reused)
@@ -253,9 +279,11 @@ class Engine:
     def _feed_chunk(self, request: Request) -> None:
         start = time.perf_counter()
         tokens = request.pending()[: self.prefill_chunk]
+        if self.paged and not make_room(self, [request], len(tokens)):
+            return  # preempted: the pool has no block for it now
         positions = torch.arange(request.fed, request.fed + len(tokens), dtype=torch.int64)[None]
         logits = self.executable.run(
-            torch.tensor([tokens], dtype=torch.int64), positions, first_row=request.kv_row, **self._last_only
+            torch.tensor([tokens], dtype=torch.int64), positions, **self._rows([request.kv_row]), **self._last_only
         )
         self.slots.fed(request.kv_row, tokens, request.fed)
         request.fed += len(tokens)
@@ -266,7 +294,11 @@ class Engine:
     def _decode(self, requests: list[Request]) -> None:
         """One call over KV rows [0, the highest decoding one]: each decoding request's newest token
         (and its drafts, for requests with a drafter: `_verify`)."""
-        drafts = [self._draft(request) for request in requests]
+        if self.paged:  # each request's next slot needs a block (some may be preempted for it)
+            requests = make_room(self, requests, 1)
+            if not requests:
+                return
+        drafts = [] if self.paged else [self._draft(request) for request in requests]
         if any(drafts):
             return self._verify(requests, drafts)
         start = time.perf_counter()
@@ -284,6 +316,7 @@ class Engine:
             torch.from_numpy(np.array(tokens, dtype=np.int64).reshape(batch_rows, 1)),
             torch.from_numpy(np.array(positions, dtype=np.int64).reshape(batch_rows, 1)),
             **self._logits_out(batch_rows),
+            **(decode_table_feed(self.slots, requests, batch_rows) if self.paged else {}),
         )
         # rows of logits through numpy views: torch indexing is dispatcher work per row per token
         numpy_logits = logits.numpy()[:, 0] if logits.device.type == "cpu" and logits.dtype == torch.float32 else None
@@ -377,6 +410,10 @@ class Engine:
                     fed + 1 + node + 1,
                     to_start=fed + depth,
                 )
+
+    def _rows(self, lanes: list[int]) -> dict:
+        """run()'s keywords placing a call on `lanes`: its first row, or a paged cache's block table."""
+        return table_feed(self.slots, lanes) if self.paged else {"first_row": lanes[0]}
 
     def _logits_out(self, batch_rows: int) -> dict:
         """`out=` for a decode call over `batch_rows` rows when the executable can write logits

@@ -80,3 +80,7 @@ class KvSlots:
 
     def release(self, row: int) -> None:
         self.occupant[row] = None
+
+    def forget(self) -> None:
+        """Forget every row's cached contents (the executable was used outside the engine)."""
+        self.contents = [[] for _ in self.contents]

@@ -101,6 +101,7 @@ class Request:
         self.forced_count = 0
         self.drafter = settings.drafter_factory() if settings.drafter_factory is not None else None
         self.target_steps = self.drafted_tokens = self.accepted_tokens = 0  # speculative steps only
+        self.preemptions = 0  # times a paged cache's engine took its blocks back (engine_paging.py)
         self.submitted_at = time.perf_counter()
         self.ttft_s = self.prefill_s = self.decode_s = 0.0
 

@@ -117,11 +117,13 @@ def create_app(
     @app.get("/health")
     async def health():
         engine = getattr(llm, "engine", None)
+        paged = engine is not None and getattr(engine, "paged", None)
         return {
             "status": "ok",
             "model": name,
             "slots_in_use": engine.slots_in_use if engine else None,
             "queue_depth": engine.queue_depth if engine else None,
+            **({"kv_blocks_in_use": engine.blocks_in_use, "kv_blocks_free": engine.blocks_free} if paged else {}),
         }
 
     @app.get("/metrics")

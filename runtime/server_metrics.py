@@ -8,6 +8,8 @@
     kiln_request_duration_seconds               request arrival to its last piece
     kiln_queue_depth                            requests waiting for a KV slot
     kiln_kv_slots_in_use / kiln_kv_slots_total  the engine's KV rows busy / compiled
+    kiln_kv_blocks_in_use / kiln_kv_blocks_free  a paged cache's blocks holding requests / free
+    kiln_kv_preemptions_total                   requests preempted when the block pool ran out
 
 Each app owns its registry, so several servers (tests) in one process do not collide. Latencies
 are measured per streamed text piece, which is one token except where a character spans tokens.
@@ -69,6 +71,21 @@ class ServerMetrics:
                 lambda: engine.slots_in_use
             )
             Gauge("kiln_kv_slots_total", "KV cache rows compiled (max_batch)", registry=r).set(engine.max_batch)
+            if getattr(engine, "paged", None):
+                self._block_gauges(engine)
+
+    def _block_gauges(self, engine) -> None:
+        """A paged KV cache's blocks (runtime/kv_blocks.py) and the preemptions it caused."""
+        r = self.registry
+        Gauge("kiln_kv_blocks_in_use", "Paged KV blocks holding a request", registry=r).set_function(
+            lambda: engine.blocks_in_use
+        )
+        Gauge("kiln_kv_blocks_free", "Paged KV blocks free (cached prefixes among them)", registry=r).set_function(
+            lambda: engine.blocks_free
+        )
+        Gauge("kiln_kv_preemptions_total", "Requests preempted when the block pool ran out", registry=r).set_function(
+            lambda: engine.preemptions
+        )
 
     def exposition(self) -> bytes:
         return generate_latest(self.registry)

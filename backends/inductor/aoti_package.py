@@ -57,7 +57,7 @@ PackageError = ArtifactError  # the AOTInductor package is missing, foreign, or 
 def example_feeds(graph: Graph) -> tuple[torch.Tensor, ...]:
     """Zero tokens/positions (slots, tree) with every dynamic dim at 2 (sizes 0 and 1 would specialize)."""
     inputs = fed_inputs(graph)
-    sizes = [[1] * v.type.rank for v in inputs]
+    sizes = [[d if isinstance(d, int) else 1 for d in v.type.shape] for v in inputs]  # a block table's width is fixed
     for index, axis, low, high in dynamic_dims(graph):
         sizes[index][axis] = min(max(low, 2), high)
     return tuple(torch.zeros(s, dtype=to_torch(v.type.dtype)) for s, v in zip(sizes, inputs))

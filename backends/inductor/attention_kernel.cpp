@@ -12,6 +12,12 @@
 // scale multiplies its score, the value's its softmax weight); longer chunks dequantize only the
 // slots up to the chunk's last position for ATen's attention. No f32 copy of the cache is made.
 //
+// A paged cache (block_table int32 [B, blocks_per_row] given): k and v (and the scales) are pools
+// [num_blocks, Hkv, block_size, D], row b's slot s in block block_table[b, s / block_size]. Few
+// queries copy each (row, kv head)'s slots up to the row's last position out of its blocks into a
+// per-thread buffer and attend there (each block of a head is contiguous); longer chunks gather
+// the rows' blocks up to the chunk's last position for ATen's attention.
+//
 // Why: decomposed, a grouped attention over a static cache expands k and v to every query
 // head and scores all S slots of every step (Inductor copied 2.4 MB per layer per decode token
 // for SmolLM2 at S = 512). Here a decode step reads only the slots up to each position, once.
@@ -281,6 +287,7 @@ extern "C" void kiln_attend_one_query_q8(const float* q, const int8_t* k, const 
 #include <ATen/Parallel.h>
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <vector>
 
 namespace kiln_attention {
@@ -374,6 +381,82 @@ static at::Tensor few_queries(const at::Tensor& q, const at::Tensor& k, const at
   return out;
 }
 
+// A paged cache: the kv head's slots [0, used) of row b, copied out of its blocks into `out`
+// (row_bytes per slot; a head's slots within a block are contiguous in the pool).
+static void copy_row_slots(const at::Tensor& pool, const int32_t* blocks, int64_t head, int64_t used, int64_t row_bytes,
+                           std::vector<char>& out) {
+  const int64_t Hkv = pool.size(1), bs = pool.size(2);
+  out.resize(used * row_bytes);
+  const char* base = static_cast<const char*>(pool.data_ptr());
+  for (int64_t j = 0; j * bs < used; j++) {
+    const int64_t count = std::min(bs, used - j * bs);
+    std::memcpy(out.data() + j * bs * row_bytes, base + ((blocks[j] * Hkv + head) * bs) * row_bytes,
+                count * row_bytes);
+  }
+}
+
+// Few queries over a paged cache: per (row, kv head), its slots copied out once, then every
+// query of that head's group attends to the copy.
+static at::Tensor few_queries_paged(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                                    const at::Tensor& positions, double scale, int64_t window,
+                                    const std::optional<at::Tensor>& tree, const std::optional<at::Tensor>& k_scales,
+                                    const std::optional<at::Tensor>& v_scales, const at::Tensor& table) {
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3);
+  const int64_t Hkv = k.size(1), groups = H / Hkv, per_row = table.size(1), slots = per_row * k.size(2);
+  at::Tensor out = at::empty({B, H, T, D}, q.options());
+  const bool int8 = k_scales.has_value();
+  const int64_t code_bytes = int8 ? D : D * 4;
+  const int64_t* pos = positions.data_ptr<int64_t>();
+  const int32_t* blocks = table.data_ptr<int32_t>();
+  const bool* seen = tree ? tree->data_ptr<bool>() : nullptr;
+  at::parallel_for(0, B * Hkv, 1, [&](int64_t first, int64_t last) {
+    thread_local std::vector<char> keys, values, key_scales, value_scales;
+    thread_local std::vector<float> scratch;
+    for (int64_t task = first; task < last; task++) {
+      const int64_t b = task / Hkv, kv_head = task % Hkv;
+      int64_t used = 0;
+      for (int64_t t = 0; t < T; t++) used = std::max(used, std::min(pos[b * T + t], slots - 1) + 1);
+      const int32_t* row_blocks = blocks + b * per_row;
+      copy_row_slots(k, row_blocks, kv_head, used, code_bytes, keys);
+      copy_row_slots(v, row_blocks, kv_head, used, code_bytes, values);
+      if (int8) {
+        copy_row_slots(*k_scales, row_blocks, kv_head, used, 4, key_scales);
+        copy_row_slots(*v_scales, row_blocks, kv_head, used, 4, value_scales);
+      }
+      scratch.resize(std::max<int64_t>(used, 1));
+      for (int64_t h = kv_head * groups; h < (kv_head + 1) * groups; h++) {
+        for (int64_t t = 0; t < T; t++) {
+          const auto [lo, hi] = visible(pos[b * T + t], window, used);
+          const float* query = q.data_ptr<float>() + ((b * H + h) * T + t) * D;
+          float* result = out.data_ptr<float>() + ((b * H + h) * T + t) * D;
+          const bool* row_seen = seen ? seen + (b * T + t) * T : nullptr;
+          if (int8)
+            kiln_attend_one_query_q8(query, reinterpret_cast<const int8_t*>(keys.data()),
+                                     reinterpret_cast<const float*>(key_scales.data()),
+                                     reinterpret_cast<const int8_t*>(values.data()),
+                                     reinterpret_cast<const float*>(value_scales.data()), D, lo, hi, (float)scale,
+                                     scratch.data(), result, row_seen, pos[b * T], T);
+          else
+            kiln_attend_one_query(query, reinterpret_cast<const float*>(keys.data()),
+                                  reinterpret_cast<const float*>(values.data()), D, lo, hi, (float)scale,
+                                  scratch.data(), result, row_seen, pos[b * T], T);
+        }
+      }
+    }
+  });
+  return out;
+}
+
+// A paged cache's rows [B, Hkv, used, last] gathered from the pool: the slots below `used` only.
+static at::Tensor gather_rows(const at::Tensor& pool, const at::Tensor& table, int64_t used) {
+  const int64_t B = table.size(0), bs = pool.size(2), count = (used + bs - 1) / bs;
+  at::Tensor picked = pool.index_select(0, table.narrow(1, 0, count).reshape({-1}).to(at::kLong));
+  return picked.view({B, count, pool.size(1), bs, pool.size(3)})
+      .permute({0, 2, 1, 3, 4})
+      .reshape({B, pool.size(1), count * bs, pool.size(3)})
+      .narrow(2, 0, used);
+}
+
 // Longer chunks: SDPA over the slots [0, last position] with a boolean visibility mask.
 // An int8 cache: the codes of those slots dequantized (the rest of the cache is not read).
 static at::Tensor many_queries(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
@@ -407,8 +490,16 @@ static at::Tensor many_queries(const at::Tensor& q, const at::Tensor& k, const a
 at::Tensor cached_attention(const at::Tensor& q_in, const at::Tensor& k_in, const at::Tensor& v_in,
                             const at::Tensor& positions_in, double scale, int64_t window,
                             const std::optional<at::Tensor>& tree_in, const std::optional<at::Tensor>& k_scales_in,
-                            const std::optional<at::Tensor>& v_scales_in) {
-  check(q_in, k_in, v_in, positions_in);
+                            const std::optional<at::Tensor>& v_scales_in,
+                            const std::optional<at::Tensor>& block_table_in) {
+  if (block_table_in) {
+    TORCH_CHECK(block_table_in->scalar_type() == at::kInt && block_table_in->dim() == 2 &&
+                    block_table_in->size(0) == q_in.size(0),
+                "kiln::cached_attention: block_table must be int32 [batch, blocks_per_row]");
+    TORCH_CHECK(k_in.dim() == 4, "kiln::cached_attention: a paged k must be [num_blocks, kv_heads, block_size, d]");
+  } else {
+    check(q_in, k_in, v_in, positions_in);
+  }
   check_cache_kind(k_in, v_in, k_scales_in, v_scales_in);
   std::optional<at::Tensor> k_scales, v_scales;
   if (k_scales_in) {
@@ -423,6 +514,18 @@ at::Tensor cached_attention(const at::Tensor& q_in, const at::Tensor& k_in, cons
   at::Tensor q = q_in.contiguous(), k = k_in.contiguous(), v = v_in.contiguous();
   at::Tensor positions = positions_in.contiguous();
   if (q.numel() == 0) return at::empty(q.sizes(), q.options());
+  if (block_table_in) {
+    const at::Tensor table = block_table_in->contiguous();
+    if (q.size(2) <= kFewQueries)
+      return few_queries_paged(q, k, v, positions, scale, window, tree, k_scales, v_scales, table);
+    const int64_t used = std::min<int64_t>(positions.max().item<int64_t>() + 1, table.size(1) * k.size(2));
+    k = gather_rows(k, table, used);
+    v = gather_rows(v, table, used);
+    if (k_scales) {
+      k_scales = gather_rows(*k_scales, table, used);
+      v_scales = gather_rows(*v_scales, table, used);
+    }
+  }
   if (q.size(2) <= kFewQueries) return few_queries(q, k, v, positions, scale, window, tree, k_scales, v_scales);
   return many_queries(q, k, v, positions, scale, window, tree, k_scales, v_scales);
 }
@@ -431,7 +534,7 @@ at::Tensor cached_attention(const at::Tensor& q_in, const at::Tensor& k_in, cons
 
 TORCH_LIBRARY_FRAGMENT(kiln, m) {
   m.def("cached_attention(Tensor q, Tensor k, Tensor v, Tensor positions, float scale, int window, "
-        "Tensor? tree=None, Tensor? k_scales=None, Tensor? v_scales=None) -> Tensor");
+        "Tensor? tree=None, Tensor? k_scales=None, Tensor? v_scales=None, Tensor? block_table=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kiln, CPU, m) { m.impl("cached_attention", &kiln_attention::cached_attention); }

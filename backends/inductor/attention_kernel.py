@@ -11,7 +11,8 @@ positions[b, t]] (window 0: from slot 0), query head h reads kv head h // (heads
 a token tree (bool [batch, seq, seq]) hides the call's own slots positions[b, 0] + j where
 tree[b, t, j] is False (see the IR's attention). An int8 cache (ir/ops/kv_quant.py) passes its
 codes as the caches and its scales [max_batch, kv_heads, slots, 1]: each row is converted to f32
-inside the dot products, so no dequantized copy of the cache is made.
+inside the dot products, so no dequantized copy of the cache is made. A paged cache passes its
+pools [num_blocks, kv_heads, block_size, head_dim] and `block_table` (int32 [batch, blocks_per_row]).
 Why a kernel of Kiln's own: decomposed by Inductor, a grouped attention over a static cache copies
 k and v out to every query head and scores every slot of the buffer on every decode step; this one
 reads each kv head once and only the slots up to the position (attention_kernel.cpp). Built like
@@ -32,7 +33,9 @@ _SRC = Path(__file__).with_name("attention_kernel.cpp")
 
 def _register_fake() -> None:
     @torch.library.register_fake("kiln::cached_attention")
-    def _cached_attention_fake(q, k, v, positions, scale, window, tree=None, k_scales=None, v_scales=None):
+    def _cached_attention_fake(
+        q, k, v, positions, scale, window, tree=None, k_scales=None, v_scales=None, block_table=None
+    ):
         return q.new_empty((*q.shape[:3], v.shape[3]))
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kiln.ir.ops.attention import tree_visibility
+from kiln.ir.ops.attention import kv_write_reference, tree_visibility
 from kiln.ir.ops.kv_quant import dequantize_kv, kv_quantize_reference
 
 
@@ -75,8 +75,12 @@ def kv_write_at(cache: torch.Tensor, new: torch.Tensor, index: tuple[torch.Tenso
     return cache
 
 
-def kv_write_functional(cache: torch.Tensor, new: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def kv_write_functional(
+    cache: torch.Tensor, new: torch.Tensor, positions: torch.Tensor, block_table: torch.Tensor | None = None
+) -> torch.Tensor:
     """kv_write on a cache the module does not own: a written copy, the caller's tensor untouched."""
+    if block_table is not None:
+        return kv_write_reference(cache, new, positions, block_table)
     return kv_write_inplace(cache.clone(), new, positions)
 
 

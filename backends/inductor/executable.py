@@ -26,6 +26,7 @@ from torch._inductor.compile_fx import compile_fx
 
 from kiln.backends.cache_rows import check_rows, checked_feeds, run_at_rows
 from kiln.backends.executable import BackendOptions, Executable, cache_inputs, fed_inputs
+from kiln.backends.paged_feeds import layout_feeds, paged_layout
 from kiln.backends.token_trees import has_token_trees, refuse_trees, tree_feeds
 from kiln.ir import Graph, evaluate, to_torch, verify
 from kiln.ir.errors import OptionError
@@ -91,6 +92,7 @@ class StatefulRunner(Executable):
         apply_threads(options)
         self.graph, self.options = graph, options
         self.token_trees = has_token_trees(graph)  # read once: run() asks every step
+        self.paged = paged_layout(graph)
         named = allocate_caches(graph)
         self.hold_caches(list(named.values()), [c.shape for c in named.values()])
         return named
@@ -109,15 +111,24 @@ class StatefulRunner(Executable):
         return self.caches
 
     def run(
-        self, tokens: torch.Tensor, positions: torch.Tensor, first_row: int = 0, *, slots=None, tree=None
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        first_row: int = 0,
+        *,
+        slots=None,
+        tree=None,
+        block_table=None,
     ) -> torch.Tensor:
         """Logits f32[batch, seq, vocab]; writes the tokens' keys/values into cache rows
         [first_row, first_row + batch) (the compiled step addresses rows from 0: others are swapped in).
-        `slots`/`tree`: see kiln.backends.token_trees."""
+        `slots`/`tree`: see kiln.backends.token_trees; `block_table` (a paged cache, whose blocks
+        replace rows): kiln.backends.paged_feeds."""
         feeds = self.check_feeds(tokens, positions)
+        table = layout_feeds(self.paged, tokens.size(0), first_row, block_table)
         check_rows(first_row, tokens.size(0), self.max_batch)
         extra = tree_feeds(feeds[1], slots, tree) if self.token_trees else refuse_trees(slots, tree)
-        return run_at_rows(self._run_front, self.caches, *feeds, first_row, extra)
+        return run_at_rows(self._run_front, self.caches, *feeds, first_row, (*table, *extra))
 
     def _run_front(self, tokens: torch.Tensor, positions: torch.Tensor, *tree_feeds) -> torch.Tensor:
         """The compiled step over cache rows [0, batch) (JIT or AOTInductor: each subclass its own)."""

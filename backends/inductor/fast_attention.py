@@ -38,7 +38,8 @@ def wanted() -> bool:
 
 def lower_cached_attention(b, node, args, attrs):
     """attention(q, k, v, positions, tree?, k_scales?, v_scales?) -> kiln.cached_attention(q, k, v,
-    positions, scale, window, tree, k_scales, v_scales)."""
+    positions, scale, window, tree, k_scales, v_scales); over `kv_pages` of a paged cache's pools,
+    the pools and their block table (the gather is then dead code)."""
     q, k, v, mask, positions, tree, k_scales, _ = node.inputs
     if mask is not None or positions is None or attrs["softcap"] or attrs["alibi"]:
         return None
@@ -51,15 +52,20 @@ def lower_cached_attention(b, node, args, attrs):
         return None
     scale = attrs["scale"] if attrs["scale"] is not None else 1.0 / math.sqrt(q.type.shape[3])
     position_ids = args[4] if positions.type.dtype == "i64" else b.method("long", args[4])
+    caches, optional = args[1:3], list(args[5:8] if k_scales is not None else [args[5]] if tree is not None else [])
+    if k.producer is not None and k.producer.op == "kv_pages":  # the kernel reads the pools through the table
+        table = args[1].args[1]
+        caches = [args[1].args[0], args[2].args[0]]
+        scales = [args[6].args[0], args[7].args[0]] if k_scales is not None else [None, None]
+        optional = [args[5], *scales, table]
     return b.call(
         torch.ops.kiln.cached_attention,
         args[0],
-        args[1],
-        args[2],
+        *caches,
         position_ids,
         float(scale),
         int(attrs["window"] or 0),
-        *(args[5:8] if k_scales is not None else [args[5]] if tree is not None else []),
+        *optional,
     )
 
 

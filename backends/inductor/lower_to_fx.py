@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from kiln.backends.errors import LoweringError
 from kiln.ir import Graph, Node, all_ops, ops_with, to_torch
 from kiln.ir.errors import UnsupportedOpError
+from kiln.ir.ops.paged_kv import kv_pages_reference, paged_write_index
 
 from . import composite_ops
 from .collectives import COLLECTIVE_LOWERINGS
@@ -217,10 +218,17 @@ def _attention(b, node, args, attrs):
 def _kv_write(b, node, args, attrs):
     if args[0].op == "get_attr" and args[0].target in b.buffers:  # a cache this module owns: in place
         new_shape = node.inputs[1].type.shape
-        index = b.shared(
-            ("kv_write_index", new_shape[0], new_shape[1], args[2]),
-            lambda: b.call(composite_ops.kv_write_index, args[1], args[2]),
-        )
+        if len(args) > 3 and args[3] is not None:  # a paged pool: through the block table
+            block_size = node.inputs[0].type.shape[2]
+            index = b.shared(
+                ("kv_write_paged_index", new_shape[1], args[2], args[3], block_size),
+                lambda: b.call(paged_write_index, args[1], args[2], args[3], block_size),
+            )
+        else:
+            index = b.shared(
+                ("kv_write_index", new_shape[0], new_shape[1], args[2]),
+                lambda: b.call(composite_ops.kv_write_index, args[1], args[2]),
+            )
         return b.call(composite_ops.kv_write_at, args[0], args[1], index)
     return b.call(composite_ops.kv_write_functional, *args)
 
@@ -270,6 +278,7 @@ FX_LOWERINGS: dict[str, Lowering] = {
     "rope": _rope,
     "attention": _attention,
     "kv_write": _kv_write,
+    "kv_pages": _torch_call(kv_pages_reference),
     "kv_quantize": _torch_call(composite_ops.kv_quantize),
     **QUANTIZED_LOWERINGS,  # linear_q, embedding_q (quantized_linear.py)
     **COLLECTIVE_LOWERINGS,  # all_reduce, all_gather (collectives.py)

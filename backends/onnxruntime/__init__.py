@@ -19,6 +19,7 @@ import onnxruntime as ort
 import torch
 
 from kiln.backends.executable import BackendOptions
+from kiln.backends.paged_feeds import refuse_paged
 from kiln.ir import Graph, verify
 
 from .errors import ArtifactError, FeedError, OnnxLoweringError, ProviderError
@@ -44,6 +45,7 @@ def lower(graph: Graph, options: BackendOptions, contrib_ops: bool = True) -> Or
     checked against what is known of that provider and an `OrtModelForAnotherMachine`, which
     only saves: the artifact runs where `kiln.load` finds the provider."""
     verify(graph)
+    refuse_paged(graph, NAME)
     provider = target_provider(options.device)
     program = graph_to_onnx(graph, contrib_ops=contrib_ops, provider=provider)
     workdir = tempfile.TemporaryDirectory(prefix="kiln-onnx-")

@@ -377,6 +377,16 @@ def _refuse_int8_kv(b, node):
 ONNX_LOWERINGS["kv_quantize"] = _refuse_int8_kv
 
 
+def _refuse_paged_kv(b, node):
+    raise UnsupportedOpError(
+        "the onnxruntime backend cannot run a paged KV cache (it has kv_pages): its attention lowerings "
+        "address static rows. Fix: compile with --kv-layout static, or --backend inductor for a paged cache"
+    )
+
+
+ONNX_LOWERINGS["kv_pages"] = _refuse_paged_kv
+
+
 def check_lowering_table() -> None:
     """Raise UnsupportedOpError naming every registered IR op that ONNX_LOWERINGS lacks."""
     missing = sorted(set(all_ops()) - set(ONNX_LOWERINGS))

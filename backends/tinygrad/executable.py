@@ -35,6 +35,7 @@ from tinygrad import Tensor, TinyJit, UOp
 from kiln.backends.cache_rows import check_rows, run_at_rows
 from kiln.backends.errors import FeedError
 from kiln.backends.executable import BackendOptions, Executable, cache_inputs
+from kiln.backends.paged_feeds import refuse_paged
 from kiln.backends.token_trees import has_token_trees, lower_triangle, refuse_trees, tree_feeds
 from kiln.ir import Graph, evaluate, verify
 
@@ -312,4 +313,5 @@ def _torch_view(tensor: Tensor) -> torch.Tensor:
 
 def lower(graph: Graph, options: BackendOptions) -> TinygradExecutable:
     """Lower a stateful graph (weights attached as graph.weights) to tinygrad."""
+    refuse_paged(graph, "tinygrad")
     return TinygradExecutable(graph, options)

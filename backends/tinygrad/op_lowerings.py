@@ -286,6 +286,16 @@ def _refuse_int8_kv(ctx, node, args, attrs):
 TENSOR_LOWERINGS["kv_quantize"] = _refuse_int8_kv
 
 
+def _refuse_paged_kv(ctx, node, args, attrs):
+    raise UnsupportedOpError(
+        "the tinygrad backend cannot run a paged KV cache (it has kv_pages): its attention reads static "
+        "rows. Fix: compile with --kv-layout static, or --backend inductor for a paged cache"
+    )
+
+
+TENSOR_LOWERINGS["kv_pages"] = _refuse_paged_kv
+
+
 def check_lowering_table() -> None:
     """Raise UnsupportedOpError naming every registered IR op that TENSOR_LOWERINGS lacks."""
     missing = sorted(set(all_ops()) - set(TENSOR_LOWERINGS))

@@ -7,6 +7,7 @@ from . import (  # noqa: F401
     fused,
     kv_quant,
     nn,
+    paged_kv,
     quantized,
     reduction,
     routing,

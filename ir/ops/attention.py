@@ -28,6 +28,7 @@ import torch
 from ..dims import dims_equal
 from ..registry import OpDef, OpError, register
 from .kv_quant import dequantize_kv
+from .paged_kv import check_block_table, paged_write_index
 
 
 def _attention_infer(
@@ -129,7 +130,9 @@ def attention_reference(
     return probs @ v
 
 
-def _kv_write_infer(cache, new, positions):
+def _kv_write_infer(cache, new, positions, block_table=None):
+    if block_table is not None:
+        check_block_table(block_table, new.shape[0], "kv_write")
     if cache.rank != 4 or new.rank != 4:
         raise OpError("kv_write: cache and new must be [batch, kv_heads, seq, head_dim]")
     if not (dims_equal(cache.shape[1], new.shape[1]) and dims_equal(cache.shape[3], new.shape[3])):
@@ -137,9 +140,12 @@ def _kv_write_infer(cache, new, positions):
     return cache
 
 
-def kv_write_reference(cache, new, positions):
+def kv_write_reference(cache, new, positions, block_table=None):
     batch, heads = new.shape[0], new.shape[1]
     out = cache.clone()
+    if block_table is not None:  # a paged pool (paged_kv.py)
+        out.index_put_(paged_write_index(new, positions, block_table, cache.shape[2]), new.to(cache.dtype))
+        return out
     rows = torch.arange(batch)[:, None, None]
     head = torch.arange(heads)[None, :, None]
     out.index_put_((rows, head, positions[:, None, :]), new.to(cache.dtype))
@@ -158,9 +164,10 @@ register(
 register(
     OpDef(
         "kv_write",
-        ("cache", "new", "positions"),
+        ("cache", "new", "positions", "block_table?"),
         _kv_write_infer,
         kv_write_reference,
-        doc="cache[b, :, positions[b, t], :] = new[b, :, t, :] for the first batch rows; returns the cache",
+        doc="cache[b, :, positions[b, t], :] = new[b, :, t, :] for the first batch rows (with block_table: "
+        "pool[block_table[b, p // block_size], :, p % block_size, :], see paged_kv.py); returns the cache",
     )
 )
