@@ -3,6 +3,7 @@
     .venv/bin/python bench/step_cost.py                                   # inductor: fp32, int8, int4-g32
     .venv/bin/python bench/step_cost.py --backends inductor,onnxruntime --schemes none,int4-g32
     .venv/bin/python bench/step_cost.py --artifacts /tmp/art --m 1,8,16  # reuse compiled artifacts
+    .venv/bin/python bench/step_cost.py --baseline old/ --baseline-schemes int4-g32  # + artifacts compiled before
 
 Each cell times one `executable.run` over M tokens of one row (all logits), at positions 256..,
 as speculative verification, a batched decode step or a prefill chunk makes; the median of
@@ -12,7 +13,10 @@ and the GFLOP/s of the step's linears (2 x parameters x M). Artifacts are compil
 `--artifacts` (`<backend>-<scheme>.kiln`, max_batch 16) and reused; weights are int8 or int4
 for the lm_head and embedding too (`--quantize-embeddings`). The CPU time other processes took
 is recorded per row; a row where others kept more than a quarter core busy is repeated up to
-three times, then flagged `*`. Writes bench/results/step_cost.md.
+three times, then flagged `*`. `--baseline DIR` also times DIR's artifacts of
+`--baseline-schemes` in the same run (compiled by an earlier commit: their graphs call the ops
+they were compiled with), each table after the one it compares with. Writes
+bench/results/step_cost.md.
 """
 
 from __future__ import annotations
@@ -122,6 +126,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--artifacts", type=Path, default=Path("out/step_cost"))
     parser.add_argument("--out", type=Path, default=RESULTS / "step_cost.md")
+    parser.add_argument("--baseline", type=Path, help="a directory of artifacts compiled before, timed too")
+    parser.add_argument("--baseline-schemes", default="int4-g32")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     ms = [int(m) for m in args.m.split(",")]
@@ -130,14 +136,19 @@ def main(argv=None) -> int:
         f"{platform.processor() or platform.machine()} ({cpu_name()})",
         "",
     ]
+    baseline_schemes = args.baseline_schemes.split(",") if args.baseline else []
     for backend in args.backends.split(","):
         for scheme in args.schemes.split(","):
-            llm = artifact(args.artifacts, backend, scheme)
-            rows = measure(llm, ms, args.repeats)
-            block = table(f"{backend} {scheme}", rows, weight_bytes(llm), linear_parameters(llm))
-            print("\n".join(block), flush=True)
-            lines += block
-            del llm
+            runs = [(args.artifacts, f"{backend} {scheme}")]
+            if scheme in baseline_schemes:
+                runs.append((args.baseline, f"{backend} {scheme}, baseline ({args.baseline})"))
+            for directory, title in runs:
+                llm = artifact(directory, backend, scheme)
+                rows = measure(llm, ms, args.repeats)
+                block = table(title, rows, weight_bytes(llm), linear_parameters(llm))
+                print("\n".join(block), flush=True)
+                lines += block
+                del llm
     write_result(args.out, "\n".join(lines))
     print(f"wrote {args.out}")
     return 0

@@ -1,9 +1,11 @@
 // Kiln CPU kernel for 4-bit weight-only linears (decode, verification, batched decode, prefill
 // chunks: M = 1..kSmallM = 128 rows of x, 2x the dequantize + GEMM it replaced at 96-128 rows).
-// One row of x (decode) streams the weight rows as described below; 2..128 rows (int4_many_rows.h)
-// stage each panel of 16 (AVX-512 VNNI) or 8 (AVX2) weight rows once into L1, transposed so that
-// one code vector holds a dword of every row, and run every row of x over it: each weight byte is
-// read from memory once per call whatever M is.
+// One row of x (decode) streams the weight rows as described below; 2..128 rows read the weight
+// packed at lowering into panels of 16 rows (int4_panels.h, kiln::linear_q4_panels: one code
+// vector holds a dword of every row of a panel) and run every row of x over each panel: each
+// weight byte is read from memory once per call whatever M is. linear_q4 without the panels
+// (the MoE experts' gathered_linear_q, packages compiled before them) stages each panel in L1
+// per call instead (int4_many_rows.h: ~40 cycles per block of 32 weights and 16 rows).
 //
 // Weight layout = the IR's linear_q (ir/ops/quantized.py), read as is, no repacking:
 //   qweight u8 [N, K/2]: row n holds w[n, 2j] in the low nibble of byte j and w[n, 2j+1] in the
@@ -55,6 +57,13 @@ void kiln_q4_prepare_rows(const float* x, int64_t K, int64_t m0, int64_t m1, uin
 void kiln_q4_many_rows(const uint8_t* records, int64_t M, const uint8_t* q, const float* scales,
                        const uint16_t* half_scales, const uint8_t* zeros, int64_t K, int64_t group_size, int64_t n0,
                        int64_t n1, const float* bias, float* y, int64_t N);
+// Weights packed into panels of 16 rows at lowering (int4_panels.h, kPanelBytes each): y[m * N + n]
+// for the rows of panels [p0, p1) and all M prepared rows, each panel read from memory once.
+// Scales f16 in panels without zero points, f32 in those with.
+void kiln_q4_panels(const uint8_t* records, int64_t M, const uint8_t* packed, int64_t panel_bytes, bool zero_points,
+                    int64_t K, int64_t p0, int64_t p1, const float* bias, float* y, int64_t N);
+// Bytes of one packed panel of 16 rows: codes, scales, zero points, padded to 64.
+int64_t kiln_q4_panel_bytes(int64_t K, bool zero_points);
 // Whether kiln_q4_many_rows uses AVX-512 VNNI (where the CPU has it; the default); returns the
 // choice in force.
 bool kiln_q4_use_vnni(bool wanted);
@@ -204,198 +213,9 @@ static void rows_times_x(const int8_t* xe, const int8_t* xo, const float* block_
   }
 }
 
-// ---- several rows of x (int4_many_rows.h) ----
+// ---- several rows of x (int4_rows_isa.h) ----
 
-static inline float to_f32(float s) { return s; }
-static inline float to_f32(uint16_t s) { return _cvtsh_ss(s); }
-static inline float to_f32(uint8_t z) { return z; }
-static inline __m128 load_four(const float* p) { return _mm_loadu_ps(p); }
-static inline __m128 load_four(const uint16_t* p) {
-  return _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-}
-static inline __m128 load_four(const uint8_t* p) {
-  int32_t four;
-  std::memcpy(&four, p, sizeof four);
-  return _mm_cvtepi32_ps(_mm_cvtepu8_epi32(_mm_cvtsi32_si128(four)));
-}
-static inline int32_t four_bytes(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-// One prepared row of x (kiln_q4_prepare_rows): a record of record_bytes(K).
-struct XRow {
-  const int8_t* even;  // [K / 2] x[2j] rounded to int8 in its block of 32
-  const int8_t* odd;   // [K / 2] x[2j + 1]
-  const float* scale;  // [K / 32] the block's scale: max|x| / 127
-  const float* zero;   // [K / 32] 8 * (the block's rounded x summed) * scale: zero point 8's share
-};
-
-static inline int64_t record_bytes(int64_t K) { return (K + K / 4 + 63) / 64 * 64; }
-
-static inline XRow x_row(const uint8_t* records, int64_t K, int64_t m) {
-  const uint8_t* record = records + m * record_bytes(K);
-  const float* scale = reinterpret_cast<const float*>(record + K);
-  return {reinterpret_cast<const int8_t*>(record), reinterpret_cast<const int8_t*>(record + K / 2), scale,
-          scale + K / 32};
-}
-
-constexpr int64_t kTileRows = 16;  // results of this many rows of each slab gather before going to y
-
-// Bytes of a staged panel: per block of 32 weights, 4 code vectors, scales and zero points / 8.
-static inline int64_t panel_bytes(int64_t K) { return K / 32 * 6 * 64; }
-
-namespace avx2 {
-using Codes = __m256i;
-using Lanes = __m256;
-constexpr int64_t kVectorBytes = 32;
-constexpr int kGroups = 2;       // of four rows: a panel of 8 weight rows
-constexpr int kLanes = 8;
-constexpr int kMostRowsOfX = 4;  // accumulators (and 8 code vectors) in 16 ymm registers
-static inline Codes load_codes(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-static inline Codes load_half(const void* p) { return load_codes(p); }  // never: K / 2 is whole vectors
-static inline void store_codes(Codes* p, Codes c) { _mm256_store_si256(p, c); }
-static inline Codes low_nibbles(Codes c) { return _mm256_and_si256(c, _mm256_set1_epi8(0x0F)); }
-static inline Codes high_nibbles(Codes c) { return _mm256_and_si256(_mm256_srli_epi16(c, 4), _mm256_set1_epi8(0x0F)); }
-// Four rows' vectors to four chunk vectors: v[j] dword r of 128-bit lane k = row r's dword j there.
-static inline void transpose_rows(Codes (&v)[4]) {
-  const __m256i t0 = _mm256_unpacklo_epi32(v[0], v[1]), t1 = _mm256_unpackhi_epi32(v[0], v[1]);
-  const __m256i t2 = _mm256_unpacklo_epi32(v[2], v[3]), t3 = _mm256_unpackhi_epi32(v[2], v[3]);
-  v[0] = _mm256_unpacklo_epi64(t0, t2);
-  v[1] = _mm256_unpackhi_epi64(t0, t2);
-  v[2] = _mm256_unpacklo_epi64(t1, t3);
-  v[3] = _mm256_unpackhi_epi64(t1, t3);
-}
-// 128-bit lane k of v[g] to lane g of v[k].
-static inline void transpose_lanes(Codes (&v)[kGroups]) {
-  const __m256i low = _mm256_permute2x128_si256(v[0], v[1], 0x20), high = _mm256_permute2x128_si256(v[0], v[1], 0x31);
-  v[0] = low;
-  v[1] = high;
-}
-static inline Lanes join_groups(const __m128 (&g)[kGroups]) { return _mm256_set_m128(g[1], g[0]); }
-// The block's dot for every row (int32 lanes) with x's 16 even / odd bytes there, a dword of x
-// broadcast per code vector; the int16 sums stay below 8 * 2 * 15 * 127 = 30480.
-static inline Codes block_dot(const Codes (&lo)[4], const Codes (&hi)[4], const int8_t* xe, const int8_t* xo) {
-  __m256i pairs = _mm256_setzero_si256();
-#pragma GCC unroll 4
-  for (int j = 0; j < 4; j++) {
-    pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(lo[j], _mm256_set1_epi32(four_bytes(xe + 4 * j))));
-    pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(hi[j], _mm256_set1_epi32(four_bytes(xo + 4 * j))));
-  }
-  return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
-}
-static inline void store_groups(float* out, int64_t g_stride, Lanes v) {
-  _mm_storeu_ps(out, _mm256_castps256_ps128(v));
-  _mm_storeu_ps(out + g_stride, _mm256_extractf128_ps(v, 1));
-}
-static inline Lanes broadcast(const float* p) { return _mm256_broadcast_ss(p); }
-static inline Lanes set_lanes(float v) { return _mm256_set1_ps(v); }
-static inline Codes as_codes(Lanes v) { return _mm256_castps_si256(v); }
-static inline Lanes as_lanes(Codes v) { return _mm256_castsi256_ps(v); }
-// The first `count` (1..8; even for f16) of eight values as f32, zeros after (masked: never past them).
-static inline __m256i first_lanes(int64_t count) {
-  return _mm256_cmpgt_epi32(_mm256_set1_epi32((int)count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
-static inline Lanes load_values(const float* p, int64_t count) {
-  return count >= 8 ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, first_lanes(count));
-}
-static inline Lanes load_values(const uint16_t* p, int64_t count) {
-  const __m128i halves = count >= 8 ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(p))
-                                    : _mm_maskload_epi32(reinterpret_cast<const int*>(p),
-                                                         _mm256_castsi256_si128(first_lanes(count / 2)));
-  return _mm256_cvtph_ps(halves);
-}
-static inline Lanes load_values(const uint8_t* p, int64_t count) {
-  alignas(8) uint8_t v[8] = {};
-  std::memcpy(v, p, std::min<int64_t>(count, 8));
-  return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(v))));
-}
-static inline Lanes load_lanes(const float* p) { return _mm256_load_ps(p); }
-static inline void store_lanes(float* p, Lanes v) { _mm256_store_ps(p, v); }
-static inline Lanes zero_lanes() { return _mm256_setzero_ps(); }
-static inline Lanes to_float(Codes c) { return _mm256_cvtepi32_ps(c); }
-static inline Lanes fmadd(Lanes a, Lanes b, Lanes c) { return _mm256_fmadd_ps(a, b, c); }
-static inline Lanes fmsub(Lanes a, Lanes b, Lanes c) { return _mm256_fmsub_ps(a, b, c); }
-static inline Lanes mul(Lanes a, Lanes b) { return _mm256_mul_ps(a, b); }
-#include "int4_many_rows.h"
-}  // namespace avx2
-
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512vl,avx512bw,avx512dq,avx512vnni")
-namespace vnni {
-using Codes = __m512i;
-using Lanes = __m512;
-constexpr int64_t kVectorBytes = 64;
-constexpr int kGroups = 4;       // a panel of 16 weight rows
-constexpr int kLanes = 16;
-constexpr int kMostRowsOfX = 8;  // accumulators, 8 code vectors and temporaries in 32 zmm registers
-static inline Codes load_codes(const void* p) { return _mm512_loadu_si512(p); }
-static inline Codes load_half(const void* p) {
-  return _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
-static inline void store_codes(Codes* p, Codes c) { _mm512_store_si512(p, c); }
-static inline Codes low_nibbles(Codes c) { return _mm512_and_si512(c, _mm512_set1_epi8(0x0F)); }
-static inline Codes high_nibbles(Codes c) { return _mm512_and_si512(_mm512_srli_epi16(c, 4), _mm512_set1_epi8(0x0F)); }
-static inline void transpose_rows(Codes (&v)[4]) {
-  const __m512i t0 = _mm512_unpacklo_epi32(v[0], v[1]), t1 = _mm512_unpackhi_epi32(v[0], v[1]);
-  const __m512i t2 = _mm512_unpacklo_epi32(v[2], v[3]), t3 = _mm512_unpackhi_epi32(v[2], v[3]);
-  v[0] = _mm512_unpacklo_epi64(t0, t2);
-  v[1] = _mm512_unpackhi_epi64(t0, t2);
-  v[2] = _mm512_unpacklo_epi64(t1, t3);
-  v[3] = _mm512_unpackhi_epi64(t1, t3);
-}
-static inline void transpose_lanes(Codes (&v)[kGroups]) {
-  const __m512i t0 = _mm512_shuffle_i32x4(v[0], v[1], 0x44), t1 = _mm512_shuffle_i32x4(v[0], v[1], 0xEE);
-  const __m512i t2 = _mm512_shuffle_i32x4(v[2], v[3], 0x44), t3 = _mm512_shuffle_i32x4(v[2], v[3], 0xEE);
-  v[0] = _mm512_shuffle_i32x4(t0, t2, 0x88);
-  v[1] = _mm512_shuffle_i32x4(t0, t2, 0xDD);
-  v[2] = _mm512_shuffle_i32x4(t1, t3, 0x88);
-  v[3] = _mm512_shuffle_i32x4(t1, t3, 0xDD);
-}
-static inline Lanes join_groups(const __m128 (&g)[kGroups]) {
-  const __m256 low = _mm256_set_m128(g[1], g[0]), high = _mm256_set_m128(g[3], g[2]);
-  return _mm512_insertf32x8(_mm512_castps256_ps512(low), high, 1);
-}
-// Two chains of four dpbusd (low and high nibbles), x's dwords broadcast from memory.
-static inline Codes block_dot(const Codes (&lo)[4], const Codes (&hi)[4], const int8_t* xe, const int8_t* xo) {
-  __m512i a = _mm512_setzero_si512(), b = _mm512_setzero_si512();
-#pragma GCC unroll 4
-  for (int j = 0; j < 4; j++) {
-    a = _mm512_dpbusd_epi32(a, lo[j], _mm512_set1_epi32(four_bytes(xe + 4 * j)));
-    b = _mm512_dpbusd_epi32(b, hi[j], _mm512_set1_epi32(four_bytes(xo + 4 * j)));
-  }
-  return _mm512_add_epi32(a, b);
-}
-static inline void store_groups(float* out, int64_t g_stride, Lanes v) {
-  _mm_storeu_ps(out, _mm512_castps512_ps128(v));
-  _mm_storeu_ps(out + g_stride, _mm512_extractf32x4_ps(v, 1));
-  _mm_storeu_ps(out + 2 * g_stride, _mm512_extractf32x4_ps(v, 2));
-  _mm_storeu_ps(out + 3 * g_stride, _mm512_extractf32x4_ps(v, 3));
-}
-static inline Lanes broadcast(const float* p) { return _mm512_set1_ps(*p); }
-static inline Lanes set_lanes(float v) { return _mm512_set1_ps(v); }
-static inline Codes as_codes(Lanes v) { return _mm512_castps_si512(v); }
-static inline Lanes as_lanes(Codes v) { return _mm512_castsi512_ps(v); }
-// The first `count` (1..16) of sixteen values as f32, zeros after (masked: never past them).
-static inline __mmask16 first_lanes(int64_t count) { return (__mmask16)((1u << std::min<int64_t>(count, 16)) - 1); }
-static inline Lanes load_values(const float* p, int64_t count) { return _mm512_maskz_loadu_ps(first_lanes(count), p); }
-static inline Lanes load_values(const uint16_t* p, int64_t count) {
-  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(first_lanes(count), p));
-}
-static inline Lanes load_values(const uint8_t* p, int64_t count) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(first_lanes(count), p)));
-}
-static inline Lanes load_lanes(const float* p) { return _mm512_load_ps(p); }
-static inline void store_lanes(float* p, Lanes v) { _mm512_store_ps(p, v); }
-static inline Lanes zero_lanes() { return _mm512_setzero_ps(); }
-static inline Lanes to_float(Codes c) { return _mm512_cvtepi32_ps(c); }
-static inline Lanes fmadd(Lanes a, Lanes b, Lanes c) { return _mm512_fmadd_ps(a, b, c); }
-static inline Lanes fmsub(Lanes a, Lanes b, Lanes c) { return _mm512_fmsub_ps(a, b, c); }
-static inline Lanes mul(Lanes a, Lanes b) { return _mm512_mul_ps(a, b); }
-#include "int4_many_rows.h"
-}  // namespace vnni
-#pragma GCC pop_options
+#include "int4_rows_isa.h"
 
 static bool cpu_has_vnni() {
   __builtin_cpu_init();  // static initializers may run before the CPU model is read
@@ -475,6 +295,27 @@ void kiln_q4_many_rows(const uint8_t* records, int64_t M, const uint8_t* q, cons
   if (half_scales)
     return kiln_q4::avx2::many_rows(x.data(), M, q, half_scales, zeros, K, group_size, n0, n1, bias, y, N, area, t);
   kiln_q4::avx2::many_rows(x.data(), M, q, scales, zeros, K, group_size, n0, n1, bias, y, N, area, t);
+}
+
+int64_t kiln_q4_panel_bytes(int64_t K, bool zero_points) {
+  const int64_t blocks = K / 32, bytes = blocks * (256 + (zero_points ? 16 * 4 + 16 : 16 * 2));
+  return (bytes + 63) / 64 * 64;
+}
+
+void kiln_q4_panels(const uint8_t* records, int64_t M, const uint8_t* packed, int64_t panel_bytes, bool zero_points,
+                    int64_t K, int64_t p0, int64_t p1, const float* bias, float* y, int64_t N) {
+  thread_local std::vector<kiln_q4::XRow> x;
+  x.resize(M);
+  for (int64_t m = 0; m < M; m++) x[m] = kiln_q4::x_row(records, K, m);
+  const kiln_q4::XRow* rows = x.data();
+  if (kiln_q4::use_vnni) {
+    if (zero_points)
+      return kiln_q4::vnni::packed_panels<float>(rows, M, packed, panel_bytes, K, true, p0, p1, bias, y, N);
+    return kiln_q4::vnni::packed_panels<uint16_t>(rows, M, packed, panel_bytes, K, false, p0, p1, bias, y, N);
+  }
+  if (zero_points)
+    return kiln_q4::avx2::packed_panels<float>(rows, M, packed, panel_bytes, K, true, p0, p1, bias, y, N);
+  kiln_q4::avx2::packed_panels<uint16_t>(rows, M, packed, panel_bytes, K, false, p0, p1, bias, y, N);
 }
 
 void kiln_q4_prepare_x(const float* x, int64_t K, int8_t* xe, int8_t* xo, float* block_scale, float* block_quarter) {
@@ -615,15 +456,20 @@ static void one_row(const float* x, const WeightPointers& w, int64_t N, int64_t 
   });
 }
 
-// 2..kSmallM rows: each rounded once (over the threads: the rounding is a few % of the call),
-// then each weight row read from memory once for all of them.
-static void many_rows(const float* x, int64_t M, const WeightPointers& w, int64_t N, int64_t K, int64_t group_size,
-                      float* y) {
-  const int64_t record = kiln_q4_record_bytes(K);
+// The M rows of x rounded into records (over the threads: the rounding is a few % of the call),
+// in a scratch buffer kept per thread.
+static const uint8_t* prepared_rows(const float* x, int64_t M, int64_t K) {
   thread_local std::vector<uint8_t> scratch;
-  scratch.resize(M * record + 64);
+  scratch.resize(M * kiln_q4_record_bytes(K) + 64);
   uint8_t* records = scratch.data() + (64 - reinterpret_cast<uintptr_t>(scratch.data()) % 64) % 64;
   at::parallel_for(0, M, 2, [&](int64_t m0, int64_t m1) { kiln_q4_prepare_rows(x, K, m0, m1, records); });
+  return records;
+}
+
+// 2..kSmallM rows: each rounded once, then each weight row read from memory once for all of them.
+static void many_rows(const float* x, int64_t M, const WeightPointers& w, int64_t N, int64_t K, int64_t group_size,
+                      float* y) {
+  const uint8_t* records = prepared_rows(x, M, K);
   over_rows_of_w(N, kPanelRows, [&](int64_t n0, int64_t n1) {
     kiln_q4_many_rows(records, M, w.q, w.scales, w.half_scales, w.zeros, K, group_size, n0, n1, w.bias, y, N);
   });
@@ -671,14 +517,67 @@ at::Tensor linear_q4(const at::Tensor& x_in, const at::Tensor& q, const at::Tens
   return y;
 }
 
+// Whether one row of x reads the panels too (kiln::q4_panels_at_one_row, to measure): slower
+// there (1.4x linear_q4's one-row kernel over SmolLM2's int4-g32 linears, 2 threads, Xeon), whose
+// four slabs stream side by side with a scale read per 64 weights.
+static bool panels_at_one_row = false;
+
+// linear_q4 with the weight also packed into panels (int4_kernel.py's pack_panels): 2..kSmallM
+// rows of x read the panels; one row (decode) and prefill read the IR's layout as linear_q4 does.
+at::Tensor linear_q4_panels(const at::Tensor& x_in, const at::Tensor& panels, const at::Tensor& q,
+                            const at::Tensor& scales, const std::optional<at::Tensor>& zeros,
+                            const std::optional<at::Tensor>& bias_in, int64_t group_size,
+                            const std::optional<at::Tensor>& decode_scales) {
+  const int64_t K = x_in.size(-1), M = x_in.numel() / std::max<int64_t>(K, 1), N = q.size(0);
+  if ((M == 1 && !panels_at_one_row) || M > kSmallM || M == 0)
+    return linear_q4(x_in, q, scales, zeros, bias_in, group_size, decode_scales);
+  TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat,
+              "kiln::linear_q4_panels: x must be CPU float32");
+  TORCH_CHECK(K == q.size(1) * 2 && K % 64 == 0, "kiln::linear_q4_panels: x has K=", K, ", the weight K=", q.size(1) * 2,
+              " (a multiple of 64)");
+  const bool zero_points = zeros.has_value();
+  const int64_t panel_bytes = kiln_q4_panel_bytes(K, zero_points);
+  TORCH_CHECK(panels.scalar_type() == at::kByte && panels.is_contiguous() && panels.dim() == 2 &&
+                  panels.size(0) == (N + 15) / 16 && panels.size(1) == panel_bytes,
+              "kiln::linear_q4_panels: panels must be a contiguous uint8 [", (N + 15) / 16, ", ", panel_bytes,
+              "], got ", panels.sizes());
+  at::Tensor bias = bias_in ? bias_in->contiguous() : at::Tensor();
+  TORCH_CHECK(!bias.defined() || (bias.scalar_type() == at::kFloat && bias.numel() == N),
+              "kiln::linear_q4_panels: bias must be f32 [N]");
+  const at::Tensor x = x_in.contiguous();
+  std::vector<int64_t> shape(x_in.sizes().begin(), x_in.sizes().end());
+  shape.back() = N;
+  at::Tensor y = at::empty(shape, x.options());
+  const uint8_t* records = prepared_rows(x.data_ptr<float>(), M, K);
+  const uint8_t* packed = panels.data_ptr<uint8_t>();
+  const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  float* out = y.data_ptr<float>();
+  at::parallel_for(0, panels.size(0), 1, [&](int64_t p0, int64_t p1) {
+    kiln_q4_panels(records, M, packed, panel_bytes, zero_points, K, p0, p1, b, out, N);
+  });
+  return y;
+}
+
 }  // namespace kiln_q4
 
 TORCH_LIBRARY_FRAGMENT(kiln, m) {
+  m.def("q4_panels_at_one_row(bool wanted) -> bool", [](bool wanted) {
+    kiln_q4::panels_at_one_row = wanted;
+    return wanted;
+  });
+  m.def("q4_panel_bytes(int K, bool zero_points) -> int", [](int64_t K, bool zero_points) {
+    return kiln_q4_panel_bytes(K, zero_points);
+  });
+  m.def("linear_q4_panels(Tensor x, Tensor panels, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, "
+        "int group_size, Tensor? decode_scales=None) -> Tensor");
   m.def("q4_use_vnni(bool wanted) -> bool", [](bool wanted) { return kiln_q4_use_vnni(wanted); });
   m.def("linear_q4(Tensor x, Tensor qweight, Tensor scales, Tensor? zeros, Tensor? bias, int group_size, "
         "Tensor? decode_scales=None) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(kiln, CPU, m) { m.impl("linear_q4", &kiln_q4::linear_q4); }
+TORCH_LIBRARY_IMPL(kiln, CPU, m) {
+  m.impl("linear_q4", &kiln_q4::linear_q4);
+  m.impl("linear_q4_panels", &kiln_q4::linear_q4_panels);
+}
 
 #endif  // KILN_INT4_KERNELS

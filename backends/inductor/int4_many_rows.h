@@ -1,6 +1,7 @@
-// Kiln's int4 kernel for several rows of x: included by int4_kernel.cpp twice, inside namespace
-// kiln_q4::avx2 (256-bit vectors) and, compiled for AVX-512 VNNI, kiln_q4::vnni (512-bit). XRow,
-// in_slabs-style helpers and the scalar helpers come from int4_kernel.cpp; each namespace first
+// Kiln's int4 kernel for several rows of x, each panel staged per call (linear_q4; linear_q4_panels
+// reads panels packed at lowering, int4_panels.h): included by int4_rows_isa.h twice, inside
+// namespace kiln_q4::avx2 (256-bit vectors) and, compiled for AVX-512 VNNI, kiln_q4::vnni
+// (512-bit). XRow and the scalar helpers come from int4_rows_isa.h; each namespace first
 // defines its vectors' primitives (Codes / Lanes: int / f32 vectors of kVectorBytes; kGroups =
 // kVectorBytes / 16 groups of four rows per panel; loads, stores, transposes, block_dot, f32
 // arithmetic). Hashed with int4_kernel.cpp for the build.

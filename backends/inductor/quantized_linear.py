@@ -7,10 +7,13 @@
   Other K, AVX2-only CPUs (where linear_q8's AVX2 path is slower at decode) or no int8 kernel ->
   `torch.ops.kiln.linear_i8` (gemv_kernel.py: f32 activations, the int8 weight repacked to
   [K, N]), with its [N] scales.
-- 4-bit, K % 64 == 0 and group_size 32 or a multiple of 64 -> `torch.ops.kiln.linear_q4` (int4_kernel.py),
-  reading the IR's packed u8 [N, K/2] weight, scales and zero points as they are; for symmetric
-  weights decode reads an f16 copy of the scales made at lowering (as llama.cpp's Q4_0 stores
-  them: 4.5 instead of 5 bits read per weight, each scale within 2^-11 of the f32 one).
+- 4-bit, K % 64 == 0 and group_size 32 or a multiple of 64 -> `torch.ops.kiln.linear_q4_panels`
+  (int4_kernel.py): decode reads the IR's packed u8 [N, K/2] weight, scales and zero points as
+  they are (symmetric weights: an f16 copy of the scales made at lowering, as llama.cpp's Q4_0
+  stores them: 4.5 instead of 5 bits read per weight, each scale within 2^-11 of the f32 one);
+  2..128 rows of x read a copy packed at lowering into panels of 16 rows (`pack_panels`), which
+  spares each call the staging of the weights (SmolLM2's int4-g32 linears over 8 rows: 0.8x the
+  time, bench/int4_rows.py --panels). Weights that are not module constants run linear_q4.
 - anything else (8-bit groups smaller than the row such as int8-g32, fractional zero points,
   other group sizes, no AVX2/compiler, or KILN_LINEAR_KERNEL=torch) -> dequantize + F.linear in
   torch ops, which Inductor compiles like the rest of the graph. f16 scales in the IR are copied
@@ -159,13 +162,30 @@ def _int8_kernel(b, node, args, attrs):
     return b.call(kernel, args[0], packed, flat_scales, args[4])
 
 
+def _int4_panels(b, node, args, f32_scales, group_size: int):
+    """The weight packed into panels of 16 rows (int4_kernel.pack_panels) as a module constant, or
+    None where its codes, scales or zero points are not constants."""
+    from .int4_kernel import pack_panels
+
+    qweight, scales = b.constant(args[1]), b.constant(f32_scales)
+    zeros = None if args[3] is None else b.constant(args[3])
+    if qweight is None or scales is None or (args[3] is not None and zeros is None):
+        return None
+    return b.add_constant(node.inputs[1].name + ".panels", pack_panels(qweight, scales, zeros, group_size))
+
+
 def _int4_kernel(b, node, args, attrs):
     k, group_size = node.inputs[0].type.shape[-1], attrs["group_size"]
     prepared = int4_kernel_scales(b, k, group_size, args[2], node.inputs[2].name, args[3])
     if prepared is None:
         return None
     f32_scales, decode_scales = prepared
-    return b.call(torch.ops.kiln.linear_q4, args[0], args[1], f32_scales, *args[3:5], group_size, decode_scales)
+    panels = _int4_panels(b, node, args, f32_scales, group_size)
+    if panels is None:
+        return b.call(torch.ops.kiln.linear_q4, args[0], args[1], f32_scales, *args[3:5], group_size, decode_scales)
+    return b.call(
+        torch.ops.kiln.linear_q4_panels, args[0], panels, args[1], f32_scales, *args[3:5], group_size, decode_scales
+    )
 
 
 def lower_linear_q(b, node, args, attrs):
