@@ -81,10 +81,11 @@ def run(llm, prompt: list[int], tokens: int, speculative) -> tuple[object, float
 
 
 class TimedDrafter:
-    """A drafter that adds up the time its inner drafter spends (solving states and drafting)."""
+    """A drafter that adds up the time its inner drafter spends (solving states and drafting)
+    and counts, per verified draft, how many of its tokens the target accepted."""
 
     def __init__(self, inner):
-        self.inner, self.seconds = inner, 0.0
+        self.inner, self.seconds, self.accepted = inner, 0.0, []
 
     @classmethod
     def heads(cls, llm, kind: str) -> TimedDrafter:
@@ -104,12 +105,35 @@ class TimedDrafter:
         return self._timed("observe", logits)
 
     def feedback(self, drafted, accepted):
+        self.accepted.append(accepted)
         return self.inner.feedback(drafted, accepted)
+
+    def stage_acceptance(self, stages: int) -> str:
+        """The share of drafts whose first i+1 tokens were all accepted, for each stage i."""
+        if not self.accepted:
+            return ""
+        return " / ".join(f"{sum(a > i for a in self.accepted) / len(self.accepted):.0%}" for i in range(stages))
 
 
 def fresh(speculative):
     """A drafter for one run: factories (heads keep per-generation state) are called."""
     return speculative() if callable(speculative) and not hasattr(speculative, "generate") else speculative
+
+
+def heads_notes(manifest: dict) -> str:
+    """What training made the artifact's heads, from its manifest."""
+    lines = []
+    for kind, entry in sorted(manifest.get("speculators", {}).items()):
+        training = entry.get("training", {})
+        config = training.get("config", {})
+        lines.append(
+            f"- {kind} heads: {entry.get('stages')} stages, head {entry.get('head')}, draft vocabulary "
+            f"{entry.get('draft_vocab')}, {training.get('steps')} steps (lr {config.get('lr')}, batch "
+            f"{config.get('batch')}), {training.get('cpu_minutes')} CPU minutes; on held-out replies "
+            f"top-1 accuracy per stage {training.get('stage_accuracy')} against the model's greedy "
+            f"choices, {training.get('accepted_per_draft')} tokens accepted per draft"
+        )
+    return "\n\nThe heads (from the artifact's manifest):\n" + "\n".join(lines) if lines else ""
 
 
 def contention(other_cores: float) -> str:
@@ -135,9 +159,9 @@ def main(argv=None) -> int:
     for kind in sorted(target.manifest.get("speculators", {})):
         drafts[f"{kind} heads"] = functools.partial(TimedDrafter.heads, target, kind)
     lines = [
-        "| prompt | method | tok/s | x plain | acceptance | tokens/target step | draft ms/step | same as plain | "
-        "others' cores |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
+        "| prompt | method | tok/s | x plain | acceptance | tokens/target step | draft ms/step | "
+        "accepted to stage 1/2/3/.. | same as plain | others' cores |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- | --- | ---: |",
     ]
     for name, text in (("code edit", CODE_PROMPT), ("prose", PROSE_PROMPT)):
         prompt = target.encode_chat([{"role": "user", "content": text}])
@@ -146,25 +170,32 @@ def main(argv=None) -> int:
             run(target, prompt, 8, fresh(speculative))
         plain, seconds, others = run(target, prompt, args.tokens, None)
         plain_rate = len(plain.token_ids) / seconds
-        lines.append(f"| {name} | plain greedy | {plain_rate:.1f} | 1.00 | | 1.00 | | | {contention(others)} |")
+        lines.append(f"| {name} | plain greedy | {plain_rate:.1f} | 1.00 | | 1.00 | | | | {contention(others)} |")
         for method, speculative in drafts.items():
             drafter = fresh(speculative)
             result, seconds, others = run(target, prompt, args.tokens, drafter)
             same = "yes" if result.token_ids == plain.token_ids else "NO"
             rate = len(result.token_ids) / seconds
+            timed = isinstance(drafter, TimedDrafter)
             draft_ms = (
                 f"{drafter.seconds / result.stats.target_steps * 1000:.1f}"
-                if isinstance(drafter, TimedDrafter) and result.stats.target_steps
+                if timed and result.stats.target_steps
                 else ""
             )
+            stages = drafter.stage_acceptance(drafter.inner.heads.stages) if timed else ""
             lines.append(
                 f"| {name} | {method} | {rate:.1f} | {rate / plain_rate:.2f} | "
                 f"{result.stats.acceptance_rate:.0%} | {result.stats.tokens_per_target_step:.2f} | {draft_ms} | "
-                f"{same} | {contention(others)} |"
+                f"{stages} | {same} | {contention(others)} |"
             )
-    report = "\n".join(lines) + (
-        f"\n\n`*`: other processes kept more than {CONTENDED_CORES} of a core busy on "
-        "average during the run (contended)."
+    report = (
+        "\n".join(lines)
+        + (
+            f"\n\n`*`: other processes kept more than {CONTENDED_CORES} of a core busy on "
+            "average during the run (contended). `accepted to stage i`: the share of the heads' "
+            "drafts whose first i tokens the target accepted."
+        )
+        + heads_notes(target.manifest)
     )
     print(report)
     write_result(RESULTS / "speculative.md", report)

@@ -55,6 +55,8 @@ def main(argv=None) -> int:
     head = output_head(llm.graph)
     saved = torch.load(work_dir(artifact) / "corpus.pt", weights_only=True)
     saved.pop("key")
+    if "greedy" not in saved:  # a corpus collected before the greedy choices were kept
+        saved["greedy"] = data.greedy_choices(saved["hidden"], head)
     corpus = data.Corpus(**saved)
     replies = corpus.positions(4, replies=True)
     held = replies[len(replies) - len(replies) // 10 :]

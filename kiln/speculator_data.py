@@ -7,8 +7,12 @@ Two sources, as in IBM's two training phases:
   (kiln/data/speculator_prompts.txt), so the heads learn what the model itself says.
 Each sequence is run through the compiled executable once, like a prefill; the hidden state at
 every position is solved from its logits (kiln.runtime.last_hidden), exactly as the drafter does
-at generation time. The result is cached beside the artifact, keyed by its weights and the
-sources, so training other kinds or resuming skips the collection.
+at generation time, and the logits' argmax kept: the model's own greedy choice of the next token,
+which is what the heads learn to predict (on text as on replies: a draft is accepted when it is
+the model's choice, not the text's). The replies are generated as one list of prompts, which the
+engine decodes side by side up to the artifact's max_batch. The result is cached beside the
+artifact, keyed by its weights and the sources, so training other kinds or resuming skips the
+collection.
 """
 
 from __future__ import annotations
@@ -33,10 +37,12 @@ MAX_LINEAR_ERROR = 1e-3  # above this, the logits are not the lm_head's linear i
 class Corpus:
     """Sequences laid end to end: tokens [n], hidden [n, hidden]; `starts[i]` is where sequence
     i begins, `learn_from[i]` its first position whose next tokens are training targets (a
-    reply's first position; 0 for text); `replies[i]` whether it is a model reply."""
+    reply's first position; 0 for text); `replies[i]` whether it is a model reply; `greedy[p]`
+    the model's argmax at p, its choice for token p+1 (in a reply, token p+1 itself)."""
 
     tokens: torch.Tensor
     hidden: torch.Tensor
+    greedy: torch.Tensor
     starts: list[int]
     learn_from: list[int]
     replies: list[bool]
@@ -94,18 +100,11 @@ def collect(llm, head: OutputHead, texts: list[str], prompts: list[str], reply_t
         for ids in [tokenizer.encode(text, add_special_tokens=False)]
         for i in range(0, len(ids), chunk)
     ]
-    started = time.perf_counter()
-    for i, prompt in enumerate(prompts):
-        ids = tokenizer.encode_chat([{"role": "user", "content": prompt}])
-        reply = llm.generate(ids, max_new_tokens=max(1, min(reply_tokens, llm.max_seq_len - len(ids) - 1)))
-        sequences.append(((ids + reply.token_ids)[: llm.max_seq_len], len(ids) - 1, True))
-        if (i + 1) % REPORT_EVERY == 0 or i + 1 == len(prompts):
-            elapsed = time.perf_counter() - started
-            report(f"replies {i + 1}/{len(prompts)}, ETA {_clock(elapsed / (i + 1) * (len(prompts) - i - 1))}")
+    sequences += _replies(llm, prompts, reply_tokens, report)
     sequences = [s for s in sequences if len(s[0]) > 1]
     ranking = frequency_ranking([s[0] for s in sequences], head.weight.shape[0])
     to_hidden = HiddenFromLogits.for_head(head, ranking)
-    tokens, hidden, starts = [], [], []
+    tokens, hidden, greedy, starts = [], [], [], []
     with llm.engine.exclusive() as executable:  # the engine forgets the rows' cached prefixes after
         for i, (ids, _, _) in enumerate(sequences):
             logits = executable.run(torch.tensor([ids]), torch.arange(len(ids))[None])[0].float()
@@ -119,17 +118,38 @@ def collect(llm, head: OutputHead, texts: list[str], prompts: list[str], reply_t
             starts.append(sum(len(t) for t in tokens))
             tokens.append(torch.tensor(ids))
             hidden.append(to_hidden(logits))
+            greedy.append(logits.argmax(-1))
             if (i + 1) % REPORT_EVERY == 0 or i + 1 == len(sequences):
                 report(f"hidden states {i + 1}/{len(sequences)}")
     return Corpus(
         torch.cat(tokens),
         torch.cat(hidden),
+        torch.cat(greedy),
         starts,
         [s[1] for s in sequences],
         [s[2] for s in sequences],
         ranking,
         to_hidden.rows,
     )
+
+
+def _replies(llm, prompts: list[str], reply_tokens: int, report) -> list[tuple[list[int], int, bool]]:
+    """(prompt + greedy reply, the prompt's last position, True) per prompt; prompts go to the
+    engine in groups of a few batches, so it decodes them side by side and progress shows."""
+    chats = [llm.tokenizer.encode_chat([{"role": "user", "content": prompt}]) for prompt in prompts]
+    chats = [ids for ids in chats if len(ids) < llm.max_seq_len - 1]  # room for at least one token
+    group = max(1, llm.max_batch) * 4
+    started, sequences = time.perf_counter(), []
+    for first in range(0, len(chats), group):
+        batch = chats[first : first + group]
+        longest = max(len(ids) for ids in batch)
+        tokens = max(1, min(reply_tokens, llm.max_seq_len - longest - 1))
+        for ids, reply in zip(batch, llm.generate(batch, max_new_tokens=tokens)):
+            sequences.append((ids + reply.token_ids, len(ids) - 1, True))
+        done = first + len(batch)
+        elapsed = time.perf_counter() - started
+        report(f"replies {done}/{len(chats)}, ETA {_clock(elapsed / done * (len(chats) - done))}")
+    return sequences
 
 
 def frequency_ranking(sequences: list[list[int]], vocab: int) -> torch.Tensor:
@@ -146,8 +166,9 @@ def save_corpus(corpus: Corpus, path: Path, key: str) -> None:
     torch.save({"key": key, **corpus.__dict__}, path)
 
 
-def load_corpus(path: Path, key: str) -> Corpus | None:
-    """The cached corpus at `path` if it was collected from the same artifact and sources."""
+def load_corpus(path: Path, key: str, head: OutputHead) -> Corpus | None:
+    """The cached corpus at `path` if it was collected from the same artifact and sources (one
+    cached before the greedy choices were kept gets them from its hidden states)."""
     if not path.is_file():
         return None
     try:
@@ -156,7 +177,15 @@ def load_corpus(path: Path, key: str) -> Corpus | None:
         return None
     if not isinstance(saved, dict) or saved.pop("key", None) != key:
         return None
+    if "greedy" not in saved:
+        saved["greedy"] = greedy_choices(saved["hidden"], head)
     return Corpus(**saved)
+
+
+def greedy_choices(hidden: torch.Tensor, head: OutputHead, rows: int = 1024) -> torch.Tensor:
+    """The argmax of the logits the lm_head makes of each hidden state [n, hidden]."""
+    bias = head.bias if head.bias is not None else 0
+    return torch.cat([(part @ head.weight.T + bias).argmax(-1) for part in hidden.split(rows)])
 
 
 def _clock(seconds: float) -> str:

@@ -1,8 +1,11 @@
 """Training draft heads: AdamW over the corpus' positions, resumable from a checkpoint file.
 
 A sample is a position p of the corpus: the heads see h_p and t_{p+1} .. t_{p+stages} (teacher
-forcing) and are scored on t_{p+2} .. t_{p+stages+1}, the sum of the stages' cross-entropies over
-the draft vocabulary (targets outside it score nothing). The first `text_fraction` of the steps
+forcing) and are scored on the model's own greedy choices after t_{p+1} .. t_{p+stages}
+(g_{p+1} .. g_{p+stages}, the logits' argmax at those positions: what greedy verification
+accepts; in a reply they are t_{p+2} .. t_{p+stages+1}, on text they often differ from the text),
+the sum of the stages' cross-entropies over the draft vocabulary (targets outside it score
+nothing). The first `text_fraction` of the steps
 draw positions from text, the rest from the model's replies; a tenth of the replies is held out
 for the accuracy report. The learning rate warms up over the first 5% of steps, then decays
 along a cosine to a tenth.
@@ -61,10 +64,10 @@ class Trainer:
         return self.config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
     def batch(self, positions: torch.Tensor):
-        """(hidden [b, hidden], fed tokens [b, stages], targets [b, stages]) at positions p."""
-        offsets = torch.arange(1, self.config.stages + 2)
-        window = self.corpus.tokens[positions[:, None] + offsets]  # t_{p+1} .. t_{p+stages+1}
-        return self.corpus.hidden[positions], window[:, :-1], self.targets[window[:, 1:]]
+        """(hidden [b, hidden], fed tokens [b, stages], targets [b, stages]) at positions p; the
+        targets are draft-vocabulary indices of the model's greedy choices g_{p+1} .. g_{p+stages}."""
+        window = positions[:, None] + torch.arange(1, self.config.stages + 1)
+        return self.corpus.hidden[positions], self.corpus.tokens[window], self.targets[self.corpus.greedy[window]]
 
     def loss(self, positions: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
         hidden, fed, wanted = self.batch(positions)
@@ -112,16 +115,16 @@ class Trainer:
 
     @torch.no_grad()
     def evaluate(self) -> tuple[list[float], float]:
-        """On the held-out positions: each stage's teacher-forced top-1 accuracy, and how many
-        tokens of the heads' own greedy chain match what followed (what greedy verification
-        would accept per draft)."""
+        """On the held-out positions: each stage's teacher-forced top-1 accuracy against the
+        model's greedy choices, and how many tokens of the heads' own greedy chain match what the
+        model would say (what greedy verification accepts per draft)."""
         positions = self.held_out[:4096]
         hidden, fed, wanted = self.batch(positions)
         accuracy = [
             float(((out.argmax(-1) == wanted[:, i]) & (wanted[:, i] != IGNORE)).float().mean())
             for i, out in enumerate(self.heads(hidden, fed))
         ]
-        truth = self.corpus.tokens[positions[:, None] + torch.arange(2, self.config.stages + 2)]
+        truth = self.corpus.greedy[positions[:, None] + torch.arange(1, self.config.stages + 1)]
         right = (self.heads.chains(hidden, fed[:, 0]) == truth).long()
         return accuracy, float(right.cumprod(dim=1).sum(dim=1).float().mean())
 

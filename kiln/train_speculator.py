@@ -119,7 +119,7 @@ def _corpus(llm, head, artifact: Path, config: TrainConfig, data_files, prompts,
     prompts = data.read_prompts() if prompts is None else prompts
     key = data.source_key(llm, texts, prompts, config.reply_tokens)
     path = work_dir(artifact) / "corpus.pt"
-    corpus = data.load_corpus(path, key)
+    corpus = data.load_corpus(path, key, head)
     if corpus is None:
         path.parent.mkdir(parents=True, exist_ok=True)
         corpus = data.collect(llm, head, texts, prompts, config.reply_tokens, report)

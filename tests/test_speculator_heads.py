@@ -218,3 +218,30 @@ def test_heads_draft_trees_in_the_engine_for_requests_side_by_side(artifact, mon
     assert [r.token_ids for r in results] == expected
     assert any(not tree.is_chain for tree in trees) and all(r.stats.drafted_tokens for r in results)
     assert llm.submit(prompts[0], max_new_tokens=16, speculative="heads").result().token_ids == expected[0]
+
+
+def test_heads_learn_the_models_own_greedy_choices_also_on_text(artifact):
+    """A draft is accepted when it is what the model would say: on text the targets are the
+    model's argmax after each text token (solved back from the corpus' hidden states), not the
+    text's own next tokens, which a small model rarely agrees with."""
+    from kiln import speculator_data as data
+    from kiln.speculator_trainer import IGNORE, Trainer, vocab_index
+
+    llm = kiln.load(artifact[1])
+    head = output_head(llm.graph)
+    saved = torch.load(work_dir(artifact[1]) / "corpus.pt", weights_only=True)
+    saved.pop("key")
+    corpus = data.Corpus(**saved)
+    vocab_ids = corpus.ranking[: CONFIG.draft_vocab]
+    targets = vocab_index(vocab_ids, head.weight.shape[0])
+    from kiln.runtime.speculator_heads import build_heads
+
+    trainer = Trainer(build_heads("mlp", head, CONFIG.stages, vocab_ids, "own"), corpus, targets, CONFIG)
+    text = corpus.positions(CONFIG.stages, replies=False)
+    _, fed, wanted = trainer.batch(text)
+    after = text[:, None] + torch.arange(1, CONFIG.stages + 1)  # the positions of t_{p+1} .. t_{p+stages}
+    choice = (corpus.hidden[after] @ head.weight.T + (head.bias if head.bias is not None else 0)).argmax(-1)
+    assert torch.equal(fed, corpus.tokens[after])
+    assert torch.equal(wanted, targets[choice])
+    in_vocab = wanted != IGNORE
+    assert (wanted != targets[corpus.tokens[after + 1]])[in_vocab].float().mean() > 0.5  # not the text's tokens
