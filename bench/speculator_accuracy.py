@@ -13,7 +13,8 @@ own chain that match, on three sets:
 - the runtime: `generate(speculative=...)` on those prompts, counting per verified draft how many
   tokens the target accepted (it must agree with the offline chain on fresh replies).
 A large gap between training and fresh accuracy is overfitting; a training accuracy near zero
-against the model's choices is misaligned targets. Writes bench/results/speculator_accuracy.md.
+against the model's choices is misaligned targets. Writes bench/results/speculator_accuracy.md
+(or --out NAME there).
 """
 
 from __future__ import annotations
@@ -100,6 +101,7 @@ def main(argv=None) -> int:
     parser.add_argument("--kind", default="mlp")
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", default="speculator_accuracy.md", help="the results file's name in bench/results")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     artifact = Path(args.artifact)
@@ -129,7 +131,7 @@ def main(argv=None) -> int:
         "`runtime`: tokens the target accepted per verified draft in generate(speculative=...).\n"
     )
     print(report)
-    write_result(RESULTS / "speculator_accuracy.md", report)
+    write_result(RESULTS / args.out, report)
     return 0
 
 
