@@ -7,16 +7,18 @@
 
 Each cell times one `executable.run` over M tokens of one row (all logits), at positions 256..,
 as speculative verification, a batched decode step or a prefill chunk makes; the median of
-`--repeats` calls after two warm-up calls. Reported per M: milliseconds, the ratio to M = 1, the
+`--repeats` calls after two warm-up calls (`--across-m`: rounds of one call at every M in turn,
+which the host's drifts cannot skew between M, though each M = 1 call then finds the caches as a
+larger step left them). Reported per M: milliseconds, the ratio to M = 1, the
 weight bytes read per second (each weight once per step: the roofline of a memory-bound step)
 and the GFLOP/s of the step's linears (2 x parameters x M). Artifacts are compiled once into
 `--artifacts` (`<backend>-<scheme>.kiln`, max_batch 16) and reused; weights are int8 or int4
 for the lm_head and embedding too (`--quantize-embeddings`). The CPU time other processes took
-is recorded per row; a row where others kept more than a quarter core busy is repeated up to
+is recorded per row; rows where others kept more than a quarter core busy are repeated up to
 three times, then flagged `*`. `--baseline DIR` also times DIR's artifacts of
-`--baseline-schemes` in the same run (compiled by an earlier commit: their graphs call the ops
-they were compiled with), each table after the one it compares with. Writes
-bench/results/step_cost.md.
+`--baseline-schemes` (compiled by an earlier commit: their graphs call the ops they were
+compiled with), call by call in turn with the current artifact, each table after the one it
+compares with. Writes bench/results/step_cost.md.
 """
 
 from __future__ import annotations
@@ -73,29 +75,46 @@ def linear_parameters(llm) -> int:
     return sum(t.numel() for t in {t.data_ptr(): t for t in llm.graph.weights.values()}.values() if t.dim() == 2)
 
 
-def time_step(executable, m: int, repeats: int) -> tuple[float, float]:
-    """Median seconds of one run over m tokens of row 0, and others' cores while timing."""
+def feeds(m: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """m tokens of row 0 at positions 256.."""
     tokens = torch.randint(100, 20000, (1, m), generator=torch.Generator().manual_seed(m))
-    positions = torch.arange(START_POSITION, START_POSITION + m).unsqueeze(0)
+    return tokens, torch.arange(START_POSITION, START_POSITION + m).unsqueeze(0)
+
+
+def timed_rounds(llms: list, ms: list[int], repeats: int) -> tuple[dict, float]:
+    """Seconds of each (artifact, M) call over `repeats` rounds, each round one call of every
+    artifact at every M in turn (after two warm-up rounds), and others' cores meanwhile."""
+    inputs = {m: feeds(m) for m in ms}
+    seconds = {(i, m): [] for i in range(len(llms)) for m in ms}
     for _ in range(2):
-        executable.run(tokens, positions)
-    seconds = []
+        for m in ms:
+            for llm in llms:
+                llm.executable.run(*inputs[m])
     with CpuMeter() as meter:
         for _ in range(repeats):
-            start = time.perf_counter()
-            executable.run(tokens, positions)
-            seconds.append(time.perf_counter() - start)
-    return statistics.median(seconds), meter.result.other_cores
+            for m in ms:
+                for i, llm in enumerate(llms):
+                    start = time.perf_counter()
+                    llm.executable.run(*inputs[m])
+                    seconds[(i, m)].append(time.perf_counter() - start)
+    return seconds, meter.result.other_cores
 
 
-def measure(llm, ms: list[int], repeats: int) -> list[dict]:
-    rows = []
-    for m in ms:
+def measure(llms: list, ms: list[int], repeats: int, across_m: bool) -> list[list[dict]]:
+    """Rows per artifact: the median seconds per M, the artifacts taking turns call by call. With
+    `across_m`, every round also goes over every M, so that a drift of the host (other machines'
+    memory traffic moved a step's time by up to 2x within minutes here) falls on all cells alike;
+    without, each M runs its own rounds, as a steady stream of such steps would (the caches as
+    the previous step of the same M left them). Rounds where others kept more than a quarter
+    core busy are run again up to three times, then flagged `*`."""
+    rows = [[] for _ in llms]
+    for group in [ms] if across_m else [[m] for m in ms]:
         for _attempt in range(3):
-            seconds, others = time_step(llm.executable, m, repeats)
+            seconds, others = timed_rounds(llms, group, repeats)
             if others <= 0.25:
                 break
-        rows.append({"m": m, "seconds": seconds, "others": others})
+        for i, out in enumerate(rows):
+            out += [{"m": m, "seconds": statistics.median(seconds[(i, m)]), "others": others} for m in group]
     return rows
 
 
@@ -128,6 +147,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=RESULTS / "step_cost.md")
     parser.add_argument("--baseline", type=Path, help="a directory of artifacts compiled before, timed too")
     parser.add_argument("--baseline-schemes", default="int4-g32")
+    parser.add_argument("--across-m", action="store_true", help="each round calls every M in turn")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     ms = [int(m) for m in args.m.split(",")]
@@ -142,13 +162,12 @@ def main(argv=None) -> int:
             runs = [(args.artifacts, f"{backend} {scheme}")]
             if scheme in baseline_schemes:
                 runs.append((args.baseline, f"{backend} {scheme}, baseline ({args.baseline})"))
-            for directory, title in runs:
-                llm = artifact(directory, backend, scheme)
-                rows = measure(llm, ms, args.repeats)
+            llms = [artifact(directory, backend, scheme) for directory, _title in runs]
+            for llm, (_directory, title), rows in zip(llms, runs, measure(llms, ms, args.repeats, args.across_m)):
                 block = table(title, rows, weight_bytes(llm), linear_parameters(llm))
                 print("\n".join(block), flush=True)
                 lines += block
-                del llm
+            del llms
     write_result(args.out, "\n".join(lines))
     print(f"wrote {args.out}")
     return 0
