@@ -131,7 +131,12 @@ def heads_notes(manifest: dict) -> str:
             f"{entry.get('draft_vocab')}, {training.get('steps')} steps (lr {config.get('lr')}, batch "
             f"{config.get('batch')}), {training.get('cpu_minutes')} CPU minutes; on held-out replies "
             f"top-1 accuracy per stage {training.get('stage_accuracy')} against the model's greedy "
-            f"choices, {training.get('accepted_per_draft')} tokens accepted per draft"
+            "choices"
+            + (
+                f", {training['accepted_per_draft']} tokens accepted per draft"
+                if "accepted_per_draft" in training
+                else ""
+            )
         )
     return "\n\nThe heads (from the artifact's manifest):\n" + "\n".join(lines) if lines else ""
 
