@@ -5,6 +5,7 @@ static layout; the options that ask for it, and what refuses it."""
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import pytest
 import torch
@@ -63,13 +64,14 @@ def scattered_table(rows: int) -> torch.Tensor:
     return order.reshape(rows, 8).to(torch.int32)
 
 
-def check_paged_against_static(model, backends) -> list:
+def check_paged_against_static(model, backends, kv_cache: str = "f32") -> list:
     """Prefill two rows in two chunks and decode a token through scattered blocks: the logits of
     each paged executable equal the static layout's on the reference backend."""
     from kiln.backends import reference
 
-    static = reference.lower(stateful_graph(model, STATIC), STATIC)
-    paged = [backend.lower(stateful_graph(model, PAGED), PAGED) for backend in backends]
+    static_options, paged_options = (replace(o, kv_cache=kv_cache) for o in (STATIC, PAGED))
+    static = reference.lower(stateful_graph(model, static_options), static_options)
+    paged = [backend.lower(stateful_graph(model, paged_options), paged_options) for backend in backends]
     table = scattered_table(2)
     tokens = torch.randint(3, 200, (2, 21), generator=torch.Generator().manual_seed(0))
     calls = [(tokens[:, :13], torch.arange(13)), (tokens[:, 13:20], torch.arange(13, 20)), (tokens[:, 20:], [[20]])]
@@ -84,6 +86,7 @@ def check_paged_against_static(model, backends) -> list:
 def test_paged_logits_equal_the_static_layouts_on_the_reference_backend(tiny_model_dirs):
     from kiln.backends import reference
 
+    check_paged_against_static(tiny_model_dirs("llama"), [reference], kv_cache="int8")  # scales paged too
     static, paged = check_paged_against_static(tiny_model_dirs("llama"), [reference])
     assert paged.caches[0].shape == (20, *paged.caches[0].shape[1:]) and paged.max_seq_len == MAX_SEQ_LEN
     one = torch.zeros(2, 1, dtype=torch.int64)
