@@ -75,3 +75,20 @@ def test_packing_refuses_a_group_size_the_panels_cannot_hold(kernel):
     q = quantize_weight(torch.randn(16, 96), 4, 16, False)
     with pytest.raises(LoweringError, match="group_size % 32"):
         pack_panels(q.qweight, q.scales, q.zeros, 16)
+
+
+@pytest.mark.parametrize("symmetric", [True, False], ids=["symmetric", "zero-points"])
+def test_the_lowering_runs_int4_linears_over_packed_panels(kernel, symmetric):
+    """Inductor's lowering of an int4 linear_q packs the weight once and calls linear_q4_panels,
+    equal to the interpreter to the kernel's rounding of x (as linear_q4 is held to)."""
+    from kiln.backends.inductor import graph_to_fx
+    from kiln.ir import run_graph
+    from test_quantization import quantized_linear_graph
+
+    graph = quantized_linear_graph(4, 32, symmetric, 192)
+    module = graph_to_fx(graph)
+    assert any("linear_q4_panels" in str(n.target) for n in module.graph.nodes)
+    for rows in (1, 3, 16):
+        x = torch.randn(rows, 192)
+        want, got = run_graph(graph, [x])[0], module(x)[0]
+        assert ((got - want).norm() / want.norm()).item() < 0.012
