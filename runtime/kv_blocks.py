@@ -18,8 +18,9 @@ Block 0 is the scratch block: it belongs to no request, so table entries past a 
 the lanes a call does not feed point at it (what is written there is never read).
 
 Admission is by memory: a request is placed when the blocks its tokens need, plus one to grow
-into, are free. A request that needs a block when none is free is preempted by the engine
-(recompute: its blocks are released and it waits again with its prompt and generated tokens).
+into, are free (a pool of one row's blocks still admits a request of max_seq_len tokens). A
+request that needs a block when none is free is preempted by the engine (recompute: its blocks
+are released and it waits again with its prompt and generated tokens).
 """
 
 from __future__ import annotations
@@ -90,11 +91,20 @@ class KvBlocks:
         shared = self._shared_prefix(tokens)
         reused = min(len(shared) * self.block_size, len(tokens) - 1)  # the last token is fed again
         kept = reused // self.block_size  # shared blocks left unwritten; one holding `reused` is copied
-        needed = self.blocks_for(len(tokens)) - kept + 1  # and one to grow into
-        revived = sum(1 for block in shared[:kept] if self.refs[block] == 0)  # free now, taken back
-        if self.blocks_free - revived < needed:
-            return None
-        return Placement(lane, reused, copy_from=None)
+        if self._fits(tokens, shared[: kept + 1], kept):
+            return Placement(lane, reused)
+        if reused % self.block_size and self._fits(tokens, shared[:kept], kept):  # no room to copy one
+            return Placement(lane, kept * self.block_size)
+        return None
+
+    def _fits(self, tokens: list[int], taken: list[int], kept: int) -> bool:
+        """Whether the free blocks hold what a request needs: its tokens' blocks beyond the `kept`
+        shared ones, one to grow into (unless it would then hold a whole row), and the `taken`
+        shared blocks that are free now (a block copied on write is taken while it is copied)."""
+        blocks = self.blocks_for(len(tokens))
+        needed = blocks - kept + (1 if blocks < self.blocks_per_row else 0)
+        revived = sum(1 for block in taken if self.refs[block] == 0)
+        return self.blocks_free - revived >= needed
 
     def _shared_prefix(self, tokens: list[int]) -> list[int]:
         """The registered blocks holding tokens' first full blocks, in order."""

@@ -154,3 +154,22 @@ def test_health_and_metrics_report_the_pools_blocks(tokenizer):  # noqa: F811
     assert health["kv_blocks_in_use"] == 0 and health["kv_blocks_free"] == 8
     assert "kiln_kv_blocks_in_use 0.0" in metrics and "kiln_kv_blocks_free 8.0" in metrics
     assert "kiln_kv_preemptions_total 0.0" in metrics
+
+
+def test_a_pool_of_one_rows_blocks_admits_a_full_length_prompt_cached_or_not():
+    from kiln.runtime.kv_blocks import KvBlocks
+
+    copies = []
+    blocks = KvBlocks(
+        2, dict(block_size=4, num_blocks=PER_ROW + 1, blocks_per_row=PER_ROW), lambda *c: copies.append(c)
+    )
+    prompt = list(range(100, 100 + MAX_SEQ_LEN))
+    for attempt in range(2):  # the second time every block is registered, and the last one would need a copy
+        placement = blocks.place(prompt)
+        assert placement is not None and placement.reused == (0 if attempt == 0 else MAX_SEQ_LEN - BLOCK)
+        blocks.occupy(placement.row, "request", prompt, placement.reused)
+        assert blocks.blocks_in_use == PER_ROW and blocks.place([1, 2]) is None  # nothing left for another
+        blocks.fed(placement.row, prompt[placement.reused :], placement.reused)
+        blocks.release(placement.row)
+        assert blocks.blocks_in_use == 0 and len(blocks.registry) == PER_ROW
+    assert not copies
