@@ -218,6 +218,10 @@ OP_CASES = {
         ["c: f32[3, 2, 6, 8]", "n: f32[batch, 2, seq, 8]", "p: i64<6[batch, seq]"],
         lambda g, c, n, p: g.call("kv_write", c, n, p),
     ),
+    "kv_pages": (
+        ["pool: f32[5, 2, 4, 8]", "table: i32<5[batch, 3]"],
+        lambda g, pool, table: g.call("kv_pages", pool, table),
+    ),
     "kv_quantize": (  # both outputs used: the codes times their scales
         ["x: f32[batch, 2, seq, 8]"],
         lambda g, x: (lambda codes, scales: g.call("mul", g.call("cast", codes, dtype="f32"), scales))(
