@@ -286,14 +286,17 @@ def _refuse_int8_kv(ctx, node, args, attrs):
 TENSOR_LOWERINGS["kv_quantize"] = _refuse_int8_kv
 
 
-def _refuse_paged_kv(ctx, node, args, attrs):
-    raise UnsupportedOpError(
-        "the tinygrad backend cannot run a paged KV cache (it has kv_pages): its attention reads static "
-        "rows. Fix: compile with --kv-layout static, or --backend inductor for a paged cache"
-    )
+def _kv_pages(ctx, node, args, attrs):
+    """The rows' slots gathered from a pool by their blocks (a paged graph as a whole is refused
+    at lower(): kv_write does not write through a block table here)."""
+    pool, table = args
+    batch, blocks = table.shape
+    _, kv_heads, block_size, last = pool.shape
+    rows = pool[table.cast(dtypes.int32)]
+    return rows.permute(0, 2, 1, 3, 4).reshape(batch, kv_heads, blocks * block_size, last)
 
 
-TENSOR_LOWERINGS["kv_pages"] = _refuse_paged_kv
+TENSOR_LOWERINGS["kv_pages"] = _kv_pages
 
 
 def check_lowering_table() -> None:
