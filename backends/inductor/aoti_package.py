@@ -27,10 +27,11 @@ from torch.export import Dim
 
 from kiln.backends.executable import BackendOptions, fed_inputs
 from kiln.ir import Graph, to_torch
-from kiln.ir.errors import ArtifactError
+from kiln.ir.errors import ArtifactError, OptionError
 
 from .executable import StatefulRunner, apply_threads, dynamic_dims, without_stack_traces
 from .lower_to_fx import graph_to_fx
+from .outline_layers import inline_subgraph_calls, outline_layers
 from .quantized_linear import int8_form_of, lowering_int8_as
 
 PACKAGE_FILE = "inductor.pt2"
@@ -51,6 +52,7 @@ PACKAGE_CONFIGS = {
 }
 
 
+LAYERS_SWITCH = "KILN_INDUCTOR_LAYERS"
 PackageError = ArtifactError  # the AOTInductor package is missing, foreign, or does not match the graph
 
 
@@ -83,18 +85,47 @@ def write_package(graph: Graph, module: torch.fx.GraphModule, options: BackendOp
         warnings.filterwarnings(
             "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", category=FutureWarning
         )
-        program = export_module(graph, module)
-        torch._inductor.aoti_compile_and_package(
-            program, package_path=str(directory / PACKAGE_FILE), inductor_configs=PACKAGE_CONFIGS
-        )
+        layer_bodies = _compile_package(graph, module, directory / PACKAGE_FILE)
     info = {
         "format": PACKAGE_FORMAT,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "int8_linear": int8_form_of(module),
+        "layer_bodies": layer_bodies,  # distinct decoder layers compiled once each; 0: the full graph
     }
     (directory / PACKAGE_INFO_FILE).write_text(json.dumps(info, indent=1) + "\n")
     return [PACKAGE_FILE, PACKAGE_INFO_FILE]
+
+
+def layers_compiled_once() -> bool:
+    """Whether packages compile each distinct decoder layer once (outline_layers.py) rather than
+    the full graph: KILN_INDUCTOR_LAYERS=once or full (the default)."""
+    choice = os.environ.get(LAYERS_SWITCH, "full")
+    if choice not in ("once", "full"):
+        raise OptionError(f"{LAYERS_SWITCH}={choice!r} is not a choice. Fix: set it to 'once' or 'full'.")
+    return choice == "once"
+
+
+def _compile_package(graph: Graph, module: torch.fx.GraphModule, path: Path) -> int:
+    """AOT-compile the module into the package at `path`; the number of layer bodies it has."""
+    outlined, bodies = outline_layers(module) if layers_compiled_once() else (module, 0)
+    if bodies:
+        try:
+            program = export_module(graph, outlined)
+            with inline_subgraph_calls():
+                torch._inductor.aoti_compile_and_package(
+                    program, package_path=str(path), inductor_configs=PACKAGE_CONFIGS
+                )
+            return bodies
+        except Exception as error:  # noqa: BLE001 - torch's subgraph support is young: the full graph still compiles
+            warnings.warn(
+                f"compiling each layer once failed ({type(error).__name__}: {str(error)[:200]}); "
+                "compiling the full graph instead",
+                stacklevel=3,
+            )
+    program = export_module(graph, module)
+    torch._inductor.aoti_compile_and_package(program, package_path=str(path), inductor_configs=PACKAGE_CONFIGS)
+    return 0
 
 
 class AOTIExecutable(StatefulRunner):
