@@ -24,7 +24,7 @@ from tinygrad import Tensor, dtypes
 
 def lower_kv_write(ctx, node, args, attrs):
     """kv_write(cache, new, positions) -> the cache with new written at the tokens' positions."""
-    cache, new, positions = args
+    cache, new, positions = args[:3]  # a block table (paged layout) was refused at load
     new = new.cast(cache.dtype)
     if ctx.starts is not None and ctx.owns_cache(node.inputs[0]):
         seq = new.shape[2]
