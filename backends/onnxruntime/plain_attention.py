@@ -25,7 +25,7 @@ from .onnx_builder import NUMPY_DTYPES, OnnxBuilder
 
 def lower_kv_write(b: OnnxBuilder, node: Node) -> str:
     """cache[r, h, positions[r, t]] = new[r, h, t] as ScatterND with [rows, heads, positions] indices."""
-    cache, new, positions = node.inputs
+    cache, new, positions = node.inputs[:3]  # a block table (a paged layout) was refused at lower
     heads = new.type.shape[1]
     if not isinstance(heads, int):
         raise OnnxLoweringError(f"kv_write needs a static number of heads, got {new.type}")
