@@ -83,22 +83,32 @@ def test_all_ops_match_the_interpreter():
     "bits, group_size, symmetric, k",
     [(8, 128, True, 128), (4, 32, True, 128), (4, 64, False, 192), (4, 128, True, 256), (4, 16, False, 96)],
 )
-def test_linear_q_in_both_forms_matches_the_interpreter(bits, group_size, symmetric, k):
+@pytest.mark.parametrize("packed", [False, True])
+def test_linear_q_in_both_forms_matches_the_interpreter(bits, group_size, symmetric, k, packed):
     """Up to 8 rows take the grouped form (sums on the codes, scaled per group), more rows, or a
-    K the groups do not divide, the dequantize-then-multiply form; both are f32 arithmetic."""
-    from tinygrad import Tensor
+    K the groups do not divide, the dequantize-then-multiply form; both are f32 arithmetic, on
+    linear_q's layout and on the codes packed into 32-bit words (packed_codes.py)."""
+    from tinygrad import Context, Tensor
 
+    from kiln.backends.tinygrad.executable import to_tinygrad
+    from kiln.backends.tinygrad.kernel_opts import install_kernel_opts
     from kiln.backends.tinygrad.quantized_lowerings import takes_grouped_form
+    from kiln.backends.tinygrad.weight_layouts import WeightLayouts, plan_weights, stored_weight
     from test_quantization import quantized_linear_graph
 
+    install_kernel_opts()
     graph = quantized_linear_graph(bits, group_size, symmetric, k)
-    weights = {name: Tensor(value.numpy()) for name, value in graph.weights.items()}
+    layouts = plan_weights(graph) if packed else WeightLayouts({})
+    assert (layouts.packed_bits(graph.params["w.q"]) == bits) == packed
+    weights = {name: to_tinygrad(stored_weight(name, value, layouts)) for name, value in graph.weights.items()}
     for rows in (1, 3, 12):
         x = torch.randn(rows, k)
         assert takes_grouped_form(Tensor(x.numpy()), group_size) == (rows <= 8)
         want = run_graph(graph, [x])[0]
-        got = graph_to_tensors(graph, {"x": Tensor(x.numpy()), **weights}, LoweringContext({"rows": rows}))[0]
-        torch.testing.assert_close(torch.from_numpy(got.numpy()), want, atol=1e-4, rtol=1e-4)
+        context = LoweringContext({"rows": rows}, layouts=layouts)
+        with Context(PARALLEL=0):  # kernel_opts' hook lives in this process only
+            got = graph_to_tensors(graph, {"x": Tensor(x.numpy()), **weights}, context)[0].numpy()
+        torch.testing.assert_close(torch.from_numpy(got), want, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
@@ -192,3 +202,27 @@ def test_prompt_pieces_fixed_and_symbolic_match_hugging_face(compiled):
     assert executable._chunk_plan(40) == [(32, 32), (8, None)] and executable._chunk_plan(20) == [(20, None)]
     torch.testing.assert_close(first, want[:, :40], atol=2e-4, rtol=2e-4)
     torch.testing.assert_close(last, want[:, 59:], atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["int4-g32", "int8"])
+def test_packed_codes_greedy_equals_the_reference_backend(tiny_model_dirs, tmp_path, scheme):
+    """Quantized linears and the tied, quantized embedding and lm_head stored packed into 32-bit
+    words (packed_codes.py): greedy equal to the reference backend's artifact of the same scheme."""
+    source = tiny_model_dirs("llama")
+    llms = {}
+    for backend in ("tinygrad", "reference"):
+        path = kiln.compile(
+            str(source),
+            out=tmp_path / backend / "model.kiln",
+            backend=backend,
+            max_seq_len=64,
+            quantize=scheme,
+            quantize_embeddings=True,
+        )
+        llms[backend] = kiln.load(path)
+    stored = llms["tinygrad"].executable.layouts.stored
+    assert {s.packed for s in stored.values()} == {4 if scheme == "int4-g32" else 8, None}
+    (prompt,) = prompts([9], seed=2)
+    want = llms["reference"].generate(prompt, max_new_tokens=16, ignore_eos=True).token_ids
+    assert llms["tinygrad"].generate(prompt, max_new_tokens=16, ignore_eos=True).token_ids == want

@@ -43,7 +43,7 @@ def write_backend_info(directory, executable: TinygradExecutable) -> list[str]:
         "renderer": chosen_renderer(),
         "prefill_chunk": executable.prefill_chunk,
         "stored_weights": {
-            n: {"transposed": s.transposed, "rows": s.rows, "lanes": s.lanes}
+            n: {"transposed": s.transposed, "rows": s.rows, "lanes": s.lanes, "packed": s.packed}
             for n, s in executable.layouts.stored.items()
         },
     }

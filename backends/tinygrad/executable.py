@@ -59,9 +59,11 @@ def decode_beam() -> int:
     return int(os.environ.get("KILN_TINYGRAD_BEAM", BEAM.value))
 
 
-def to_tinygrad(tensor: torch.Tensor) -> Tensor:
-    """A realized tinygrad copy of a torch tensor."""
-    return Tensor(tensor.detach().cpu().contiguous().numpy()).realize()
+def to_tinygrad(tensor: torch.Tensor | np.ndarray) -> Tensor:
+    """A realized tinygrad copy of a torch tensor (or numpy array)."""
+    if isinstance(tensor, torch.Tensor):
+        tensor = tensor.detach().cpu().contiguous().numpy()
+    return Tensor(tensor).realize()
 
 
 def compiled_program_count() -> int:

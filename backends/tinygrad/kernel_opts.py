@@ -16,14 +16,21 @@ differs between compile and load); every other kernel keeps tinygrad's own choic
   unrolled by 4, blocks split over the threads;
 - prefill (a fixed chunk of rows): lanes x16 and 4 rows at once (a 4 x 16 register tile, so
   each weight load serves 4 tokens), blocks split over the threads.
+A decode product over packed codes (packed_codes.py: uint32 words [N/16, K/per_word, 16]) gets
+lanes x16 and a group's words unrolled (each word unpacked into its codes in registers), the
+blocks split over the threads only for a large product (the thread handoff costs more than a
+SmolLM2-sized one takes).
 """
 
 from __future__ import annotations
+
+import math
 
 from tinygrad.codegen.opt import KernelOptError, Opt, OptOps
 
 LANES = 16
 THREAD_MIN_WORK = 1 << 18  # multiply-adds per row under which a thread split costs more than it gains
+PACKED_THREAD_MIN_WORDS = 1 << 20  # packed-code words under which a product stays on one thread
 
 _installed = {"original": None}
 
@@ -38,13 +45,7 @@ def interleaved_product_axes(k) -> tuple[int, int, int, list[int]] | None:
         return None
     reduce_rng = k.rngs[reduces[0]]
     for buf in k.bufs:
-        terms = list(buf.src[1].get_idx().split_uop(Ops.ADD))
-        strides = {}
-        for term in terms:
-            if term.op is Ops.RANGE:
-                strides[term] = 1
-            elif term.op is Ops.MUL and term.src[0].op is Ops.RANGE and term.src[1].op is Ops.CONST:
-                strides[term.src[0]] = term.src[1].arg
+        strides = _index_strides(buf)
         if strides.get(reduce_rng) != LANES:
             continue
         lanes = [r for r, s in strides.items() if s == 1 and r is not reduce_rng and r.vmax + 1 == LANES]
@@ -55,6 +56,68 @@ def interleaved_product_axes(k) -> tuple[int, int, int, list[int]] | None:
         rows = [i for i in k.axes_of(AxisType.GLOBAL, AxisType.LOCAL, AxisType.WEAK) if i not in (lane, block)]
         return lane, block, reduces[0], rows
     return None
+
+
+def _index_strides(buf) -> dict:
+    """{range: stride} of the ranges added into a buffer's index (a constant multiple or alone)."""
+    from tinygrad.uop.ops import Ops
+
+    strides = {}
+    for term in buf.src[1].get_idx().split_uop(Ops.ADD):
+        if term.op is Ops.RANGE:
+            strides[term] = 1
+        elif term.op is Ops.MUL and term.src[0].op is Ops.RANGE and term.src[1].op is Ops.CONST:
+            strides[term.src[0]] = term.src[1].arg
+    return strides
+
+
+def packed_product_axes(k) -> tuple[int, int, int | None] | None:
+    """(lane axis, block axis, axis of a group's words) of a kernel reducing over packed codes
+    (a uint32 buffer indexed by a 16-wide lane at stride 1); None for any other kernel."""
+    from tinygrad import dtypes
+    from tinygrad.uop.ops import AxisType
+
+    reduces = [k.rngs[i] for i in k.axes_of(AxisType.REDUCE)]
+    if not reduces or k.reduceop is None:
+        return None
+    for buf in k.bufs:
+        if getattr(buf.src[0].dtype, "base", buf.src[0].dtype) != dtypes.uint32:
+            continue
+        strides = {r: s for r, s in _index_strides(buf).items() if r in k.rngs}
+        lanes = [r for r, s in strides.items() if s == 1 and r not in reduces and r.vmax + 1 == LANES]
+        blocks = [r for r in strides if r not in reduces and r not in lanes]
+        words = [r for r, s in strides.items() if s == LANES and r in reduces]
+        if len(lanes) == 1 and len(blocks) == 1:
+            return k.rngs.index(lanes[0]), k.rngs.index(blocks[0]), k.rngs.index(words[0]) if words else None
+    return None
+
+
+def packed_product_opts(k):
+    """k with the fixed optimizations for a product over packed codes, or None."""
+    from tinygrad.helpers import NUM_CPU_THREADS
+
+    axes = packed_product_axes(k)
+    if axes is None:
+        return None
+    lane, block, words = axes
+    block_id = k.rngs[block].arg[0]
+    words_id = None if words is None else k.rngs[words].arg[0]
+    work = math.prod(d for d in k.full_shape if isinstance(d, int))  # words read (one row of x)
+    k = k.copy()
+    try:
+        k.apply_opt(Opt(OptOps.UPCAST, lane, LANES))
+        if words_id is not None:
+            axis = _axis_of(k, words_id)
+            size = k.full_shape[axis]
+            unroll = size if size <= 8 else 4 if size % 4 == 0 else 1
+            if unroll > 1:
+                k.apply_opt(Opt(OptOps.UNROLL, k.unrollable_dims.index(axis), unroll))
+        threads, blocks = NUM_CPU_THREADS.value, k.full_shape[_axis_of(k, block_id)]
+        if threads > 1 and blocks % threads == 0 and work >= PACKED_THREAD_MIN_WORDS:
+            k.apply_opt(Opt(OptOps.THREAD, _axis_of(k, block_id), threads))
+    except KernelOptError:
+        return None
+    return k
 
 
 def _axis_of(k, range_id) -> int:
@@ -99,7 +162,7 @@ def _apply_opts(ast, ren, beam: int = 0):
 
     k = Scheduler(ast, ren)
     k.convert_loop_to_global()
-    chosen = interleaved_product_opts(k)
+    chosen = interleaved_product_opts(k) or packed_product_opts(k)
     if chosen is None:
         return original(ast, ren, beam)
     return chosen.get_optimized_ast(

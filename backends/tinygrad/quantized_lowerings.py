@@ -13,12 +13,15 @@ them, in two forms:
 In both, x is made contiguous first: left lazy, tinygrad fuses the ops producing it (the RMS
 norm, silu(gate) * up) into the product's loads and recomputes them for every output; that
 made SmolLM2's int4 layers 5-6x slower (weight_layouts.matvec does the same for f32).
+A linear_q weight the backend stores packed (packed_codes.py: 32-bit words, 16 rows interleaved)
+takes the same two forms on that layout.
 """
 
 from __future__ import annotations
 
 from tinygrad import Tensor, dtypes
 
+from . import packed_codes
 from .weight_layouts import split_count
 
 SYMMETRIC_ZERO = {8: 0, 4: 8}
@@ -89,7 +92,12 @@ def lower_linear_q(ctx, node, args, attrs):
     x, qweight, scales, zeros, bias = args
     bits, group_size = attrs["bits"], attrs["group_size"]
     x = x.contiguous()
-    if takes_grouped_form(x, group_size):
+    if ctx.layouts.packed_bits(node.inputs[1]):
+        if takes_grouped_form(x, group_size):
+            y = packed_codes.packed_product(x, qweight, scales, zeros, bits, group_size)
+        else:
+            y = x @ packed_codes.dequantized(qweight, scales, zeros, bits, group_size).T
+    elif takes_grouped_form(x, group_size):
         y = grouped_product(x, qweight, scales, zeros, bits, group_size)
     else:
         y = x @ dequantize(qweight, scales, zeros, bits, group_size).T
@@ -99,6 +107,9 @@ def lower_linear_q(ctx, node, args, attrs):
 def lower_embedding_q(ctx, node, args, attrs):
     qweight, scales, ids, zeros = args
     flat = ids.reshape(-1).cast(dtypes.int32)
+    if ctx.layouts.packed_bits(node.inputs[0]):
+        rows = packed_codes.gathered_rows(qweight, scales, zeros, flat, attrs["bits"], attrs["group_size"])
+        return rows.reshape(*ids.shape, rows.shape[-1])
     rows = dequantize(
         qweight[flat], scales[flat], None if zeros is None else zeros[flat], attrs["bits"], attrs["group_size"]
     )

@@ -21,16 +21,21 @@ embedding's gather) or as a transposed `matmul`:
   for each k, so one contiguous run of 16 floats feeds 16 accumulators; kernel_opts.py gives
   these products their loops (lanes x16, no split-K needed). The decode GEMVs then stream the
   weights at about twice the dot-product form's speed.
+`linear_q`'s codes read by nothing else are stored the same way, packed into 32-bit words, with
+their scales and zero points interleaved to match (packed_codes.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from tinygrad import Tensor, dtypes
 
 from kiln.ir import Graph, Value
+
+from .packed_codes import packed_codes, packs
 
 ROW_MULTIPLE = 64
 SPLIT_K_BELOW = 2048  # outputs under which a product is split along K
@@ -46,6 +51,7 @@ class StoredWeight:
     transposed: bool = False
     rows: int | None = None  # stored row count when padded, else None
     lanes: int | None = None  # stored [rows/lanes, in, lanes] when interleaved, else [rows, in]
+    packed: int | None = None  # the bits of codes packed into words (packed_codes.py), else None
 
 
 class WeightLayouts:
@@ -62,6 +68,10 @@ class WeightLayouts:
         if value is None or value.producer is not None:
             return StoredWeight()
         return self.stored.get(value.name, StoredWeight())
+
+    def packed_bits(self, value: Value | None) -> int | None:
+        """The code width of a linear_q weight stored packed (packed_codes.py), else None."""
+        return self._plan(value).packed
 
     def linear(self, weight_value: Value, x: Tensor, weight: Tensor, out_features: int) -> Tensor:
         """x @ W.T for the graph's W [out, in], stored [rows >= out, in] (or interleaved)."""
@@ -136,6 +146,32 @@ def interleaved_product(x: Tensor, weight: Tensor) -> Tensor:
     return y.reshape(*x.shape[:-1], blocks * lanes)
 
 
+def plan_packed_codes(graph: Graph, readers: dict[str, set[tuple[str, int]]]) -> dict[str, StoredWeight]:
+    """linear_q weights whose codes, scales and zero points nothing else reads, stored packed."""
+    stored = {}
+    for node in graph.nodes:
+        if node.op != "linear_q":
+            continue
+        qweight, scales, zeros = node.inputs[1:4]
+        params = [v for v in (qweight, scales, zeros) if v is not None]
+        if any(v.producer is not None or v.name not in graph.params for v in params):
+            continue
+        if any(
+            readers[v.name] - {("linear_q", i), ("embedding_q", j)} for v, i, j in zip(params, (1, 2, 3), (0, 1, 3))
+        ):
+            continue  # read by another op: keep linear_q's layout (a tied embedding_q reads the packed one)
+        bits, group_size = node.attrs["bits"], node.attrs["group_size"]
+        n, k = scales.type.shape[0], scales.type.shape[1] * group_size
+        if not all(isinstance(d, int) for d in (*qweight.type.shape, *scales.type.shape)):
+            continue
+        if k != qweight.type.shape[1] * 8 // bits or not packs(n, k, bits, group_size):
+            continue
+        stored[qweight.name] = StoredWeight(packed=bits)
+        for v in params[1:]:
+            stored[v.name] = StoredWeight(lanes=LANES)
+    return stored
+
+
 def plan_weights(graph: Graph) -> WeightLayouts:
     """Which product weights to transpose or pad.
 
@@ -163,12 +199,15 @@ def plan_weights(graph: Graph) -> WeightLayouts:
         padded = -(-rows // ROW_MULTIPLE) * ROW_MULTIPLE
         lanes = LANES if uses <= INTERLEAVED_READERS else None
         stored[name] = StoredWeight(transposed, padded if padded != rows else None, lanes)
-    return WeightLayouts(stored)
+    return WeightLayouts(stored | plan_packed_codes(graph, readers))
 
 
-def stored_weight(name: str, tensor: torch.Tensor, layouts: WeightLayouts) -> torch.Tensor:
-    """The weight as the backend stores it: transposed and zero-padded where the plan says."""
+def stored_weight(name: str, tensor: torch.Tensor, layouts: WeightLayouts) -> torch.Tensor | np.ndarray:
+    """The weight as the backend stores it: transposed and zero-padded where the plan says (packed
+    codes come as a uint32 numpy array: torch has no such dtype to hold them)."""
     plan = layouts.stored.get(name, StoredWeight())
+    if plan.packed:
+        return packed_codes(tensor, plan.packed)
     weight = tensor.t() if plan.transposed else tensor
     if plan.rows is not None:
         weight = torch.cat([weight, weight.new_zeros(plan.rows - weight.shape[0], *weight.shape[1:])])
