@@ -314,7 +314,7 @@ class _Sharder:
         return rows
 
     def _kv_write(self, node: Node) -> Value:
-        cache, new, positions = node.inputs
+        cache, new, positions = node.inputs[:3]  # no block table: a paged layout is not sharded
         new_value = self._value(new)
         layout = self._layout(new_value)
         if cache.name in self.src.params or cache.producer is not None:
