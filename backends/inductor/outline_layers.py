@@ -65,11 +65,9 @@ class _NotConvex(Exception):
 
 
 def _copy_graph(graph: fx.Graph) -> fx.Graph:
-    copy = fx.Graph()
-    env: dict[fx.Node, fx.Node] = {}
-    out = copy.graph_copy(graph, env)
-    copy.output(out)
-    return copy
+    duplicate = fx.Graph()
+    duplicate.output(duplicate.graph_copy(graph, {}))
+    return duplicate
 
 
 def _body(region: Region) -> fx.GraphModule:
