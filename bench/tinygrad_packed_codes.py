@@ -82,10 +82,14 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     from kiln.backends.tinygrad.cpu_graph import install_cpu_graph
+    from kiln.backends.tinygrad.kernel_opts import install_kernel_opts
+    from kiln.backends.tinygrad.toolchain import configure_cpu_device
     from kiln.passes.quant_schemes import get_scheme
 
     scheme = get_scheme(args.scheme)
+    configure_cpu_device("cpu")
     install_cpu_graph(args.threads)
+    install_kernel_opts()  # as the executable does: the products' fixed loop optimizations
     lines = ["| N x K | byte codes ms | packed ms | packed GB/s |", "| --- | ---: | ---: | ---: |"]
     for n, k, copies in PRODUCTS:
         old, new = (product_seconds(p, n, k, copies, scheme.bits, scheme.group_size) for p in (False, True))
