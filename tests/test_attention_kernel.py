@@ -48,6 +48,29 @@ def test_the_kernel_matches_the_irs_attention(batch, heads, kv_heads, seq, head_
     torch.testing.assert_close(cached_attention(q, k, v, positions, window), expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("int8,window", [(False, 0), (False, 90), (True, 0), (True, 90)])
+def test_queries_of_a_group_across_slot_blocks_match_the_irs_attention(int8, window):
+    """16 tokens x 3 heads per kv head over 200 slots: the kernel attends them together, 64 slots a
+    block; each token sees its own span (window, tree) across the blocks."""
+    from kiln.ir.ops.kv_quant import kv_quantize_reference
+
+    generator = torch.Generator().manual_seed(200 + window)
+    batch, heads, kv_heads, seq, head_dim, slots = 2, 6, 2, 16, 64, 200
+    q = torch.randn(batch, heads, seq, head_dim, generator=generator)
+    k, v = (torch.randn(batch, kv_heads, slots, head_dim, generator=generator) for _ in range(2))
+    scales = [None, None]
+    if int8:
+        (k, scales[0]), (v, scales[1]) = kv_quantize_reference(k), kv_quantize_reference(v)
+    positions = torch.tensor([[150], [40]]) + torch.arange(seq)
+    tree = (torch.rand(batch, seq, seq, generator=generator).tril() > 0.5) | torch.eye(seq, dtype=torch.bool)
+    expected = attention_reference(
+        q, k, v, None, positions, tree, *scales, scale=None, causal=False, window=window, softcap=0.0
+    )
+    scale = 1 / math.sqrt(head_dim)
+    actual = torch.ops.kiln.cached_attention(q, k, v, positions, scale, window, tree, *scales)
+    torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+
+
 def test_slots_past_the_position_are_never_read():
     """NaN in the slots a query cannot see (stale rows of the buffer) stays out of the output."""
     q = torch.randn(1, 4, 2, 16)

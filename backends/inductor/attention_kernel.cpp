@@ -12,6 +12,11 @@
 // scale multiplies its score, the value's its softmax weight); longer chunks dequantize only the
 // slots up to the chunk's last position for ATen's attention. No f32 copy of the cache is made.
 //
+// Few queries are attended per kv head, all at once: every (query token, query head) pair of the
+// call that reads the head (the group's heads x T tokens) is scored against a block of 64 key
+// slots while those keys sit in L1, and the values likewise, so each cached row is read from
+// memory once per call rather than once per query token and query head.
+//
 // A paged cache (block_table int32 [B, blocks_per_row] given): k and v (and the scales) are pools
 // [num_blocks, Hkv, block_size, D], row b's slot s in block block_table[b, s / block_size]. Few
 // queries copy each (row, kv head)'s slots up to the row's last position out of its blocks into a
@@ -31,16 +36,29 @@
 #include <cstdint>
 
 extern "C" {
-// out[0:D] = softmax(scale * q . k[s] for s in [lo, hi]) @ v[lo:hi+1]; k, v rows D apart.
-// scratch holds hi - lo + 1 floats. hi < lo: out = 0. seen (or null): slot own_first + j is
-// hidden where !seen[j], for j < own_count (a token tree's row).
-void kiln_attend_one_query(const float* q, const float* k, const float* v, int64_t D, int64_t lo, int64_t hi,
-                           float scale, float* scratch, float* out, const bool* seen, int64_t own_first,
-                           int64_t own_count);
-// The same over an int8 cache: key/value slot s is k[s] * k_scales[s] (v likewise).
-void kiln_attend_one_query_q8(const float* q, const int8_t* k, const float* k_scales, const int8_t* v,
-                              const float* v_scales, int64_t D, int64_t lo, int64_t hi, float scale, float* scratch,
-                              float* out, const bool* seen, int64_t own_first, int64_t own_count);
+// One kv head's slots as the grouped kernel reads them: f32 rows (k, v), or int8 codes with
+// per-slot scales (k_scales non-null). own_first/own_count: the call's own slots (a token tree).
+struct KilnKvHead {
+  const void* k;
+  const void* v;
+  const float* k_scales;
+  const float* v_scales;
+  int64_t D;
+  float scale;
+  int64_t own_first, own_count;
+};
+// One (query token, query head) pair: sees slots [lo, hi] (hi < lo: none), a tree's row or null.
+struct KilnQuery {
+  const float* q;
+  float* out;
+  int64_t lo, hi;
+  const bool* seen;
+};
+// Every query of `queries` against one kv head, each key and value row read from memory once for
+// all of them (a block of slots at a time, held in L1 while every query uses it). scratch holds
+// count * stride floats, stride >= the widest query's hi - lo + 1.
+void kiln_attend_queries(const KilnKvHead* head, const KilnQuery* queries, int64_t count, float* scratch,
+                         int64_t stride);
 }
 
 #ifdef KILN_ATTENTION_KERNELS
@@ -69,23 +87,9 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return s;
 }
 
-// out[0:n] += w * x[0:n]
-inline void axpy(float w, const float* x, float* out, int64_t n) {
-  const __m256 wv = _mm256_set1_ps(w);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, _mm256_fmadd_ps(wv, _mm256_loadu_ps(x + i), _mm256_loadu_ps(out + i)));
-  for (; i < n; i++) out[i] += w * x[i];
-}
-
 // Any head dim: one key at a time.
 void scores_any_dim(const float* q, const float* k, int64_t D, int64_t n, float scale, float* scores) {
   for (int64_t s = 0; s < n; s++) scores[s] = scale * dot(q, k + s * D, D);
-}
-
-void weighted_any_dim(const float* p, const float* v, int64_t D, int64_t n, float total, float* out) {
-  for (int64_t s = 0; s < n; s++) axpy(p[s], v + s * D, out, D);
-  const float inv = 1.f / total;
-  for (int64_t d = 0; d < D; d++) out[d] *= inv;
 }
 
 // Lane j = the sum of the eight lanes of a[j]: eight dot products finished at once.
@@ -131,13 +135,17 @@ void scores_of(const float* q, const float* k, int64_t D, int64_t n, float scale
 
 // p[i] = e^(p[i] - max p) for i < n; returns their sum (0 when every p[i] is -inf).
 float exponentiate(float* p, int64_t n) {
-  float top = -INFINITY;
-  for (int64_t i = 0; i < n; i++) top = p[i] > top ? p[i] : top;
-  if (top == -INFINITY) return 0.f;
-  const __m256 top8 = _mm256_set1_ps(top);
-  __m256 sum = _mm256_setzero_ps();
+  __m256 top8 = _mm256_set1_ps(-INFINITY);  // eight running maxima: no chain of scalar compares
   int64_t i = 0;
-  for (; i + 8 <= n; i += 8) {
+  for (; i + 8 <= n; i += 8) top8 = _mm256_max_ps(top8, _mm256_loadu_ps(p + i));
+  __m128 top4 = _mm_max_ps(_mm256_castps256_ps128(top8), _mm256_extractf128_ps(top8, 1));
+  top4 = _mm_max_ps(top4, _mm_movehl_ps(top4, top4));
+  float top = _mm_cvtss_f32(_mm_max_ss(top4, _mm_movehdup_ps(top4)));
+  for (; i < n; i++) top = p[i] > top ? p[i] : top;
+  if (top == -INFINITY) return 0.f;
+  top8 = _mm256_set1_ps(top);
+  __m256 sum = _mm256_setzero_ps();
+  for (i = 0; i + 8 <= n; i += 8) {
     const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(p + i), top8));
     _mm256_storeu_ps(p + i, e);
     sum = _mm256_add_ps(sum, e);
@@ -148,25 +156,6 @@ float exponentiate(float* p, int64_t n) {
     total += p[i];
   }
   return total;
-}
-
-// out[0:D] = sum_i p[i] * v[i] / total (D % 8 == 0), 32 columns at a time held in registers.
-void weighted_values(const float* p, const float* v, int64_t D, int64_t n, float total, float* out) {
-  const __m256 inverse = _mm256_set1_ps(1.f / total);
-  int64_t c = 0;
-  for (; c + 32 <= D; c += 32) {
-    __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int64_t i = 0; i < n; i++) {
-      const __m256 w = _mm256_broadcast_ss(p + i);
-      for (int j = 0; j < 4; j++) a[j] = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + i * D + c + 8 * j), a[j]);
-    }
-    for (int j = 0; j < 4; j++) _mm256_storeu_ps(out + c + 8 * j, _mm256_mul_ps(a[j], inverse));
-  }
-  for (; c < D; c += 8) {
-    __m256 a = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n; i++) a = _mm256_fmadd_ps(_mm256_broadcast_ss(p + i), _mm256_loadu_ps(v + i * D + c), a);
-    _mm256_storeu_ps(out + c, _mm256_mul_ps(a, inverse));
-  }
 }
 
 // Eight int8 codes as eight floats (exact).
@@ -201,32 +190,6 @@ void scores_q8(const float* q, const int8_t* k, const float* k_scales, int64_t D
   for (; i < n; i++) scores[i] = scale * k_scales[i] * dot_q8(q, k + i * D, D);
 }
 
-// out[0:D] = sum_i w[i] * codes[i] / total, w[i] = p[i] * v_scales[i] (already folded into p).
-void weighted_values_q8(const float* w, const int8_t* v, int64_t D, int64_t n, float total, float* out) {
-  const __m256 inverse = _mm256_set1_ps(1.f / total);
-  int64_t c = 0;
-  for (; c + 32 <= D; c += 32) {
-    __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (int64_t i = 0; i < n; i++) {
-      const __m256 wv = _mm256_broadcast_ss(w + i);
-      for (int j = 0; j < 4; j++) a[j] = _mm256_fmadd_ps(wv, codes8(v + i * D + c + 8 * j), a[j]);
-    }
-    for (int j = 0; j < 4; j++) _mm256_storeu_ps(out + c + 8 * j, _mm256_mul_ps(a[j], inverse));
-  }
-  for (; c + 8 <= D; c += 8) {
-    __m256 a = _mm256_setzero_ps();
-    for (int64_t i = 0; i < n; i++) a = _mm256_fmadd_ps(_mm256_broadcast_ss(w + i), codes8(v + i * D + c), a);
-    _mm256_storeu_ps(out + c, _mm256_mul_ps(a, inverse));
-  }
-  if (c < D) {  // head dims that are not a multiple of 8: the last columns one at a time
-    for (int64_t d = c; d < D; d++) {
-      float a = 0.f;
-      for (int64_t i = 0; i < n; i++) a += w[i] * v[i * D + d];
-      out[d] = a / total;
-    }
-  }
-}
-
 // Softmax numerators of scores[0, n) (slots lo..hi) in place, a tree's hidden slots at exactly
 // zero (scored -inf first, so they cannot set the maximum); returns their sum.
 float visible_softmax(float* scores, int64_t lo, int64_t hi, const bool* seen, int64_t own_first, int64_t own_count) {
@@ -243,41 +206,165 @@ float visible_softmax(float* scores, int64_t lo, int64_t hi, const bool* seen, i
   return total;
 }
 
-}  // namespace
+constexpr int64_t kSlotBlock = 64;  // slots per block: 16 KiB of f32 keys at head dim 64, an L1's share
 
-// Head dims that are multiples of 8 (every model Kiln meets): scores eight keys at a time, the
-// exponentials eight at a time, the values weighted in registers; other head dims key by key.
-// A tree's hidden slots score -inf (so they cannot set the maximum) and weigh exactly zero.
-extern "C" void kiln_attend_one_query(const float* q, const float* k, const float* v, int64_t D, int64_t lo,
-                                      int64_t hi, float scale, float* scratch, float* out, const bool* seen,
-                                      int64_t own_first, int64_t own_count) {
-  for (int64_t d = 0; d < D; d++) out[d] = 0.f;
-  if (hi < lo) return;
-  const int64_t n = hi - lo + 1;
-  k += lo * D;
-  v += lo * D;
-  const bool any_dim = D % 8 != 0;
-  if (any_dim) scores_any_dim(q, k, D, n, scale, scratch);
-  else scores_of(q, k, D, n, scale, scratch);
-  const float total = visible_softmax(scratch, lo, hi, seen, own_first, own_count);
-  if (!(total > 0.f)) return;  // every slot hidden
-  if (any_dim) weighted_any_dim(scratch, v, D, n, total, out);
-  else weighted_values(scratch, v, D, n, total, out);
+// scores[0:n] of the query against slots first..first+n-1 of the head.
+void score_slots(const KilnKvHead& head, const float* q, int64_t first, int64_t n, float* scores) {
+  const int64_t D = head.D;
+  if (head.k_scales)
+    scores_q8(q, static_cast<const int8_t*>(head.k) + first * D, head.k_scales + first, D, n, head.scale, scores);
+  else if (D % 8 != 0)
+    scores_any_dim(q, static_cast<const float*>(head.k) + first * D, D, n, head.scale, scores);
+  else
+    scores_of(q, static_cast<const float*>(head.k) + first * D, D, n, head.scale, scores);
 }
 
-// An int8 cache: codes converted to f32 inside the dot products, never stored as f32.
-extern "C" void kiln_attend_one_query_q8(const float* q, const int8_t* k, const float* k_scales, const int8_t* v,
-                                         const float* v_scales, int64_t D, int64_t lo, int64_t hi, float scale,
-                                         float* scratch, float* out, const bool* seen, int64_t own_first,
-                                         int64_t own_count) {
-  for (int64_t d = 0; d < D; d++) out[d] = 0.f;
-  if (hi < lo) return;
-  const int64_t n = hi - lo + 1;
-  scores_q8(q, k + lo * D, k_scales + lo, D, n, scale, scratch);
-  const float total = visible_softmax(scratch, lo, hi, seen, own_first, own_count);
-  if (!(total > 0.f)) return;  // every slot hidden
-  for (int64_t i = 0; i < n; i++) scratch[i] *= v_scales[lo + i];
-  weighted_values_q8(scratch, v + lo * D, D, n, total, out);
+// Two queries' scores against the same n keys (D % 8 == 0), four keys at a time: each key row is
+// loaded (and, int8, converted) once for both. key_scales null: f32 keys.
+template <typename Row, typename Load>
+void scores_of_two(const float* q0, const float* q1, const Row* k, const float* key_scales, int64_t D, int64_t n,
+                   float scale, float* scores0, float* scores1, Load load) {
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    __m256 acc[8];  // acc[j]: q0 . key j, acc[4 + j]: q1 . key j
+    for (int j = 0; j < 8; j++) acc[j] = _mm256_setzero_ps();
+    for (int64_t c = 0; c < D; c += 8) {
+      const __m256 a = _mm256_loadu_ps(q0 + c), b = _mm256_loadu_ps(q1 + c);
+      for (int j = 0; j < 4; j++) {
+        const __m256 key = load(k + (i + j) * D + c);
+        acc[j] = _mm256_fmadd_ps(key, a, acc[j]);
+        acc[4 + j] = _mm256_fmadd_ps(key, b, acc[4 + j]);
+      }
+    }
+    __m256 both = _mm256_mul_ps(sums_of_eight(acc), _mm256_set1_ps(scale));
+    if (key_scales) {
+      const __m128 four = _mm_loadu_ps(key_scales + i);
+      both = _mm256_mul_ps(both, _mm256_set_m128(four, four));
+    }
+    _mm_storeu_ps(scores0 + i, _mm256_castps256_ps128(both));
+    _mm_storeu_ps(scores1 + i, _mm256_extractf128_ps(both, 1));
+  }
+  for (; i < n; i++) {
+    __m256 a = _mm256_setzero_ps(), b = _mm256_setzero_ps();
+    for (int64_t c = 0; c < D; c += 8) {
+      const __m256 key = load(k + i * D + c);
+      a = _mm256_fmadd_ps(key, _mm256_loadu_ps(q0 + c), a);
+      b = _mm256_fmadd_ps(key, _mm256_loadu_ps(q1 + c), b);
+    }
+    const float key_scale = key_scales ? key_scales[i] * scale : scale;
+    scores0[i] = hsum(a) * key_scale;
+    scores1[i] = hsum(b) * key_scale;
+  }
+}
+
+// Scores of two queries over the same slots first..first+n-1 of the head (D % 8 == 0).
+void score_slots_two(const KilnKvHead& head, const float* q0, const float* q1, int64_t first, int64_t n,
+                     float* scores0, float* scores1) {
+  const int64_t D = head.D;
+  if (head.k_scales)
+    scores_of_two(q0, q1, static_cast<const int8_t*>(head.k) + first * D, head.k_scales + first, D, n, head.scale,
+                  scores0, scores1, codes8);
+  else
+    scores_of_two(q0, q1, static_cast<const float*>(head.k) + first * D, nullptr, D, n, head.scale, scores0, scores1,
+                  [](const float* p) { return _mm256_loadu_ps(p); });
+}
+
+// out[0:Columns] += sum_i w[i] * v[i][0:Columns], the columns in registers (eight chains of FMAs
+// at 64 columns keep both FMA units busy; four would wait on their latency).
+template <int Columns, typename Row, typename Load>
+inline void accumulate_columns(const float* w, const Row* v, int64_t D, int64_t n, float* out, Load load) {
+  __m256 a[Columns / 8];
+  for (int j = 0; j < Columns / 8; j++) a[j] = _mm256_loadu_ps(out + 8 * j);
+  for (int64_t i = 0; i < n; i++) {
+    const __m256 wv = _mm256_broadcast_ss(w + i);
+    for (int j = 0; j < Columns / 8; j++) a[j] = _mm256_fmadd_ps(wv, load(v + i * D + 8 * j), a[j]);
+  }
+  for (int j = 0; j < Columns / 8; j++) _mm256_storeu_ps(out + 8 * j, a[j]);
+}
+
+// out[0:D] += sum_i w[i] * v[i] (int8: codes, the scales already folded into w).
+template <typename Row, typename Load>
+void accumulate_values(const float* w, const Row* v, int64_t D, int64_t n, float* out, Load load) {
+  int64_t c = 0;
+  for (; c + 64 <= D; c += 64) accumulate_columns<64>(w, v + c, D, n, out + c, load);
+  for (; c + 32 <= D; c += 32) accumulate_columns<32>(w, v + c, D, n, out + c, load);
+  for (; c + 8 <= D; c += 8) {
+    __m256 a = _mm256_loadu_ps(out + c);
+    for (int64_t i = 0; i < n; i++) a = _mm256_fmadd_ps(_mm256_broadcast_ss(w + i), load(v + i * D + c), a);
+    _mm256_storeu_ps(out + c, a);
+  }
+  for (; c < D; c++)  // head dims that are not a multiple of 8
+    for (int64_t i = 0; i < n; i++) out[c] += w[i] * static_cast<float>(v[i * D + c]);
+}
+
+void value_slots(const KilnKvHead& head, const float* w, int64_t first, int64_t n, float* out) {
+  const int64_t D = head.D;
+  if (head.k_scales)
+    accumulate_values(w, static_cast<const int8_t*>(head.v) + first * D, D, n, out, codes8);
+  else
+    accumulate_values(w, static_cast<const float*>(head.v) + first * D, D, n, out,
+                      [](const float* p) { return _mm256_loadu_ps(p); });
+}
+
+}  // namespace
+
+// Three passes, the first and last block by block over the union of the queries' slots: scores
+// (each block of keys read once, every query scored against it), the softmax per query (its
+// scores only), the weighted values (each block of values read once). Each query's scores and
+// weights cover exactly its visible slots, so a slot no query sees is never read.
+extern "C" void kiln_attend_queries(const KilnKvHead* head, const KilnQuery* queries, int64_t count, float* scratch,
+                                    int64_t stride) {
+  int64_t first = INT64_MAX, last = -1;
+  for (int64_t i = 0; i < count; i++) {
+    for (int64_t d = 0; d < head->D; d++) queries[i].out[d] = 0.f;
+    if (queries[i].hi < queries[i].lo) continue;
+    first = queries[i].lo < first ? queries[i].lo : first;
+    last = queries[i].hi > last ? queries[i].hi : last;
+  }
+  for (int64_t start = first; start <= last; start += kSlotBlock) {
+    const int64_t end = start + kSlotBlock - 1 < last ? start + kSlotBlock - 1 : last;
+    for (int64_t i = 0; i < count; i++) {
+      const KilnQuery& query = queries[i];
+      const int64_t s0 = start > query.lo ? start : query.lo, s1 = end < query.hi ? end : query.hi;
+      if (s0 > s1) continue;
+      if (i + 1 < count && head->D % 8 == 0) {  // the next query sees the same slots here: score both at once
+        const KilnQuery& next = queries[i + 1];
+        if ((start > next.lo ? start : next.lo) == s0 && (end < next.hi ? end : next.hi) == s1) {
+          score_slots_two(*head, query.q, next.q, s0, s1 - s0 + 1, scratch + i * stride + (s0 - query.lo),
+                          scratch + (i + 1) * stride + (s0 - next.lo));
+          i++;
+          continue;
+        }
+      }
+      score_slots(*head, query.q, s0, s1 - s0 + 1, scratch + i * stride + (s0 - query.lo));
+    }
+  }
+  for (int64_t i = 0; i < count; i++) {
+    const KilnQuery& query = queries[i];
+    if (query.hi < query.lo) continue;
+    float* weights = scratch + i * stride;
+    const float total =
+        visible_softmax(weights, query.lo, query.hi, query.seen, head->own_first, head->own_count);
+    const float* v_scales = head->v_scales;
+    if (!(total > 0.f)) {  // every slot hidden (scores left at -inf): zeros
+      for (int64_t s = query.lo; s <= query.hi; s++) weights[s - query.lo] = 0.f;
+      continue;
+    }
+    const float inverse = 1.f / total;
+    const int64_t n = query.hi - query.lo + 1;
+    if (v_scales)
+      for (int64_t i = 0; i < n; i++) weights[i] *= v_scales[query.lo + i] * inverse;
+    else
+      for (int64_t i = 0; i < n; i++) weights[i] *= inverse;
+  }
+  for (int64_t start = first; start <= last; start += kSlotBlock) {
+    const int64_t end = start + kSlotBlock - 1 < last ? start + kSlotBlock - 1 : last;
+    for (int64_t i = 0; i < count; i++) {
+      const KilnQuery& query = queries[i];
+      const int64_t s0 = start > query.lo ? start : query.lo, s1 = end < query.hi ? end : query.hi;
+      if (s0 <= s1) value_slots(*head, scratch + i * stride + (s0 - query.lo), s0, s1 - s0 + 1, query.out);
+    }
+  }
 }
 
 #else  // ---------------------------------------------------------------- torch binding TU
@@ -358,24 +445,35 @@ static at::Tensor few_queries(const at::Tensor& q, const at::Tensor& k, const at
   const int64_t* pos = positions.data_ptr<int64_t>();
   const bool* seen = tree ? tree->data_ptr<bool>() : nullptr;
   float* op = out.data_ptr<float>();
-  // Tasks ordered (b, kv head, group, t): the queries of one kv head are neighbours, so a thread
-  // streams that head's keys and values once and reuses them from cache.
-  at::parallel_for(0, B * H * T, 1, [&](int64_t first, int64_t last) {
+  // Tasks (b, kv head, a share of its group x T queries): each reads the head's keys and values
+  // once for its queries. The queries are split only as far as keeps every thread busy.
+  const int64_t pairs = groups * T, heads = B * Hkv;
+  const int64_t shares = std::clamp<int64_t>((2 * at::get_num_threads() + heads - 1) / heads, 1, pairs);
+  at::parallel_for(0, heads * shares, 1, [&](int64_t first, int64_t last) {
     thread_local std::vector<float> scratch;  // per thread, kept: no allocation per call
-    scratch.resize(S);
+    thread_local std::vector<KilnQuery> queries;
     for (int64_t task = first; task < last; task++) {
-      const int64_t b = task / (H * T), h = task / T % H, t = task % T;
-      const auto [lo, hi] = visible(pos[b * T + t], window, S);
-      const int64_t head = (b * Hkv + h / groups) * S;  // the kv head's first slot
-      const float* query = qp + ((b * H + h) * T + t) * D;
-      float* result = op + ((b * H + h) * T + t) * D;
-      const bool* row_seen = seen ? seen + (b * T + t) * T : nullptr;
-      if (int8)
-        kiln_attend_one_query_q8(query, kc + head * D, ks + head, vc + head * D, vs + head, D, lo, hi, (float)scale,
-                                 scratch.data(), result, row_seen, pos[b * T], T);
-      else
-        kiln_attend_one_query(query, kp + head * D, vp + head * D, D, lo, hi, (float)scale, scratch.data(), result,
-                              row_seen, pos[b * T], T);
+      const int64_t b = task / (Hkv * shares), kv_head = task / shares % Hkv, share = task % shares;
+      const int64_t head_first = (b * Hkv + kv_head) * S;  // the kv head's first slot
+      KilnKvHead head{int8 ? static_cast<const void*>(kc + head_first * D) : kp + head_first * D,
+                      int8 ? static_cast<const void*>(vc + head_first * D) : vp + head_first * D,
+                      int8 ? ks + head_first : nullptr,
+                      int8 ? vs + head_first : nullptr,
+                      D,
+                      (float)scale,
+                      pos[b * T],
+                      T};
+      queries.clear();
+      int64_t stride = 1;
+      for (int64_t pair = share * pairs / shares; pair < (share + 1) * pairs / shares; pair++) {
+        const int64_t h = kv_head * groups + pair / T, t = pair % T;
+        const auto [lo, hi] = visible(pos[b * T + t], window, S);
+        stride = std::max(stride, hi - lo + 1);
+        queries.push_back({qp + ((b * H + h) * T + t) * D, op + ((b * H + h) * T + t) * D, lo, hi,
+                           seen ? seen + (b * T + t) * T : nullptr});
+      }
+      scratch.resize(queries.size() * stride);
+      kiln_attend_queries(&head, queries.data(), (int64_t)queries.size(), scratch.data(), stride);
     }
   });
   return out;
@@ -412,6 +510,7 @@ static at::Tensor few_queries_paged(const at::Tensor& q, const at::Tensor& k, co
   at::parallel_for(0, B * Hkv, 1, [&](int64_t first, int64_t last) {
     thread_local std::vector<char> keys, values, key_scales, value_scales;
     thread_local std::vector<float> scratch;
+    thread_local std::vector<KilnQuery> queries;
     for (int64_t task = first; task < last; task++) {
       const int64_t b = task / Hkv, kv_head = task % Hkv;
       int64_t used = 0;
@@ -423,25 +522,24 @@ static at::Tensor few_queries_paged(const at::Tensor& q, const at::Tensor& k, co
         copy_row_slots(*k_scales, row_blocks, kv_head, used, 4, key_scales);
         copy_row_slots(*v_scales, row_blocks, kv_head, used, 4, value_scales);
       }
-      scratch.resize(std::max<int64_t>(used, 1));
+      KilnKvHead head{keys.data(), values.data(),
+                      int8 ? reinterpret_cast<const float*>(key_scales.data()) : nullptr,
+                      int8 ? reinterpret_cast<const float*>(value_scales.data()) : nullptr,
+                      D,
+                      (float)scale,
+                      pos[b * T],
+                      T};
+      queries.clear();
       for (int64_t h = kv_head * groups; h < (kv_head + 1) * groups; h++) {
         for (int64_t t = 0; t < T; t++) {
           const auto [lo, hi] = visible(pos[b * T + t], window, used);
-          const float* query = q.data_ptr<float>() + ((b * H + h) * T + t) * D;
-          float* result = out.data_ptr<float>() + ((b * H + h) * T + t) * D;
-          const bool* row_seen = seen ? seen + (b * T + t) * T : nullptr;
-          if (int8)
-            kiln_attend_one_query_q8(query, reinterpret_cast<const int8_t*>(keys.data()),
-                                     reinterpret_cast<const float*>(key_scales.data()),
-                                     reinterpret_cast<const int8_t*>(values.data()),
-                                     reinterpret_cast<const float*>(value_scales.data()), D, lo, hi, (float)scale,
-                                     scratch.data(), result, row_seen, pos[b * T], T);
-          else
-            kiln_attend_one_query(query, reinterpret_cast<const float*>(keys.data()),
-                                  reinterpret_cast<const float*>(values.data()), D, lo, hi, (float)scale,
-                                  scratch.data(), result, row_seen, pos[b * T], T);
+          queries.push_back({q.data_ptr<float>() + ((b * H + h) * T + t) * D,
+                             out.data_ptr<float>() + ((b * H + h) * T + t) * D, lo, hi,
+                             seen ? seen + (b * T + t) * T : nullptr});
         }
       }
+      scratch.resize(queries.size() * std::max<int64_t>(used, 1));
+      kiln_attend_queries(&head, queries.data(), (int64_t)queries.size(), scratch.data(), std::max<int64_t>(used, 1));
     }
   });
   return out;
