@@ -2,12 +2,13 @@
 beside Kiln-Inductor, in one run.
 
     .venv/bin/python bench/tinygrad_packed_codes.py [--artifact out/bench-smollm2] [--scheme int4-g32]
-        [--tg 128] [--reps 3] [--out bench/results/tinygrad-packed-codes.md]
+        [--tg 128] [--pp 128] [--reps 3] [--out bench/results/tinygrad-packed-codes.md]
 
 Loads `ARTIFACT-tinygrad-SCHEME.kiln` twice (codes packed into 32-bit words as the backend now
 stores them, and, for comparison, linear_q's own byte layout: the plan that packs them is
 switched off while that executable is built) and `ARTIFACT-inductor-SCHEME.kiln`, compiled
-before by bench/bench.py; times generating `--tg` tokens, taking turns rep by rep. It also times
+before by bench/bench.py; times generating `--tg` tokens, taking turns rep by rep, and a prompt
+of `--pp` tokens on both tinygrad layouts (last position's logits, as the engine asks). It also times
 one SmolLM2-sized product per layout (one row of x, 24 copies of the weight per jitted call).
 """
 
@@ -78,6 +79,7 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--tg", type=int, default=128)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--pp", type=int, default=128, help="prompt length for the tinygrad prefill rows (0: none)")
     parser.add_argument("--out", default="bench/results/tinygrad-packed-codes.md")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -116,6 +118,18 @@ def main(argv=None) -> int:
         sd = statistics.stdev(values) if len(values) > 1 else 0.0
         lines.append(f"| {name} | {statistics.mean(values):.2f} ± {sd:.2f}{' *' if contended[name] else ''} |")
         print(lines[-1], flush=True)
+    if args.pp:
+        lines += ["", f"| backend | pp{args.pp} t/s |", "| --- | ---: |"]
+        for runner in runners[:2]:
+            runner.prefill(args.pp)()  # compile the prefill steps' kernels
+            values, busy = [], False
+            for _ in range(args.reps):
+                seconds, contended_rep, _ = timed(runner.prefill(args.pp))
+                values.append(args.pp / seconds)
+                busy |= contended_rep
+            sd = statistics.stdev(values) if len(values) > 1 else 0.0
+            lines.append(f"| {runner.name} | {statistics.mean(values):.2f} ± {sd:.2f}{' *' if busy else ''} |")
+            print(lines[-1], flush=True)
     lines.append("\n`*`: other processes took more than a quarter core during a rep.")
     write_result(Path(args.out), "\n".join(lines))
     return 0
