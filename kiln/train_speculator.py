@@ -194,11 +194,10 @@ def run_command(args) -> int:
 
     import kiln
 
-    if args.threads:
-        torch.set_num_threads(args.threads)
-
     artifact = Path(args.artifact)
     llm = kiln.load(artifact)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     train_speculator(
         llm, artifact, config, args.data, report=lambda line: print(line, flush=True), log_every=args.log_every
     )

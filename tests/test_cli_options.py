@@ -9,6 +9,7 @@ import importlib
 import random
 
 import pytest
+import torch
 
 import kiln
 from kiln import api, cli
@@ -41,6 +42,9 @@ def no_slow_steps(monkeypatch):
     monkeypatch.setattr(api, "load", _reached)
     if importlib.util.find_spec("kiln.runtime.quality"):  # kiln quality reads two artifacts
         monkeypatch.setattr(importlib.import_module("kiln.runtime.quality"), "quality", _reached)
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)  # a random --threads 1024 would leave the suite 1024 spinning threads
 
 
 def run_cli(main, argv, capsys) -> tuple[str, int | None]:
