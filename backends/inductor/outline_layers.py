@@ -33,6 +33,8 @@ import torch.fx as fx
 from torch._inductor.codegen.wrapper import EnterSubgraphLine, ExitSubgraphLine, WrapperLine
 from torch.utils._ordered_set import OrderedSet
 
+from kiln.ir.errors import KilnError
+
 from .layer_regions import Region, find_regions, layer_owners, split_shared_indices
 
 
@@ -60,8 +62,9 @@ def outline_layers(module: fx.GraphModule) -> tuple[fx.GraphModule, int]:
     return outlined, len(bodies)
 
 
-class _NotConvex(Exception):
-    """A node outside a region both reads it and is read by it: the region cannot be one call."""
+class _NotConvex(KilnError):
+    """A node outside a region both reads it and is read by it: the region cannot be one call
+    (caught here: the full graph is compiled instead)."""
 
 
 def _copy_graph(graph: fx.Graph) -> fx.Graph:
