@@ -26,8 +26,9 @@ from tiny_models import VOCAB_SIZE, tokenizer_config, tokenizer_json
 MAX_BATCH, MAX_SEQ_LEN, HIDDEN, HEADS, KV_HEADS, HEAD_DIM = 2, 24, 16, 2, 1, 8
 
 
-def tiny_stateful_graph(seed: int = 0, max_batch: int = MAX_BATCH) -> Graph:
-    """(tokens, positions, cache.k.0, cache.v.0) -> (logits, cache.k.0', cache.v.0')."""
+def tiny_stateful_graph(seed: int = 0, max_batch: int = MAX_BATCH, paged: tuple[int, int] | None = None) -> Graph:
+    """(tokens, positions, cache.k.0, cache.v.0) -> (logits, cache.k.0', cache.v.0'); with
+    `paged` = (block_size, num_blocks) the caches are pools read through a `block_table` input."""
     gen = torch.Generator().manual_seed(seed)
 
     def weight(*shape):
@@ -39,8 +40,10 @@ def tiny_stateful_graph(seed: int = 0, max_batch: int = MAX_BATCH) -> Graph:
     b, s = symbol("batch"), symbol("seq")
     tokens = g.add_input("tokens", TensorType("i64", (b, s)))
     positions = g.add_input("positions", TensorType("i64", (b, s)))
-    cache_type = TensorType("f32", (max_batch, KV_HEADS, MAX_SEQ_LEN, HEAD_DIM))
+    rows, slots = (max_batch, MAX_SEQ_LEN) if paged is None else (paged[1], paged[0])
+    cache_type = TensorType("f32", (rows, KV_HEADS, slots, HEAD_DIM))
     cache_k, cache_v = g.add_input("cache.k.0", cache_type), g.add_input("cache.v.0", cache_type)
+    table = None if paged is None else g.add_input("block_table", TensorType("i32", (b, MAX_SEQ_LEN // paged[0])))
     embed = g.add_param("embed", weight(VOCAB_SIZE, HIDDEN))
     x = g.call(
         "add",
@@ -53,13 +56,18 @@ def tiny_stateful_graph(seed: int = 0, max_batch: int = MAX_BATCH) -> Graph:
         return g.call("permute", g.call("reshape", y, shape=(b, s, n, HEAD_DIM)), perm=(0, 2, 1, 3))
 
     q, k, v = heads("wq", HEADS), heads("wk", KV_HEADS), heads("wv", KV_HEADS)
-    k_all = g.call("kv_write", cache_k, k, positions)
-    v_all = g.call("kv_write", cache_v, v, positions)
-    attn = g.call("attention", q, k_all, v_all, None, positions)
+    k_all = g.call("kv_write", cache_k, k, positions, table)
+    v_all = g.call("kv_write", cache_v, v, positions, table)
+    keys, values = (k_all, v_all) if paged is None else (g.call("kv_pages", c, table) for c in (k_all, v_all))
+    attn = g.call("attention", q, keys, values, None, positions)
     merged = g.call("reshape", g.call("permute", attn, perm=(0, 2, 1, 3)), shape=(b, s, HEADS * HEAD_DIM))
     h = g.call("add", x, g.call("linear", merged, g.add_param("wo", weight(HIDDEN, HEADS * HEAD_DIM))))
     head = g.add_param("lm_head", weight(VOCAB_SIZE, HIDDEN))  # untied: tied logits mostly repeat the input
     g.outputs = [g.call("linear", h, head, name="logits"), k_all, v_all]
+    if paged is not None:
+        block_size, num_blocks = paged
+        per_row = MAX_SEQ_LEN // block_size
+        g.meta["kv_cache"] = dict(layout="paged", block_size=block_size, num_blocks=num_blocks, blocks_per_row=per_row)
     return g
 
 

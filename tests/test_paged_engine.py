@@ -10,15 +10,12 @@ from __future__ import annotations
 
 import random
 
-import torch
-
 from kiln.backends.executable import BackendOptions
 from kiln.backends.reference import ReferenceExecutable
-from kiln.ir import Graph, TensorType, symbol
+from kiln.ir import Graph
 from kiln.runtime.generate import LLM
 from test_engine import alone
-from test_generate_loop import HEAD_DIM, HEADS, HIDDEN, KV_HEADS, MAX_SEQ_LEN, tokenizer  # noqa: F401 - a fixture
-from tiny_models import VOCAB_SIZE
+from test_generate_loop import MAX_SEQ_LEN, tiny_stateful_graph, tokenizer  # noqa: F401 - a fixture
 
 BLOCK = 4
 PER_ROW = MAX_SEQ_LEN // BLOCK
@@ -26,42 +23,7 @@ PER_ROW = MAX_SEQ_LEN // BLOCK
 
 def tiny_paged_graph(max_batch: int, num_blocks: int, seed: int = 0) -> Graph:
     """test_generate_loop's tiny_stateful_graph (same weights) with pools and a block table."""
-    gen = torch.Generator().manual_seed(seed)
-
-    def weight(*shape):
-        return torch.randn(*shape, generator=gen) * 0.5
-
-    g = Graph()
-    g.add_symbol("batch", 1, max_batch)
-    g.add_symbol("seq", 1, MAX_SEQ_LEN)
-    b, s = symbol("batch"), symbol("seq")
-    tokens = g.add_input("tokens", TensorType("i64", (b, s)))
-    positions = g.add_input("positions", TensorType("i64", (b, s)))
-    pool_type = TensorType("f32", (num_blocks, KV_HEADS, BLOCK, HEAD_DIM))
-    pool_k, pool_v = g.add_input("cache.k.0", pool_type), g.add_input("cache.v.0", pool_type)
-    table = g.add_input("block_table", TensorType("i32", (b, PER_ROW)))
-    embed = g.add_param("embed", weight(VOCAB_SIZE, HIDDEN))
-    x = g.call(
-        "add",
-        g.call("embedding", embed, tokens),
-        g.call("embedding", g.add_param("pos_embed", weight(MAX_SEQ_LEN, HIDDEN)), positions),
-    )
-
-    def heads(name, n):
-        y = g.call("linear", x, g.add_param(name, weight(n * HEAD_DIM, HIDDEN)))
-        return g.call("permute", g.call("reshape", y, shape=(b, s, n, HEAD_DIM)), perm=(0, 2, 1, 3))
-
-    q, k, v = heads("wq", HEADS), heads("wk", KV_HEADS), heads("wv", KV_HEADS)
-    k_all = g.call("kv_write", pool_k, k, positions, table)
-    v_all = g.call("kv_write", pool_v, v, positions, table)
-    rows_k, rows_v = g.call("kv_pages", k_all, table), g.call("kv_pages", v_all, table)
-    attn = g.call("attention", q, rows_k, rows_v, None, positions)
-    merged = g.call("reshape", g.call("permute", attn, perm=(0, 2, 1, 3)), shape=(b, s, HEADS * HEAD_DIM))
-    h = g.call("add", x, g.call("linear", merged, g.add_param("wo", weight(HIDDEN, HEADS * HEAD_DIM))))
-    head = g.add_param("lm_head", weight(VOCAB_SIZE, HIDDEN))
-    g.outputs = [g.call("linear", h, head, name="logits"), k_all, v_all]
-    g.meta["kv_cache"] = dict(layout="paged", block_size=BLOCK, num_blocks=num_blocks, blocks_per_row=PER_ROW)
-    return g
+    return tiny_stateful_graph(seed, max_batch, paged=(BLOCK, num_blocks))
 
 
 def paged_llm(max_batch: int, num_blocks: int) -> LLM:
