@@ -12,8 +12,7 @@ from kiln.ir.ops.shape_rules import numel
 
 from .aten_registry import aten, current_meta, handles, out_shape
 
-
-@handles(
+RESHAPE_OPS = (
     aten.view.default,
     aten._unsafe_view.default,
     aten.reshape.default,
@@ -22,6 +21,9 @@ from .aten_registry import aten, current_meta, handles, out_shape
     aten.squeeze.dims,
     aten.squeeze.default,
 )
+
+
+@handles(*RESHAPE_OPS)
 def _reshape(cx, x, *args):
     return cx.call("reshape", cx.value(x), shape=out_shape(cx))
 

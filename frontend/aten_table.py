@@ -19,7 +19,7 @@ from torch._higher_order_ops.wrap import wrap_with_autocast, wrap_with_set_grad_
 
 from kiln.ir import from_torch
 
-from . import aten_shapes  # noqa: F401  (registers the shape ops, so the table is complete on import)
+from . import aten_shapes  # registers the shape ops, so the table is complete on import
 from .aten_registry import ATEN_TO_IR, aten, current_meta, handles
 
 __all__ = ["ATEN_TO_IR", "handles"]
@@ -111,13 +111,7 @@ for _name, _ir in {
     handles(*[getattr(_packet, o) for o in ("Tensor", "Scalar", "default") if hasattr(_packet, o)])(_binary(_ir))
 
 VIEW_OPS = {
-    aten.view.default,
-    aten._unsafe_view.default,
-    aten.reshape.default,
-    aten.unsqueeze.default,
-    aten.squeeze.dim,
-    aten.squeeze.dims,
-    aten.squeeze.default,
+    *aten_shapes.RESHAPE_OPS,
     aten.expand.default,
     aten.permute.default,
     aten.transpose.int,
