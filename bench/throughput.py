@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/throughput.py [--backend onnxruntime] [--concurrency 1,4,8,16] [--requests 16]
         [--new-tokens 32] [--threads 2] [--kv-layout paged --kv-blocks N --max-seq-len 2048 --mix long]
+        [--mix decode --max-seq-len 512]
 
 Each level submits `--requests` requests of mixed prompt lengths (16-120 tokens) to one engine
 through `llm.submit` from a client thread (the engine runs in the main thread, as in `kiln serve`),
@@ -18,7 +19,12 @@ gives requests of mean 300 tokens (prompt and new), one in 16 of 2,048 (the page
 64 of them at once in the memory static rows need for 16 x 2,048). `--static-rows N` adds, in the
 same run, the static layout with N rows (the same KV bytes as the pool when N x max_seq_len
 slots equal it) serving the same requests N at a time.
-Writes bench/results/throughput-BACKEND[-paged].md.
+`--mix decode` is decode-heavy: prompts of 8-32 tokens, each request generating its own 128-256
+new tokens (seeded; `--new-tokens` is ignored), so nearly every step is a batched decode step
+(needs `--max-seq-len` of at least 288). The default mix ("short", 16-120 prompt tokens + 32 new)
+is mostly prompt: prefill is compute-bound and batches little.
+`--quantize SCHEME` compiles quantized weights (the lm_head and embedding too).
+Writes bench/results/throughput-BACKEND[-paged][-SCHEME][-decode].md.
 """
 
 from __future__ import annotations
@@ -41,9 +47,9 @@ RESULTS = Path(__file__).parent / "results"
 
 
 def prompts(tokenizer, count: int, seed: int = 0, mix: str = "short", total: int = 2048, new: int = 32):
-    """Mixed-length prompts cut from the bundled Moby-Dick chapters: 16-120 tokens ("short"), or
-    ("long") one in 16 filling `total` tokens with its new ones and the rest 64-240 tokens (with
-    32 new tokens: a mean of ~300 tokens a request)."""
+    """Mixed-length prompts cut from the bundled Moby-Dick chapters: 16-120 tokens ("short"),
+    8-32 tokens ("decode"), or ("long") one in 16 filling `total` tokens with its new ones and the
+    rest 64-240 tokens (with 32 new tokens: a mean of ~300 tokens a request)."""
     from kiln.moby_dick import calibration_text
 
     ids = tokenizer.encode(calibration_text())
@@ -52,6 +58,8 @@ def prompts(tokenizer, count: int, seed: int = 0, mix: str = "short", total: int
     for i in range(count):
         if mix == "long":
             length = total - new if i % 16 == 7 else rng.randint(64, 240)
+        elif mix == "decode":
+            length = rng.randint(8, 32)
         else:
             length = rng.randint(16, 120)
         start = rng.randrange(0, len(ids) - length)
@@ -59,11 +67,19 @@ def prompts(tokenizer, count: int, seed: int = 0, mix: str = "short", total: int
     return out
 
 
+def new_token_counts(count: int, mix: str, new: int, seed: int = 0) -> list[int]:
+    """Tokens each request generates: 128-256 apiece for the decode-heavy mix, else `new` each."""
+    if mix != "decode":
+        return [new] * count
+    rng = random.Random(seed + 1)
+    return [rng.randint(128, 256) for _ in range(count)]
+
+
 def kv_bytes(llm) -> int:
     return sum(view.numel() * view.element_size() for view in llm.executable.cache_views())
 
 
-def run_level(llm, requests: list[list[int]], concurrency: int, new_tokens: int) -> dict:
+def run_level(llm, requests: list[list[int]], concurrency: int, new_tokens: list[int]) -> dict:
     """Submit every request from a client thread, at most `concurrency` in flight, while the
     engine runs in this (main) thread as `kiln serve` runs it; the level's measurements."""
     handles, stop = [], threading.Event()
@@ -72,10 +88,10 @@ def run_level(llm, requests: list[list[int]], concurrency: int, new_tokens: int)
         # Polls instead of a thread per request: starting a thread waits for it to run, which
         # waits for the engine's model call (a compiled step holds the GIL) to end: one
         # submission per engine step, which kept levels above one from filling.
-        for prompt in requests:
+        for prompt, new in zip(requests, new_tokens):
             while sum(not h.done for h in handles) >= concurrency:
                 time.sleep(0.001)
-            handles.append(llm.submit(prompt, max_new_tokens=new_tokens, ignore_eos=True))
+            handles.append(llm.submit(prompt, max_new_tokens=new, ignore_eos=True))
         for handle in handles:
             handle.result()
         stop.set()
@@ -115,12 +131,13 @@ def run_level(llm, requests: list[list[int]], concurrency: int, new_tokens: int)
     }
 
 
-def compiled(backend: str, max_batch: int, max_seq_len: int, kv_layout: str = "static", kv_blocks=None):
+def compiled(backend: str, max_batch: int, max_seq_len: int, kv_layout: str = "static", kv_blocks=None, quantize=None):
     import kiln
 
     layout = f"-paged{kv_blocks}" if kv_layout == "paged" else ""
-    out = Path(f"out/bench-throughput-{backend}-b{max_batch}-s{max_seq_len}{layout}.kiln")
-    if max_seq_len == 256 and not layout:
+    scheme = f"-{quantize}" if quantize else ""
+    out = Path(f"out/bench-throughput-{backend}-b{max_batch}-s{max_seq_len}{layout}{scheme}.kiln")
+    if max_seq_len == 256 and not layout and not scheme:
         out = Path(f"out/bench-throughput-{backend}-b{max_batch}.kiln")  # the name before the options
     if not (out / "manifest.json").exists():
         kiln.compile(
@@ -131,6 +148,8 @@ def compiled(backend: str, max_batch: int, max_seq_len: int, kv_layout: str = "s
             max_batch=max_batch,
             kv_layout=kv_layout,
             kv_blocks=kv_blocks,
+            quantize=quantize,
+            quantize_embeddings=bool(quantize),
         )
     return kiln.load(out)
 
@@ -145,50 +164,60 @@ def main(argv=None) -> int:
     parser.add_argument("--kv-layout", default="static", choices=("static", "paged"))
     parser.add_argument("--kv-blocks", type=int, default=None, help="the paged pool's blocks of 32 tokens")
     parser.add_argument("--max-seq-len", type=int, default=256)
-    parser.add_argument("--mix", default="short", choices=("short", "long"))
+    parser.add_argument("--mix", default="short", choices=("short", "long", "decode"))
+    parser.add_argument("--quantize", help="weight scheme (int8, int4-g32, ...; lm_head and embedding too)")
     parser.add_argument("--static-rows", type=int, default=0, help="also run the static layout with N rows")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     levels = [int(c) for c in args.concurrency.split(",")]
-    llm = compiled(args.backend, max(levels), args.max_seq_len, args.kv_layout, args.kv_blocks)
+    llm = compiled(args.backend, max(levels), args.max_seq_len, args.kv_layout, args.kv_blocks, args.quantize)
     runs = [(args.kv_layout, llm, levels)]
     if args.static_rows:
-        static = compiled(args.backend, args.static_rows, args.max_seq_len)
+        static = compiled(args.backend, args.static_rows, args.max_seq_len, quantize=args.quantize)
         runs.append(("static", static, [args.static_rows]))  # as many at once as its rows hold
     requests = prompts(llm.tokenizer, args.requests, mix=args.mix, total=args.max_seq_len, new=args.new_tokens)
+    new_tokens = new_token_counts(args.requests, args.mix, args.new_tokens)
+    if max(len(r) + n for r, n in zip(requests, new_tokens)) > args.max_seq_len:
+        parser.error(f"--mix {args.mix} needs --max-seq-len of at least {max(map(len, requests)) + max(new_tokens)}")
     rows = []
     for layout, model, layout_levels in runs:
         model.generate(requests[0][:8], max_new_tokens=4)  # warm-up (first calls of each shape)
         model.generate([r[:40] for r in requests[:4]], max_new_tokens=4)
         for level in layout_levels:
-            row = run_level(model, requests, level, args.new_tokens)
+            row = run_level(model, requests, level, new_tokens)
             row["layout"] = layout
             rows.append(row)
             print({k: v for k, v in row.items() if k != "outputs"}, file=sys.stderr)
     alone = rows[0]["outputs"]  # the first level is 1: each request alone
-    lengths = [len(r) + args.new_tokens for r in requests]
+    lengths = [len(r) + n for r, n in zip(requests, new_tokens)]
+    news = f"{min(new_tokens)}-{max(new_tokens)}" if min(new_tokens) != max(new_tokens) else f"{new_tokens[0]}"
     lines = [
-        f"SmolLM2-135M f32, kiln-{args.backend}, {args.threads} threads, {args.requests} requests of "
-        f"{min(lengths)}-{max(lengths)} tokens (mean {statistics.mean(lengths):.0f}, prompt + {args.new_tokens} new), "
+        f"SmolLM2-135M {args.quantize or 'f32'}, kiln-{args.backend}, {args.threads} threads, "
+        f"{args.requests} requests ({args.mix} mix) of "
+        f"{min(lengths)}-{max(lengths)} tokens (mean {statistics.mean(lengths):.0f}, prompt + {news} new), "
         f"max_seq_len {args.max_seq_len}; {args.kv_layout} KV cache, max_batch {max(levels)}"
         + (f", {args.kv_blocks} blocks of 32" if args.kv_layout == "paged" else ""),
         "",
-        "| layout | concurrent | KV MB | peak blocks | preempted | total tokens/s | requests/s | mean TTFT ms "
+        "| layout | concurrent | KV MB | peak blocks | preempted | total tokens/s | x 1 concurrent | requests/s "
+        "| mean TTFT ms "
         "| per-request decode tok/s | same as alone | others' cores |",
-        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | ---: |",
     ]
+    single = rows[0]["tokens_per_s"]
     for r in rows:
         flag = " *" if r["contended"] else ""
         same = "yes" if r["outputs"] == alone else "NO"
         peak = r["peak_blocks"] if r["layout"] == "paged" else "-"
         lines.append(
             f"| {r['layout']} | {r['concurrency']} | {r['kv_mb']:.0f} | {peak} | {r['preemptions']} | "
-            f"{r['tokens_per_s']:.1f}{flag} | {r['requests_per_s']:.2f} | {r['ttft_ms']:.0f} | "
+            f"{r['tokens_per_s']:.1f}{flag} | {r['tokens_per_s'] / single:.2f} | "
+            f"{r['requests_per_s']:.2f} | {r['ttft_ms']:.0f} | "
             f"{r['decode_tps']:.1f} | {same} | {r['other_cores']:.2f} |"
         )
     text = "\n".join(lines) + "\n"
     print(text)
-    suffix = "-paged" if args.kv_layout == "paged" else ""
+    suffix = ("-paged" if args.kv_layout == "paged" else "") + (f"-{args.quantize}" if args.quantize else "")
+    suffix += f"-{args.mix}" if args.mix == "decode" else ""
     write_result(RESULTS / f"throughput-{args.backend}{suffix}.md", text)
     return 0
 
