@@ -5,7 +5,8 @@ forcing) and are scored on the model's own greedy choices after t_{p+1} .. t_{p+
 (g_{p+1} .. g_{p+stages}, the logits' argmax at those positions: what greedy verification
 accepts; in a reply they are t_{p+2} .. t_{p+stages+1}, on text they often differ from the text),
 the sum of the stages' cross-entropies over the draft vocabulary (targets outside it score
-nothing). The first `text_fraction` of the steps
+nothing); heads that predict states (eagle) add their regression to the target's states
+h_{p+1} .. h_{p+stages} and weight the cross-entropy as they say. The first `text_fraction` of the steps
 draw positions from text, the rest from the model's replies; a tenth of the replies is held out
 for the accuracy report. The learning rate warms up over the first 5% of steps, then decays
 along a cosine to a tenth.
@@ -71,14 +72,15 @@ class Trainer:
 
     def loss(self, positions: torch.Tensor) -> tuple[torch.Tensor, list[float]]:
         hidden, fed, wanted = self.batch(positions)
-        logits = self.heads(hidden, fed)
+        next_hidden = self.corpus.hidden[positions[:, None] + torch.arange(1, self.config.stages + 1)]
+        logits, extra, token_weight = self.heads.training_outputs(hidden, fed, next_hidden)
         losses = [F.cross_entropy(out, wanted[:, i], ignore_index=IGNORE) for i, out in enumerate(logits)]
         accuracy = [
             float(((out.argmax(-1) == wanted[:, i]) & (wanted[:, i] != IGNORE)).float().mean())
             for i, out in enumerate(logits)
         ]
-        total = sum(torch.nan_to_num(loss) for loss in losses)  # a batch with no target in the vocabulary
-        return total, accuracy
+        total = token_weight * sum(torch.nan_to_num(loss) for loss in losses)  # nan: no target in the vocabulary
+        return total + extra, accuracy
 
     def run(self, report, log_every: int, save, checkpoint_every: int) -> None:
         config, started, first = self.config, time.perf_counter(), self.step

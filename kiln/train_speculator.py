@@ -1,6 +1,6 @@
 """`kiln train-speculator ARTIFACT`: train draft heads for speculative decoding, on the CPU.
 
-    kiln train-speculator model.kiln [--kind mlp|medusa] [--stages 4] [--steps 1000] [--data FILE ...]
+    kiln train-speculator model.kiln [--kind mlp|medusa|eagle] [--stages 4] [--steps 1000] [--data FILE ...]
 
 Collects the artifact's own hidden states (kiln/speculator_data.py: the bundled text, then the
 model's greedy replies to chat prompts), trains the heads with AdamW on the sum of the stages'
@@ -22,7 +22,7 @@ from pathlib import Path
 
 from kiln.ir.errors import OptionError
 
-KINDS = ("mlp", "medusa")
+KINDS = ("mlp", "medusa", "eagle")
 HEAD_CHOICES = ("own", "tied")
 
 
@@ -30,7 +30,7 @@ HEAD_CHOICES = ("own", "tied")
 class TrainConfig:
     kind: str = "mlp"
     stages: int = 4
-    head: str = "own"  # own | tied (see speculator_heads.py)
+    head: str = "own"  # own | tied (see speculator_heads.py); eagle reads through the model's lm_head: tied
     draft_vocab: int = 8192  # the most frequent tokens the heads can draft (0: every token)
     steps: int = 1000
     batch: int = 64
@@ -44,6 +44,8 @@ class TrainConfig:
             raise OptionError(f"--kind {self.kind!r} is not one of {list(KINDS)}. Fix: --kind mlp.")
         if self.head not in HEAD_CHOICES:
             raise OptionError(f"--head {self.head!r} is not one of {list(HEAD_CHOICES)}. Fix: --head own.")
+        if self.kind == "eagle" and self.head != "tied":
+            raise OptionError("eagle heads read out through the model's own lm_head. Fix: --head tied.")
         for name in ("stages", "steps", "batch", "reply_tokens"):
             if getattr(self, name) < 1:
                 flag = f"--{name.replace('_', '-')}"
@@ -137,7 +139,9 @@ def add_arguments(commands) -> None:
     parser.add_argument("--kind", default=defaults.kind, help=f"one of {', '.join(KINDS)}")
     parser.add_argument("--stages", type=int, default=defaults.stages, help="tokens drafted per step")
     parser.add_argument(
-        "--head", default=defaults.head, help="own: trained vocabulary heads; tied: the model's lm_head rows"
+        "--head",
+        default=None,
+        help="own: trained vocabulary heads; tied: the model's lm_head rows (default: own, for eagle tied)",
     )
     parser.add_argument(
         "--draft-vocab",
@@ -175,7 +179,7 @@ def run_command(args) -> int:
     config = TrainConfig(
         kind=args.kind,
         stages=args.stages,
-        head=args.head,
+        head=args.head or ("tied" if args.kind == "eagle" else TrainConfig.head),
         draft_vocab=args.draft_vocab,
         steps=args.steps,
         batch=args.batch,

@@ -34,6 +34,7 @@ class OutputHead:
     weight: torch.Tensor  # [vocab, hidden]
     bias: torch.Tensor | None
     embedding: torch.Tensor  # [vocab, hidden]
+    graph: object = None  # the graph they come from (eagle heads copy its decoder layer)
 
 
 def output_head(graph) -> OutputHead:
@@ -60,7 +61,7 @@ def output_head(graph) -> OutputHead:
             "Fix: use prompt lookup or a draft model for this model."
         )
     embedding = _float_param(graph, lookup.inputs[0], "token embedding")
-    return OutputHead(weight, bias, embedding)
+    return OutputHead(weight, bias, embedding, graph)
 
 
 def _float_param(graph, value, what: str) -> torch.Tensor:

@@ -1,12 +1,14 @@
 """Draft heads on the target's last hidden state, and their file in the artifact.
 
-Two kinds, both drafting one chain of `stages` tokens after the newest token t_{p+1}, from the
+Three kinds, each drafting one chain of `stages` tokens after the newest token t_{p+1}, from the
 hidden state h_p that produced it (last_hidden.py):
 - `mlp` (IBM's multi-stage MLP speculator): stage i mixes a projection of the previous stage's
   state (stage 0: h_p) with the embedding of the token stage i-1 predicted (stage 0: t_{p+1}),
   then LayerNorm, GELU and a vocabulary head; the embedding table is the model's own, frozen;
 - `medusa`: head i is a residual block h_p + SiLU(W_i h_p) and a vocabulary head; it predicts
-  t_{p+2+i} from h_p alone.
+  t_{p+2+i} from h_p alone;
+- `eagle`: one decoder layer of the model's own shape predicting the next hidden state, read out
+  through the model's final norm and lm_head (eagle_heads.py).
 Vocabulary heads cover the `draft_vocab` most frequent tokens of the training data (a draft
 outside them is never proposed) and are either the heads' own (`own`: initialized from the
 model's lm_head rows, then trained) or the model's lm_head rows themselves (`tied`: frozen, not
@@ -39,7 +41,7 @@ from kiln.runtime.draft_tree import DraftTree
 from kiln.runtime.errors import ArtifactError
 from kiln.runtime.last_hidden import OutputHead
 
-KINDS = ("mlp", "medusa")
+KINDS = ("mlp", "medusa", "eagle")
 HEAD_CHOICES = ("own", "tied")
 HEADS_FORMAT = "kiln-speculator-1"
 
@@ -89,6 +91,12 @@ class DraftHeads(nn.Module):
     def first_logits(self, hidden: torch.Tensor, token: int) -> torch.Tensor:
         """Stage 0's logits over the draft vocabulary after `token`."""
         raise NotImplementedError
+
+    def training_outputs(self, hidden: torch.Tensor, tokens: torch.Tensor, next_hidden: torch.Tensor):
+        """(teacher-forced logits per stage, an extra loss term, the weight of the token
+        cross-entropy); next_hidden [batch, stages, hidden] are h_{p+1} .. h_{p+stages}, what
+        heads that predict states (eagle) regress to."""
+        return self(hidden, tokens), torch.zeros(()), 1.0
 
     @torch.inference_mode()
     def draft_tree(
@@ -204,6 +212,10 @@ def _pick(logits: torch.Tensor, confidence: float, min_confidence: float) -> tup
 
 
 def build_heads(kind: str, model_head: OutputHead, stages: int, vocab_ids: torch.Tensor, head: str) -> DraftHeads:
+    if kind == "eagle":
+        from kiln.runtime.eagle_heads import EagleHeads
+
+        return EagleHeads(model_head, stages, vocab_ids, head)
     cls = {"mlp": MLPSpeculator, "medusa": MedusaHeads}[kind]
     return cls(model_head, stages, vocab_ids, head)
 

@@ -124,6 +124,46 @@ def test_medusa_heads_beside_mlp_heads_keep_greedy_output(artifact, tmp_path):
         assert result.token_ids == expected and result.stats.drafted_tokens > 0
 
 
+def test_eagle_heads_learn_keep_greedy_output_beat_untrained_ones_and_check_their_file(artifact, tmp_path):
+    """A decoder layer over (state, next token's embedding), read out through the model's final
+    norm and lm_head: its loss falls, its drafts keep greedy output and are accepted more often
+    than an untrained layer's; a damaged file is an ArtifactError."""
+    plain, trained, _, _ = artifact
+    llm_plain = kiln.load(plain)
+    prompts = [llm_plain.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS[:3]]
+    expected = [r.token_ids for r in llm_plain.generate(prompts, max_new_tokens=24)]
+    eagle = TrainConfig(**{**CONFIG.__dict__, "kind": "eagle", "head": "tied", "steps": 160})
+    rates = {}
+    for name, config in (("untrained", {**eagle.__dict__, "steps": 1, "lr": 1e-9}), ("trained", eagle.__dict__)):
+        copy = tmp_path / f"{name}.kiln"
+        shutil.copytree(plain, copy)
+        shutil.copytree(work_dir(trained), work_dir(copy))  # the same corpus, collected once
+        lines = []
+        train_speculator(
+            kiln.load(copy),
+            copy,
+            TrainConfig(**config),
+            prompts=PROMPTS,
+            texts=TEXTS,
+            report=lines.append,
+            log_every=20,
+        )
+        llm = kiln.load(copy)
+        results = [llm.generate(p, max_new_tokens=24, speculative="heads:eagle") for p in prompts]
+        assert [r.token_ids for r in results] == expected
+        rates[name] = sum(r.stats.accepted_tokens for r in results) / sum(r.stats.drafted_tokens for r in results)
+    losses = [float(line.split("loss ")[1].split()[0]) for line in lines if line.startswith("step ")]
+    assert len(losses) == eagle.steps // 20 and losses[-1] < 0.7 * losses[0]
+    assert rates["trained"] > rates["untrained"] + 0.1
+    assert llm.generate(prompts[0], max_new_tokens=24, speculative="heads").token_ids == expected[0]  # the only kind
+    path = copy / heads_file("eagle")
+    data = bytearray(path.read_bytes())
+    data[-10] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match=heads_file("eagle")):
+        kiln.load(copy, check_hashes=False).generate(prompts[0], max_new_tokens=4, speculative="heads:eagle")
+
+
 def test_sampled_generation_with_heads_runs_and_counts_its_drafts(artifact):
     llm = kiln.load(artifact[1])
     result = llm.generate("Once upon a time", max_new_tokens=16, temperature=0.8, seed=3, speculative="heads")
@@ -195,7 +235,7 @@ def test_training_resumes_from_its_checkpoint(artifact, tmp_path):
 def test_bad_training_options_are_option_errors():
     from kiln.ir.errors import OptionError
 
-    for bad in ({"kind": "eagle2"}, {"head": "shared"}, {"stages": 0}, {"text_fraction": 2.0}):
+    for bad in ({"kind": "eagle2"}, {"head": "shared"}, {"stages": 0}, {"text_fraction": 2.0}, {"kind": "eagle"}):
         with pytest.raises(OptionError):
             TrainConfig(**bad).check()
 

@@ -1,0 +1,239 @@
+"""`eagle` draft heads: one decoder layer of the model's own shape that predicts the next hidden state.
+
+As EAGLE (Li et al. 2024) drafts: the input at each draft position is
+fc(concat(hidden state h_t, embedding of token t+1)), one decoder layer (attention with the
+model's heads, RoPE tables and attention scale, then its gated MLP and activation, RMSNorm
+between) turns it into the next hidden state, and the model's own final norm and lm_head
+(frozen, the draft vocabulary's rows) read it out. Drafting is autoregressive on the layer's own
+predicted states: position i feeds (predicted h_{p+i}, the token drafted at i-1).
+
+The hidden states are the ones the lm_head reads (last_hidden.py solves them from the logits,
+after the final norm): the same states EAGLE-1 trains on (Hugging Face's last `hidden_states`
+entry is normalized). The layer's output goes through the model's final norm, so its prediction
+has the scale of the states it regresses to, and feeds back in as one.
+
+The layer attends over the draft's own positions only (the chain being drafted, at most `stages`
+long): the target's state h_p already summarizes the context, and the draft then needs neither a
+cache of the whole context nor the states of tokens it did not see. Its keys and values depend
+on one position's input alone (a single layer), so each draft step adds one row to them.
+
+Training (kiln/speculator_trainer.py) unrolls the same autoregression over `stages` positions,
+teacher-forced on the tokens and fed its own predicted states, with EAGLE's loss: smooth L1 from
+each predicted state to the target's plus a weighted cross-entropy of its readout against the
+model's greedy token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from kiln.runtime.draft_tree import DraftTree
+from kiln.runtime.last_hidden import OutputHead, SpeculatorError
+from kiln.runtime.speculator_heads import DraftHeads, _pick
+
+REGRESSION_WEIGHT, TOKEN_WEIGHT = 1.0, 0.1  # EAGLE's weights of the state and token losses
+ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    """What the draft layer copies from the model's graph."""
+
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    activation: str  # silu | gelu
+    gelu_approximate: str
+    eps: float  # the layers' RMSNorm
+    norm_offset: float  # Gemma's norms scale by (1 + weight)
+    scale: float  # attention's
+    final_norm: torch.Tensor  # the model's, before its lm_head
+    final_eps: float
+    final_offset: float
+    cos: torch.Tensor | None  # the model's RoPE tables' first rows ([stages, half]; None: no RoPE)
+    sin: torch.Tensor | None
+
+
+def layer_shape(graph, rows: int) -> LayerShape:
+    """The model's decoder layer as `graph` computes it; SpeculatorError when it is not a
+    pre-norm RMSNorm transformer whose lm_head reads an RMSNorm."""
+    model = graph.meta.get("model", {})
+    nodes = list(graph.nodes)
+    norm = _final_norm(graph)
+    first = {op: next((n for n in nodes if n.op == op), None) for op in ("rms_norm", "add_rms_norm", "attention")}
+    activation = next((n for n in nodes if n.op in ACTIVATIONS), None)
+    layer_norm = first["rms_norm"] or first["add_rms_norm"]
+    if norm is None or activation is None or first["attention"] is None or layer_norm is None:
+        raise SpeculatorError(
+            "eagle heads copy a pre-norm decoder layer (RMSNorm, attention, a SiLU or GELU MLP) "
+            "and read out through the model's final RMSNorm; this graph lacks one of them. "
+            "Fix: train --kind mlp or --kind medusa heads for this model."
+        )
+    rope = next((n for n in nodes if n.op == "rope"), None)
+    cos = sin = None
+    if rope is not None:
+        cos, sin = (graph.weights[v.name][:rows].float() for v in rope.inputs[2:4])
+    head_dim = int(model["head_dim"])
+    scale = first["attention"].attrs.get("scale")
+    final_weight = graph.weights[norm.inputs[-1].name].float()
+    return LayerShape(
+        heads=int(model["num_heads"]),
+        kv_heads=int(model["num_kv_heads"]),
+        head_dim=head_dim,
+        intermediate=int(activation.outputs[0].type.shape[-1]),
+        activation=activation.op,
+        gelu_approximate=activation.attrs.get("approximate", "none"),
+        eps=float(layer_norm.attrs["eps"]),
+        norm_offset=float(layer_norm.attrs.get("offset", 0.0)),
+        scale=float(scale) if scale is not None else head_dim**-0.5,
+        final_norm=final_weight,
+        final_eps=float(norm.attrs["eps"]),
+        final_offset=float(norm.attrs.get("offset", 0.0)),
+        cos=cos,
+        sin=sin,
+    )
+
+
+def _final_norm(graph):
+    """The rms_norm / add_rms_norm node whose (first) output the lm_head's linear reads."""
+    logits = graph.outputs[0]
+    head = next((n for n in graph.nodes if logits in n.outputs), None)
+    state = head.inputs[0] if head is not None else None
+    norm = state.producer if state is not None else None
+    if norm is None or norm.op not in ("rms_norm", "add_rms_norm") or norm.outputs[0] is not state:
+        return None
+    return norm if norm.inputs[-1] is not None else None
+
+
+class EagleHeads(DraftHeads):
+    kind = "eagle"
+
+    def __init__(self, model_head: OutputHead, stages: int, vocab_ids: torch.Tensor, head: str = "tied"):
+        if head != "tied":
+            raise SpeculatorError(
+                f"eagle heads read out through the model's own lm_head, not {head!r} heads. Fix: --head tied."
+            )
+        if model_head.graph is None:
+            raise SpeculatorError("eagle heads need the model's graph to copy its layer. Fix: pass output_head(graph).")
+        super().__init__(model_head, stages, vocab_ids, head)
+        shape = self.shape = layer_shape(model_head.graph, stages)
+        hidden, width, kv_width = self.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+        self.register_buffer("embedding", model_head.embedding.detach(), persistent=False)
+        self.register_buffer("final_norm", shape.final_norm, persistent=False)
+        self.fc = nn.Linear(2 * hidden, hidden)
+        self.qkv = nn.Linear(hidden, width + 2 * kv_width, bias=False)
+        self.o_proj = nn.Linear(width, hidden, bias=False)
+        self.post_attention_norm = nn.Parameter(torch.full((hidden,), 1.0 - shape.norm_offset))
+        self.gate_up = nn.Linear(hidden, 2 * shape.intermediate, bias=False)
+        self.down = nn.Linear(shape.intermediate, hidden, bias=False)
+
+    # -- one draft position ------------------------------------------------------------------
+    def _input(self, state: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
+        embedded = F.rms_norm(self.embedding[token], (self.hidden,))  # the model's scale differs from the state's
+        return self.fc(torch.cat((state, embedded), dim=-1))
+
+    def _rope(self, x: torch.Tensor, position: int) -> torch.Tensor:
+        if self.shape.cos is None:
+            return x
+        cos, sin = self.shape.cos[position], self.shape.sin[position]
+        half = cos.shape[-1]
+        x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
+
+    def _step(self, x: torch.Tensor, cache: list[torch.Tensor]) -> torch.Tensor:
+        """The layer at the next draft position for inputs x [b, hidden], attending over the
+        earlier positions' keys and values in `cache` ([k, v], each [b, kv_heads, i, head_dim],
+        grown here); returns the predicted state after the model's final norm."""
+        shape, position = self.shape, cache[0].shape[2] if cache else 0
+        q, k, v = self.qkv(x).split([shape.heads * shape.head_dim, *2 * [shape.kv_heads * shape.head_dim]], dim=-1)
+        q = self._rope(q.view(-1, shape.heads, 1, shape.head_dim), position)
+        k = self._rope(k.view(-1, shape.kv_heads, 1, shape.head_dim), position)
+        v = v.view(-1, shape.kv_heads, 1, shape.head_dim)
+        if cache:
+            k, v = torch.cat((cache[0], k), dim=2), torch.cat((cache[1], v), dim=2)
+        cache[:] = [k, v]
+        group = shape.heads // shape.kv_heads
+        attended = F.scaled_dot_product_attention(
+            q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), scale=shape.scale
+        )
+        x = x + self.o_proj(attended.reshape(x.shape[0], -1))
+        normed = _rms_norm(x, self.post_attention_norm, shape.eps, shape.norm_offset)
+        gate, up = self.gate_up(normed).chunk(2, dim=-1)
+        x = x + self.down(self._activate(gate) * up)
+        return _rms_norm(x, self.final_norm, shape.final_eps, shape.final_offset)
+
+    def _activate(self, x: torch.Tensor) -> torch.Tensor:
+        if self.shape.activation == "gelu":
+            return F.gelu(x, approximate=self.shape.gelu_approximate)
+        return F.silu(x)
+
+    # -- teacher-forced tokens, own states (training, evaluation) -----------------------------
+    def states(self, hidden: torch.Tensor, tokens: torch.Tensor) -> list[torch.Tensor]:
+        """The predicted states [batch, hidden] per stage: stage i reads t_{p+1+i} (teacher
+        forced) and the state stage i-1 predicted (stage 0: h_p)."""
+        state, cache, out = hidden, [], []
+        for stage in range(self.stages):
+            state = self._step(self._input(state, tokens[:, stage]), cache)
+            out.append(state)
+        return out
+
+    def forward(self, hidden, tokens):
+        return [self.logits(0, state) for state in self.states(hidden, tokens)]
+
+    def training_outputs(self, hidden, tokens, next_hidden):
+        states = self.states(hidden, tokens)
+        regression = sum(F.smooth_l1_loss(state, next_hidden[:, i]) for i, state in enumerate(states))
+        return [self.logits(0, state) for state in states], REGRESSION_WEIGHT * regression, TOKEN_WEIGHT
+
+    # -- drafting -------------------------------------------------------------------------------
+    def _chain(self, hidden, token, count, min_confidence=0.0):
+        """(greedy draft ids, stage 0's logits) for one sequence."""
+        state, cache, current = hidden[None], [], torch.tensor([token])
+        drafted, confidence, first = [], 1.0, None
+        for _ in range(min(count, self.stages)):
+            state = self._step(self._input(state, current), cache)
+            logits = self.logits(0, state[0])
+            first = logits if first is None else first
+            pick, confidence = _pick(logits, confidence, min_confidence)
+            if pick is None:
+                break
+            current = self.vocab_ids[pick : pick + 1]
+            drafted.append(int(current))
+        return drafted, first
+
+    @torch.inference_mode()
+    def draft(self, hidden, token, count, min_confidence=0.0):
+        return self._chain(hidden, token, count, min_confidence)[0]
+
+    @torch.inference_mode()
+    def first_logits(self, hidden, token):
+        return self.logits(0, self._step(self._input(hidden[None], torch.tensor([token])), [])[0])
+
+    @torch.inference_mode()
+    def draft_tree(self, hidden, token, count, alternatives=2, min_confidence=0.0) -> DraftTree:
+        """The greedy chain and stage 0's runners-up as leaves (as DraftHeads.draft_tree), the
+        chain's first step computed once."""
+        chain, first = self._chain(hidden, token, count, min_confidence)
+        if not chain or alternatives <= 0:
+            return DraftTree.chain(chain)
+        ranked = first.topk(min(alternatives + 1, len(self.vocab_ids))).indices
+        others = [[int(self.vocab_ids[i])] for i in ranked if int(self.vocab_ids[i]) != chain[0]][:alternatives]
+        return DraftTree.of_continuations([chain, *others], max_nodes=len(chain) + alternatives)
+
+    @torch.inference_mode()
+    def chains(self, hidden, tokens):
+        state, cache, current, out = hidden, [], tokens, []
+        for _ in range(self.stages):
+            state = self._step(self._input(state, current), cache)
+            current = self.vocab_ids[self.logits(0, state).argmax(-1)]
+            out.append(current)
+        return torch.stack(out, dim=1)
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (weight + offset)
