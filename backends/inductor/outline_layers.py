@@ -10,13 +10,11 @@ positions alone (rope rows), the final norm and the LM head.
 What torch 2.13 needs for AOTInductor to compile a body once (`inline_subgraph_calls`):
 - a tracing context around `aoti_compile_and_package`: its AOTAutograd runs without one, and
   without one the invoke_subgraph cache is off: every call traced and lowered on its own;
-- C++ wrapper code for invoke_subgraph (it raises NotImplementedError): each call's block spells
-  out the body's kernel calls as the conditional's code does, the kernels defined and built once.
-  The body is scheduled anew for each call, so the bookkeeping its first scheduling left in its
-  graph, the wrapper's record of allocated buffers and the size arrays declared inside an
-  earlier block are reset first.
-So export traces each body once and AOTAutograd and lowering run once per body; scheduling and
-the wrapper's C++ (its g++ time) still grow with the number of layers.
+- C++ wrapper code for invoke_subgraph (it raises NotImplementedError): each body becomes a C++
+  lambda inside the wrapper's run_impl, written at the body's first call and called by the
+  others, so the body is scheduled, its code generated and built by g++ once.
+So export traces each body once, and AOTAutograd, lowering, scheduling and the wrapper's C++ run
+once per body: what grows with the number of layers is one line per call.
 
 When the regions cannot be outlined (no numbered layers, a region read by another before it
 ends), the module is returned unchanged: the full graph is compiled as before.
@@ -24,14 +22,13 @@ ends), the module is returned unchanged: the full graph is compiled as before.
 
 from __future__ import annotations
 
-import copy
 import operator
 from contextlib import contextmanager
 
 import torch
 import torch.fx as fx
 from torch._inductor.codegen.wrapper import EnterSubgraphLine, ExitSubgraphLine, WrapperLine
-from torch.utils._ordered_set import OrderedSet
+from torch._inductor.ir import TensorBox
 
 from kiln.ir.errors import KilnError
 
@@ -116,30 +113,12 @@ def _rebuild(holder: fx.GraphModule, regions: list[Region], bodies: dict[tuple, 
 
 @contextmanager
 def inline_subgraph_calls():
-    """Give torch's C++ wrapper (AOTInductor) code for invoke_subgraph while the block runs."""
+    """Give torch's C++ wrapper (AOTInductor) code for invoke_subgraph while the block runs: each
+    body becomes one C++ lambda in the wrapper, defined at its first call, that later calls reuse."""
     from torch._inductor.codegen.cpp_wrapper_cpu import CppWrapperCpu
 
-    def codegen_invoke_subgraph(self, invoke_subgraph):
-        outer_inputs = [buf.codegen_reference() for buf in invoke_subgraph.inputs]
-        outer_outputs = []
-        for out in invoke_subgraph.outputs:
-            self.writeline(f"RAIIAtenTensorHandle {out.get_name()};")
-            outer_outputs.append(out.get_name())
-        opening = _BlockStart(self)
-        self.writeline(opening)
-        self.writeline(EnterSubgraphLine(self, invoke_subgraph.subgraph.graph))
-        _fresh_for_codegen(invoke_subgraph.subgraph.graph)
-        prefix = f"{invoke_subgraph.subgraph.name}_"  # the body's buffers, allocated anew per call
-        self.allocated = OrderedSet(n for n in self.allocated if not n.startswith(prefix))
-        self.freed = OrderedSet(n for n in self.freed if not n.startswith(prefix))
-        declared = dict(self.codegen_int_array_var_cache)  # as _BlockStart says, for arrays declared now
-        self.codegen_subgraph(invoke_subgraph.subgraph, outer_inputs, outer_outputs)
-        self.codegen_int_array_var_cache = declared
-        self.writeline(ExitSubgraphLine(self))
-        self.writeline(_BlockEnd(self, opening))
-
     saved = CppWrapperCpu.codegen_invoke_subgraph
-    CppWrapperCpu.codegen_invoke_subgraph = codegen_invoke_subgraph
+    CppWrapperCpu.codegen_invoke_subgraph = _codegen_invoke_subgraph
     try:
         # AOTInductor's AOTAutograd traces without a tracing context, and without one the
         # invoke_subgraph cache is off: each call traced, lowered and scheduled on its own.
@@ -149,36 +128,54 @@ def inline_subgraph_calls():
         CppWrapperCpu.codegen_invoke_subgraph = saved
 
 
-class _BlockStart(WrapperLine):
-    """`{` of a call's block. The size/stride arrays a block declares (at their first use, when
-    the wrapper's lines are written out) are out of scope after it: forgotten at its `}`."""
+def _codegen_invoke_subgraph(wrapper, invoke_subgraph) -> None:
+    """`body(inputs..., outputs...);` for one call. At a body's first call its lambda is written
+    there: the body scheduled and its code generated once, whatever the number of calls. The
+    lambda captures the wrapper's locals (sizes, kernels, the proxy executor) by reference; it
+    takes each tensor input as a borrowed handle (a temporary view made at the call lives until
+    the call returns) and writes each output into the caller's handle."""
+    subgraph = invoke_subgraph.subgraph
+    function = f"{subgraph.name}_call"
+    outer_outputs = []
+    for out in invoke_subgraph.outputs:
+        wrapper.writeline(f"RAIIAtenTensorHandle {out.get_name()};")
+        outer_outputs.append(out.get_name())
+    tensor_inputs = [isinstance(v, TensorBox) for v in subgraph.graph.graph_inputs.values()]
+    defined = wrapper.__dict__.setdefault("_kiln_layer_functions", set())
+    if function not in defined:
+        defined.add(function)
+        params = [f"{subgraph.name}_in{k}" for k in range(len(tensor_inputs))]
+        results = [f"{subgraph.name}_out{k}" for k in range(len(outer_outputs))]
+        signature = [f"AtenTensorHandle {p}" for p, t in zip(params, tensor_inputs) if t]
+        signature += [f"RAIIAtenTensorHandle& {r}" for r in results]
+        opening = _BlockStart(wrapper, f"auto {function} = [&]({', '.join(signature)}) {{")
+        wrapper.writeline(opening)
+        wrapper.writeline(EnterSubgraphLine(wrapper, subgraph.graph))
+        declared = dict(wrapper.codegen_int_array_var_cache)  # as _BlockStart says, for arrays declared now
+        wrapper.codegen_subgraph(subgraph, params, results)
+        wrapper.codegen_int_array_var_cache = declared
+        wrapper.writeline(ExitSubgraphLine(wrapper))
+        wrapper.writeline(_BlockEnd(wrapper, opening, "};"))
+    inputs = [buf.codegen_reference() for buf, t in zip(invoke_subgraph.inputs, tensor_inputs) if t]
+    wrapper.writeline(f"{function}({', '.join(inputs + outer_outputs)});")
 
-    def __init__(self, wrapper):
-        self.wrapper, self.saved = wrapper, {}
+
+class _BlockStart(WrapperLine):
+    """The opening line of a body's lambda. The size/stride arrays it declares (at their first
+    use, when the wrapper's lines are written out) are out of scope after it: forgotten at its end."""
+
+    def __init__(self, wrapper, line: str):
+        self.wrapper, self.line, self.saved = wrapper, line, {}
 
     def codegen(self, code) -> None:
         self.saved = dict(self.wrapper.codegen_int_array_var_cache)
-        code.writeline("{")
+        code.writeline(self.line)
 
 
 class _BlockEnd(WrapperLine):
-    def __init__(self, wrapper, start: _BlockStart):
-        self.wrapper, self.start = wrapper, start
+    def __init__(self, wrapper, start: _BlockStart, line: str):
+        self.wrapper, self.start, self.line = wrapper, start, line
 
     def codegen(self, code) -> None:
         self.wrapper.codegen_int_array_var_cache = self.start.saved
-        code.writeline("}")
-
-
-def _fresh_for_codegen(lowered) -> None:
-    """Put a lowered body's bookkeeping back as it was before its first codegen: each codegen
-    schedules it anew, and the scheduler records in the graph which buffers it removed or fused
-    away, which the next call's code would otherwise lack."""
-    saved = lowered.__dict__.get("_kiln_before_codegen")
-    if saved is None:
-        lowered._kiln_before_codegen = {
-            k: copy.copy(v) for k, v in lowered.__dict__.items() if isinstance(v, (set, dict, list, OrderedSet))
-        }
-        return
-    for k, v in saved.items():
-        setattr(lowered, k, copy.copy(v))
+        code.writeline(self.line)
