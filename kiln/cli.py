@@ -128,7 +128,7 @@ def compile_parser() -> argparse.ArgumentParser:
         "--kv-layout",
         default="static",
         help="how the KV cache is laid out: static (a row of max_seq_len per request, default), or paged "
-        "(blocks of a shared pool, addressed through a block table; --backend inductor or reference)",
+        "(blocks of a shared pool, addressed through a block table; --backend inductor, onnxruntime or reference)",
     )
     parser.add_argument("--kv-block-size", type=int, default=32, metavar="N", help="tokens per block (paged)")
     parser.add_argument(

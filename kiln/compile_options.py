@@ -33,7 +33,7 @@ BACKENDS_WITH_TENSOR_PARALLEL = ("inductor", "reference")
 
 TOKEN_TREE_BACKENDS = frozenset({"inductor", "onnxruntime", "reference", "tinygrad"})
 INT8_KV_BACKENDS = ("inductor", "reference")  # whose attention reads an int8 cache (docs/kv-cache.md)
-PAGED_KV_BACKENDS = ("inductor", "reference")  # whose kv_write and attention read through a block table
+PAGED_KV_BACKENDS = ("inductor", "onnxruntime", "reference")  # whose kv_write and attention read through a block table
 
 
 @dataclass(frozen=True)

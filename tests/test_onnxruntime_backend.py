@@ -292,13 +292,18 @@ def test_the_f16_graph_follows_hugging_face_in_f16_through_the_kv_cache(tiny_mod
 
 
 # -- artifacts and generation ---------------------------------------------------------------
-def test_compiled_artifact_lists_the_model_and_its_data_with_hashes_and_loads_back(tiny_model_dirs, tmp_path):
+@pytest.mark.parametrize("kv_layout", ["static", "paged"])
+def test_compiled_artifact_lists_the_model_and_its_data_with_hashes_and_loads_back(
+    tiny_model_dirs, tmp_path, kv_layout
+):
     path = kiln.compile(
         str(tiny_model_dirs("llama")),
         out=tmp_path / "model.kiln",
         backend="onnxruntime",
         max_seq_len=OPTIONS.max_seq_len,
         max_batch=OPTIONS.max_batch,
+        kv_layout=kv_layout,
+        kv_block_size=16,
     )
     manifest = json.loads((path / "manifest.json").read_text())
     assert manifest["backend"] == "onnxruntime"
@@ -306,6 +311,7 @@ def test_compiled_artifact_lists_the_model_and_its_data_with_hashes_and_loads_ba
     llm = kiln.load(path)
     assert isinstance(llm.executable, ort_backend.OrtExecutable)
     assert llm.executable.model_path.parent == path  # runs the artifact's own files: no lowering at load
+    assert (llm.engine.paged is not None) == (kv_layout == "paged")  # the engine schedules the pool's blocks
     (prompt,) = prompts([6], seed=3)
     model = load_model(tiny_model_dirs("llama")).model
     assert llm.generate(prompt, max_new_tokens=16).token_ids == hf_greedy(model, prompt, 16, eos_ids(llm))

@@ -3,12 +3,14 @@ sharing by reference with copy-on-write, preemption when the pool runs out and r
 request's tokens equal to the same request run alone on the static layout.
 
 The model is test_generate_loop's one-layer graph with the same weights, its caches paged (pools
-of BLOCK-slot blocks and a block table), on the reference backend.
+of BLOCK-slot blocks and a block table), on the reference backend and on ONNX Runtime.
 """
 
 from __future__ import annotations
 
 import random
+
+import pytest
 
 from kiln.backends.executable import BackendOptions
 from kiln.backends.reference import ReferenceExecutable
@@ -26,9 +28,17 @@ def tiny_paged_graph(max_batch: int, num_blocks: int, seed: int = 0) -> Graph:
     return tiny_stateful_graph(seed, max_batch, paged=(BLOCK, num_blocks))
 
 
-def paged_llm(max_batch: int, num_blocks: int) -> LLM:
+def paged_llm(max_batch: int, num_blocks: int, backend: str = "reference") -> LLM:
     options = BackendOptions(max_batch, MAX_SEQ_LEN, kv_layout="paged", kv_block_size=BLOCK, kv_blocks=num_blocks)
-    return LLM(ReferenceExecutable(tiny_paged_graph(max_batch, num_blocks), options))
+    graph = tiny_paged_graph(max_batch, num_blocks)
+    if backend == "onnxruntime":  # Kiln's own paged lowering: ScatterND into, GatherND out of the pools
+        from kiln.backends import onnxruntime
+
+        return LLM(onnxruntime.lower(graph, options))
+    return LLM(ReferenceExecutable(graph, options))
+
+
+BACKENDS = pytest.mark.parametrize("backend", ["reference", "onnxruntime"])
 
 
 def prompts_of(n: int, seed: int) -> list[list[int]]:
@@ -36,8 +46,9 @@ def prompts_of(n: int, seed: int) -> list[list[int]]:
     return [[rng.randrange(3, 500) for _ in range(rng.randint(1, 12))] for _ in range(n)]
 
 
-def test_requests_beyond_the_pools_blocks_wait_are_preempted_and_resume_token_for_token():
-    llm = paged_llm(max_batch=8, num_blocks=13)  # 12 blocks: two full rows' worth for 8 lanes
+@BACKENDS
+def test_requests_beyond_the_pools_blocks_wait_are_preempted_and_resume_token_for_token(backend):
+    llm = paged_llm(max_batch=8, num_blocks=13, backend=backend)  # 12 blocks: two full rows' worth for 8 lanes
     llm.engine.prefill_chunk = 5
     prompts = prompts_of(10, seed=3)
     lengths = [3 + i % 9 for i in range(10)]
@@ -51,8 +62,9 @@ def test_requests_beyond_the_pools_blocks_wait_are_preempted_and_resume_token_fo
     assert engine.blocks_in_use == 0 and engine.blocks_free == 12 and engine.slots_in_use == 0  # all given back
 
 
-def test_preemption_frees_the_youngest_requests_blocks_and_requeues_it_first():
-    llm = paged_llm(max_batch=3, num_blocks=8)  # 7 blocks: one long request and a bit
+@BACKENDS
+def test_preemption_frees_the_youngest_requests_blocks_and_requeues_it_first(backend):
+    llm = paged_llm(max_batch=3, num_blocks=8, backend=backend)  # 7 blocks: one long request and a bit
     engine = llm.engine
     old = engine.submit(list(range(10, 19)), settings(12), seed=0, background=False)
     young = engine.submit(list(range(30, 37)), settings(12), seed=0, background=False)
@@ -76,8 +88,9 @@ def settings(max_new: int):
     return GenerationSettings(max_new_tokens=max_new)
 
 
-def test_a_shared_prefix_is_shared_by_block_reference_and_its_partial_block_copied_on_write():
-    llm = paged_llm(max_batch=4, num_blocks=20)
+@BACKENDS
+def test_a_shared_prefix_is_shared_by_block_reference_and_its_partial_block_copied_on_write(backend):
+    llm = paged_llm(max_batch=4, num_blocks=20, backend=backend)
     engine = llm.engine
     system = list(range(40, 50))  # two full blocks and two tokens of a third
     first = engine.submit(system + [1, 2], settings(6), seed=0, background=False)

@@ -1,5 +1,5 @@
 """The paged KV cache (`kv_layout="paged"`): per layer a pool of blocks, a block table per call;
-`kv_write` and `attention` through it on the reference backend and Inductor, checked against the
+`kv_write` and `attention` through it on the reference backend, Inductor and ONNX Runtime, checked against the
 static layout; the options that ask for it, and what refuses it."""
 
 from __future__ import annotations
@@ -112,8 +112,9 @@ def options(**given):
 def test_the_paged_layout_is_a_checked_option():
     paged = options(kv_layout="paged", kv_block_size=16, kv_blocks=9, max_seq_len=128)
     assert paged.backend_options().kv_layout == "paged" and paged.backend_options().kv_blocks == 9
+    assert options(kv_layout="paged", backend="onnxruntime").backend_options().kv_layout == "paged"
     with pytest.raises(OptionError, match="--kv-layout static"):
-        options(kv_layout="paged", backend="onnxruntime")
+        options(kv_layout="paged", backend="tinygrad")
     with pytest.raises(OptionError, match="kv_layout 'rows'"):
         options(kv_layout="rows")
     with pytest.raises(OptionError, match="cannot hold one sequence"):
@@ -124,11 +125,24 @@ def test_the_paged_layout_is_a_checked_option():
     assert pool_bytes - static_bytes == 2 * 2 * 4 * 16 * 16 * 4  # the default pool: the rows and a scratch block
 
 
+def test_paged_logits_on_onnxruntime_equal_the_static_layouts(tiny_model_dirs):
+    import onnx
+
+    from kiln.backends import onnxruntime
+
+    _, paged = check_paged_against_static(tiny_model_dirs("llama"), [onnxruntime])
+    assert paged.info["paged"]["blocks_per_row"] == 8 and all(c["in_place"] for c in paged.info["caches"])
+    nodes = onnx.load(str(paged.model_path), load_external_data=False).graph.node
+    assert {"ScatterND", "GatherND"} <= {n.op_type for n in nodes} and "GroupQueryAttention" not in str(nodes)
+    with pytest.raises(FeedError, match="needs block_table"):
+        paged.run(torch.zeros(2, 1, dtype=torch.int64), torch.zeros(2, 1, dtype=torch.int64))
+
+
 def test_backends_without_a_paged_cache_refuse_its_graph(tiny_model_dirs):
-    from kiln.backends.onnxruntime import lower
+    from kiln.backends.paged_feeds import refuse_paged
 
     with pytest.raises(LoweringError, match="cannot run a paged KV cache.*--kv-layout static"):
-        lower(stateful_graph(tiny_model_dirs("llama"), PAGED), PAGED)
+        refuse_paged(stateful_graph(tiny_model_dirs("llama"), PAGED), "tinygrad")
 
 
 @pytest.mark.parametrize(

@@ -3,7 +3,8 @@
 - to_onnx.py drives the lowering: op_lowerings.py holds the one table from IR op to plain ONNX
   nodes (`ONNX_LOWERINGS`), contrib_patterns.py hands groups to ORT's com.microsoft kernels
   (GroupQueryAttention, SkipSimplifiedLayerNormalization, ...), plain_attention.py is the
-  attention/kv_write fallback in standard ops;
+  attention/kv_write fallback in standard ops, paged_attention.py a paged cache's kv_write and
+  kv_pages (ScatterND into and GatherND out of the pools through the block table);
 - model_files.py writes `model.onnx` with its weights as external data (`model.onnx.data`);
 - executable.py runs it with IOBinding over KV buffers updated in place; providers.py picks the
   execution provider and checks at compile time that it can run every node.
@@ -19,7 +20,6 @@ import onnxruntime as ort
 import torch
 
 from kiln.backends.executable import BackendOptions
-from kiln.backends.paged_feeds import refuse_paged
 from kiln.ir import Graph, verify
 
 from .errors import ArtifactError, FeedError, OnnxLoweringError, ProviderError
@@ -45,7 +45,6 @@ def lower(graph: Graph, options: BackendOptions, contrib_ops: bool = True) -> Or
     checked against what is known of that provider and an `OrtModelForAnotherMachine`, which
     only saves: the artifact runs where `kiln.load` finds the provider."""
     verify(graph)
-    refuse_paged(graph, NAME)
     provider = target_provider(options.device)
     program = graph_to_onnx(graph, contrib_ops=contrib_ops, provider=provider)
     workdir = tempfile.TemporaryDirectory(prefix="kiln-onnx-")

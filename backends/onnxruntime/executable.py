@@ -8,6 +8,9 @@ Each cache is one preallocated buffer [max_batch, kv_heads, max_seq_len, head_di
   size does not change;
 - copied back: a cache updated by plain ONNX (ScatterND) gets its `present.*` in a scratch
   tensor, copied into the buffer's rows after the call (CPU only).
+A paged cache's pools [num_blocks, kv_heads, block_size, head_dim] are bound whole, input and
+output alike (its ScatterND writes them in place), and each call's `block_table` is fed like the
+tokens (kiln.backends.paged_feeds checks it).
 
 GroupQueryAttention derives the slots it writes from each row's last one, so slots (the positions,
 unless a token tree gives them apart) must be contiguous per row (checked), and it takes a
@@ -28,11 +31,13 @@ import torch
 
 from kiln.backends.cache_rows import check_rows, checked_feeds
 from kiln.backends.executable import BackendOptions, Executable
+from kiln.backends.paged_feeds import layout_feeds
 from kiln.backends.token_trees import refuse_trees, tree_feeds
 from kiln.ir import to_torch
 
 from .errors import FeedError, ProviderError
 from .model_files import DATA_FILE, MODEL_FILE, read_info
+from .paged_attention import BLOCK_TABLE
 from .providers import (
     check_lengths_fed,
     check_supported,
@@ -64,6 +69,12 @@ class OrtExecutable(Executable):
             raise ProviderError(
                 f"this model updates some KV caches with plain ONNX ops, which the executable "
                 f"copies back on the CPU only, not on {options.device}. Fix: use device='cpu'."
+            )
+        self.paged = self.info.get("paged")  # a pool of blocks per cache, fed a block table
+        if self.paged is not None and not all(c["in_place"] for c in self.info["caches"]):
+            raise ProviderError(
+                "this model's paged KV pools are not all written in place (something else reads a pool "
+                "before its kv_write); recompile it with this version of Kiln."
             )
         self.hold_caches([self._allocate(c) for c in self.info["caches"]], [c["shape"] for c in self.info["caches"]])
         # optional Executable capabilities (backends/executable.py), fixed per model
@@ -121,13 +132,16 @@ class OrtExecutable(Executable):
         *,
         slots: torch.Tensor | None = None,
         tree: torch.Tensor | None = None,
+        block_table: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits [batch, seq, vocab] for int64 tokens/positions [batch, seq] ([batch, 1, vocab]
         of the last position with `last_only`, where the model can select them); writes the caches
         of rows [first_row, first_row + batch) (bound by pointer: any row costs the same). `out`,
         a contiguous CPU tensor of that shape and the logits dtype, receives the logits instead of
         a new tensor (the engine's decode steps: no allocation, no rebinding per token).
-        `slots`/`tree`: see kiln.backends.token_trees (a plain call's when left out)."""
+        `slots`/`tree`: see kiln.backends.token_trees (a plain call's when left out);
+        `block_table` (a paged cache, whose blocks replace rows): kiln.backends.paged_feeds."""
+        table = layout_feeds(self.paged, tokens.size(0), first_row, block_table)
         tokens, positions = checked_feeds(tokens, positions, self.max_batch, self.max_seq_len)
         slots, tree = self._check_trees(positions, slots, tree)
         batch, seq = tokens.shape
@@ -148,7 +162,7 @@ class OrtExecutable(Executable):
             ]
             kept = 1 if last_only else seq
             return torch.cat(rows) if out is None else torch.cat(rows, out=self._checked_out(out, batch, kept))
-        return self._run_rows(tokens, positions, first_row, out, last_only, slots, tree)
+        return self._run_rows(tokens, positions, first_row, out, last_only, slots, tree, *table)
 
     def cache_views(self) -> list[torch.Tensor]:
         if not self.copies_rows:
@@ -198,10 +212,12 @@ class OrtExecutable(Executable):
         last_only: bool = False,
         slots: torch.Tensor | None = None,
         tree: torch.Tensor | None = None,
+        block_table: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One session run over cache rows [first_row, first_row + batch)."""
+        """One session run over cache rows [first_row, first_row + batch) (a paged call: its
+        block table's blocks)."""
         batch, seq = tokens.shape
-        self._bind_feeds(tokens, positions, last_only, slots, tree)
+        self._bind_feeds(tokens, positions, last_only, slots, tree, block_table)
         if self._bound_rows != (first_row, batch):
             self._bind_caches(first_row, batch)
         scratch = self._bind_scratch(batch) if self._copied_back else []
@@ -220,6 +236,7 @@ class OrtExecutable(Executable):
         last_only: bool = False,
         slots: torch.Tensor | None = None,
         tree: torch.Tensor | None = None,
+        block_table: torch.Tensor | None = None,
     ) -> None:
         """Copy the feeds into this shape's own arrays, bound once by pointer: binding fresh
         arrays costs more per decode step than the copy. Left-out slots are the positions, a
@@ -227,7 +244,9 @@ class OrtExecutable(Executable):
         shape = (*tokens.shape, last_only)
         arrays = self._feed_arrays.get(shape)
         if arrays is None:
-            arrays = self._feed_arrays[shape] = {name: _feed_array(name, shape) for name in self.info["inputs"]}
+            arrays = self._feed_arrays[shape] = {
+                name: _feed_array(name, shape, self.paged) for name in self.info["inputs"]
+            }
         position_array = positions.numpy()
         slot_array = position_array if slots is None else slots.numpy()
         for name, array in arrays.items():
@@ -241,6 +260,8 @@ class OrtExecutable(Executable):
                 array[...] = slot_array
             elif name == "tree":
                 self._fill_tree(array, shape, tree)
+            elif name == BLOCK_TABLE:
+                array[...] = block_table.numpy()
             elif name == SEQLENS_K:  # each row's last slot
                 np.max(slot_array, axis=1, out=array, initial=0)
             else:  # TOTAL_LENGTH: the largest slot + 1
@@ -260,11 +281,14 @@ class OrtExecutable(Executable):
             self._plain_trees.add(shape)
 
     def _bind_caches(self, first_row: int, batch: int) -> None:
-        """Bind rows [first_row, first_row + batch) of each buffer by pointer (no copy)."""
+        """Bind rows [first_row, first_row + batch) of each buffer by pointer (no copy); a paged
+        pool whole."""
         for cache, spec in zip(self.caches, self.info["caches"]):
             dtype = _numpy_dtype(to_torch(spec["dtype"]))
             row_bytes = int(np.prod(spec["shape"][1:])) * np.dtype(dtype).itemsize
             pointer, shape = cache.data_ptr() + first_row * row_bytes, [batch, *spec["shape"][1:]]
+            if self.paged is not None:
+                pointer, shape = cache.data_ptr(), list(spec["shape"])
             self.binding.bind_input(spec["input"], self.device_type, self.device_id, dtype, shape, pointer)
             if spec["in_place"]:
                 self.binding.bind_output(spec["output"], self.device_type, self.device_id, dtype, shape, pointer)
@@ -375,10 +399,12 @@ def save_model_files(model_path: Path, directory: Path) -> list[str]:
     return [MODEL_FILE, DATA_FILE]
 
 
-def _feed_array(name: str, shape: tuple[int, int, bool]) -> np.ndarray:
+def _feed_array(name: str, shape: tuple[int, int, bool], paged: dict | None = None) -> np.ndarray:
     """The array an input is fed from, for tokens [batch, seq] (and whether only the last
-    position's logits are wanted)."""
+    position's logits are wanted) and a paged cache's layout."""
     batch, seq, last_only = shape
+    if name == BLOCK_TABLE:
+        return np.empty((batch, paged["blocks_per_row"]), np.int32)
     if name == LOGIT_POSITIONS:
         return np.array([seq - 1], np.int64) if last_only else np.arange(seq, dtype=np.int64)
     if name == SEQLENS_K:

@@ -21,7 +21,7 @@ from kiln.ir.dims import dims_equal
 from kiln.ir.ops.shape import BIG
 from kiln.ir.ops.shape_rules import result_dtype
 
-from . import plain_attention, quantized_lowerings
+from . import paged_attention, plain_attention, quantized_lowerings
 from .errors import OnnxLoweringError, UnsupportedOpError
 from .onnx_builder import INT64_MAX, MS_DOMAIN, NUMPY_DTYPES, OnnxBuilder, elem_type
 
@@ -351,6 +351,7 @@ ONNX_LOWERINGS: dict[str, Lowering] = {
     "rope": _rope,
     "attention": plain_attention.lower_attention,
     "kv_write": plain_attention.lower_kv_write,
+    "kv_pages": paged_attention.lower_kv_pages,
 }
 
 
@@ -375,16 +376,6 @@ def _refuse_int8_kv(b, node):
 
 
 ONNX_LOWERINGS["kv_quantize"] = _refuse_int8_kv
-
-
-def _refuse_paged_kv(b, node):
-    raise UnsupportedOpError(
-        "the onnxruntime backend cannot run a paged KV cache (it has kv_pages): its attention lowerings "
-        "address static rows. Fix: compile with --kv-layout static, or --backend inductor for a paged cache"
-    )
-
-
-ONNX_LOWERINGS["kv_pages"] = _refuse_paged_kv
 
 
 def check_lowering_table() -> None:

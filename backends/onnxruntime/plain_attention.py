@@ -6,7 +6,9 @@ that is not a multiple of 8, contrib ops switched off). They follow the IR's ref
 `kiln.ir.ops.attention`: GQA stays grouped (q reshaped to [b, kv_heads, groups, s, d] against
 k unsqueezed to [b, kv_heads, 1, keys, d]), keys are masked by positions (key slot <= query
 position, within the window), and a row that sees no key attends to nothing. kv_write is a
-ScatterND, which returns a new cache: the executable copies it back into its buffer.
+ScatterND, which returns a new cache: the executable copies it back into its buffer, or binds it
+to the cache's own buffer where nothing else reads the cache (an update in place). A paged pool's
+kv_write and kv_pages are paged_attention.py's; attention reads kv_pages' rows like a static row.
 """
 
 from __future__ import annotations
@@ -19,13 +21,16 @@ import numpy as np
 from kiln.ir import Node
 from kiln.ir.dims import dims_equal
 
+from . import paged_attention
 from .errors import OnnxLoweringError
 from .onnx_builder import NUMPY_DTYPES, OnnxBuilder
 
 
 def lower_kv_write(b: OnnxBuilder, node: Node) -> str:
     """cache[r, h, positions[r, t]] = new[r, h, t] as ScatterND with [rows, heads, positions] indices."""
-    cache, new, positions = node.inputs[:3]  # a block table (a paged layout) was refused at lower
+    cache, new, positions, table = node.inputs[:4]
+    if table is not None:  # a paged pool
+        return paged_attention.lower_paged_kv_write(b, node)
     heads = new.type.shape[1]
     if not isinstance(heads, int):
         raise OnnxLoweringError(f"kv_write needs a static number of heads, got {new.type}")
@@ -66,7 +71,7 @@ def lower_attention(b: OnnxBuilder, node: Node) -> str:
         scores = b.op("Add", scores, _alibi_bias(b, q, k, positions, attrs["alibi"], rank, kv_heads))
     visible = _visible_keys(b, q, k, positions, attrs, rank)
     if tree is not None:
-        seen = tree_visible_keys(b, positions, tree, b.scalar_dim(k.type.shape[2]))
+        seen = tree_visible_keys(b, positions, tree, _key_count(b, k))
         seen = b.op("Unsqueeze", seen, b.const(list(range(1, rank - 2))))
         visible = b.op("And", visible, seen)
     if mask is not None:
@@ -93,8 +98,13 @@ def _leading_rows(b: OnnxBuilder, cache, q) -> str:
     return b.op("Slice", b.value(cache), b.const([0]), batch, b.const([0]))
 
 
+def _key_count(b: OnnxBuilder, k) -> str:
+    """The key slots attended: a paged row's gathered blocks (known at run time), else k's dim."""
+    return paged_attention.key_count(b, k) or b.scalar_dim(k.type.shape[2])
+
+
 def _key_slots(b: OnnxBuilder, k) -> str:
-    return b.op("Range", b.const(0), b.scalar_dim(k.type.shape[2]), b.const(1))
+    return b.op("Range", b.const(0), _key_count(b, k), b.const(1))
 
 
 def _query_positions(b: OnnxBuilder, q, k, positions, rank: int) -> str:

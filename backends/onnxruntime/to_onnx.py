@@ -4,6 +4,8 @@ The model's signature follows the IR's:
 
     inputs:  tokens i64[batch, seq], positions i64[batch, seq], cache.k.0, cache.v.0, ...
              each cache [batch, kv_heads, max_seq_len, head_dim] (the first `batch` rows of a buffer),
+             (a paged cache: each pool [num_blocks, kv_heads, block_size, head_dim] whole, then
+             block_table i32[batch, blocks_per_row]),
              then slots i64[batch, seq], tree bool[batch, seq, seq] where the graph takes token trees
     outputs: logits [batch, seq, vocab], present.k.0, present.v.0, ... (the updated caches)
 
@@ -25,6 +27,7 @@ import onnx
 from onnx import helper
 
 from kiln.backends.executable import cache_inputs
+from kiln.backends.paged_feeds import paged_layout
 from kiln.backends.token_trees import TREE_INPUTS, has_token_trees, verifies_trees
 from kiln.ir import Graph, Node, ops_with
 
@@ -32,6 +35,7 @@ from .contrib_patterns import SEQLENS_K, TOTAL_LENGTH, Plan, plan_contrib_ops
 from .errors import OnnxLoweringError, UnsupportedOpError
 from .onnx_builder import MS_DOMAIN, OnnxBuilder, elem_type, layer_scopes, node_label, onnx_dims
 from .op_lowerings import ONNX_LOWERINGS, check_lowering_table
+from .paged_attention import BLOCK_TABLE
 from .providers import attention_dtypes
 
 OPSET = 23  # RMSNormalization is standard ONNX from opset 23
@@ -97,14 +101,23 @@ def _declare_inputs(graph: Graph, b: OnnxBuilder) -> list[onnx.ValueInfoProto]:
     inputs.append(helper.make_tensor_value_info(SEQLENS_K, onnx.TensorProto.INT32, onnx_dims((batch,))))
     inputs.append(helper.make_tensor_value_info(TOTAL_LENGTH, onnx.TensorProto.INT32, []))
     for v in cache_inputs(graph):
-        b.define(v, v.name)  # a cache is fed as its first `batch` rows: the symbol of tokens' batch
-        inputs.append(
-            helper.make_tensor_value_info(v.name, elem_type(v.type.dtype), onnx_dims((batch, *v.type.shape[1:])))
-        )
+        b.define(v, v.name)  # a cache is fed as its first `batch` rows (a paged pool whole)
+        inputs.append(helper.make_tensor_value_info(v.name, elem_type(v.type.dtype), onnx_dims(_fed_shape(graph, v))))
+    for v in graph.inputs:
+        if v.name == BLOCK_TABLE:
+            b.define(v, v.name)
+            inputs.append(helper.make_tensor_value_info(v.name, elem_type(v.type.dtype), onnx_dims(v.type.shape)))
     for v in graph.inputs[-2:] if has_token_trees(graph) else ():
         b.define(v, v.name)
         inputs.append(helper.make_tensor_value_info(v.name, elem_type(v.type.dtype), onnx_dims(v.type.shape)))
     return inputs
+
+
+def _fed_shape(graph: Graph, cache) -> tuple:
+    """A cache's shape as fed and returned: its first `batch` rows, or a paged pool whole."""
+    if paged_layout(graph) is not None:
+        return tuple(cache.type.shape)
+    return (graph.inputs[0].type.shape[0], *cache.type.shape[1:])
 
 
 def logits_head(graph: Graph) -> Node | None:
@@ -156,13 +169,12 @@ def _lower_one(b: OnnxBuilder, node) -> str | list[str]:
 def _name_outputs(graph: Graph, b: OnnxBuilder, selected: bool = False) -> list[onnx.ValueInfoProto]:
     """Graph outputs under fixed names: `logits` ([batch, logit_count, vocab] when `selected`),
     then `present.<cache>` per cache input."""
-    batch = graph.inputs[0].type.shape[0]
     logits_shape = graph.outputs[0].type.shape
     named = [
         ("logits", graph.outputs[0], (logits_shape[0], "logit_count", logits_shape[2]) if selected else logits_shape)
     ]
     for cache, out in zip(cache_inputs(graph), graph.outputs[1:]):
-        named.append((present_name(cache.name), out, (batch, *out.type.shape[1:])))
+        named.append((present_name(cache.name), out, _fed_shape(graph, out)))
     outputs = []
     taken = {v.name for v in graph.inputs} | set(b.initializers)
     for name, value, shape in named:
@@ -237,6 +249,7 @@ def _program_info(graph: Graph, plan: Plan, used: set[str], nodes: list[onnx.Nod
         "inputs": [
             name
             for name in (graph.inputs[0].name, graph.inputs[1].name, LOGIT_POSITIONS, SEQLENS_K, TOTAL_LENGTH)
+            + (BLOCK_TABLE,)
             + TREE_INPUTS
             if name in used
         ],
@@ -249,6 +262,8 @@ def _program_info(graph: Graph, plan: Plan, used: set[str], nodes: list[onnx.Nod
         # GroupQueryAttention derives each token's slot from the row's last one
         "contiguous_positions": bool(plan.in_place_caches),
         # it rotates by position_ids (a token tree's depths), except in a first prompt
+        # a paged pool's layout (block_size, num_blocks, blocks_per_row): fed a block table
+        "paged": paged_layout(graph),
         "position_ids": any(n.op_type == "GroupQueryAttention" and len(n.input) > 9 and n.input[9] for n in nodes),
     }
 
