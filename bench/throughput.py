@@ -18,7 +18,7 @@ processes took (runs where they took more than a quarter core are flagged `*`).
 gives requests of mean 300 tokens (prompt and new), one in 16 of 2,048 (the paged cache's gate:
 64 of them at once in the memory static rows need for 16 x 2,048). `--static-rows N` adds, in the
 same run, the static layout with N rows (the same KV bytes as the pool when N x max_seq_len
-slots equal it) serving the same requests N at a time.
+slots equal it) serving the same requests N at a time (`--static-concurrency 1,16`: at those levels).
 `--mix decode` is decode-heavy: prompts of 8-32 tokens, each request generating its own 128-256
 new tokens (seeded; `--new-tokens` is ignored), so nearly every step is a batched decode step
 (needs `--max-seq-len` of at least 288). The default mix ("short", 16-120 prompt tokens + 32 new)
@@ -167,6 +167,9 @@ def main(argv=None) -> int:
     parser.add_argument("--mix", default="short", choices=("short", "long", "decode"))
     parser.add_argument("--quantize", help="weight scheme (int8, int4-g32, ...; lm_head and embedding too)")
     parser.add_argument("--static-rows", type=int, default=0, help="also run the static layout with N rows")
+    parser.add_argument(
+        "--static-concurrency", default=None, help="the static layout's levels (default: N, its rows, at once)"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -174,7 +177,8 @@ def main(argv=None) -> int:
     runs = [(args.kv_layout, llm, levels)]
     if args.static_rows:
         static = compiled(args.backend, args.static_rows, args.max_seq_len, quantize=args.quantize)
-        runs.append(("static", static, [args.static_rows]))  # as many at once as its rows hold
+        static_levels = [int(c) for c in (args.static_concurrency or str(args.static_rows)).split(",")]
+        runs.append(("static", static, static_levels))  # as many at once as its rows hold, by default
     requests = prompts(llm.tokenizer, args.requests, mix=args.mix, total=args.max_seq_len, new=args.new_tokens)
     new_tokens = new_token_counts(args.requests, args.mix, args.new_tokens)
     if max(len(r) + n for r, n in zip(requests, new_tokens)) > args.max_seq_len:
