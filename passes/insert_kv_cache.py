@@ -104,11 +104,9 @@ def _check_mask(graph: Graph, node: Node, layer: int) -> None:
     mask = node.inputs[3] if len(node.inputs) > 3 else None
     if mask is None:
         return
-    if mask.type.dtype == "bool":
-        return  # a boolean mask only hides keys: the models' masks are causal ones of the positions
     foreign = _foreign_source(graph, mask)
-    if foreign is None and _additive_position_mask(graph, mask):
-        return
+    if foreign is None and (mask.type.dtype == "bool" or _additive_position_mask(graph, mask)):
+        return  # a mask of the positions alone: the causal (or sliding) mask the cache applies itself
     made_by = f"`{mask.producer.op}`" if mask.producer is not None else "a graph input"
     line = graph.source_lines.get(mask) or "an unknown source line"
     reads = f", computed from %{foreign.name} {foreign.type}" if foreign is not None else ""

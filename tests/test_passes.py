@@ -307,3 +307,24 @@ def test_a_float_mask_that_is_not_a_position_mask_is_an_error_naming_its_line():
     with pytest.raises(UnsupportedMaskError, match=r"layer 0 takes a f32 mask .* at .*test_passes.py:\d+.*%bias") as e:
         insert_kv_cache(graph, max_batch=2, max_seq_len=8)
     assert "Fix:" in str(e.value)
+
+
+class PaddingMaskAttention(LearnedBiasAttention):
+    """A boolean mask computed from the tokens (keys of token 0 hidden, as a padding mask)."""
+
+    def forward(self, tokens, positions):
+        x = self.embed(tokens)[:, None]
+        keep = (tokens != 0)[:, None, None, :]
+        attended = torch.nn.functional.scaled_dot_product_attention(x, x, x, attn_mask=keep)
+        return self.head(attended[:, 0])
+
+
+def test_a_boolean_mask_computed_from_the_tokens_is_an_error_not_dropped():
+    from kiln.frontend.capture import capture_module
+    from kiln.passes.insert_kv_cache import UnsupportedMaskError, insert_kv_cache
+
+    dims = {(0, 0): ("batch", 1, 4), (0, 1): ("seq", 1, 8), (1, 0): ("batch", 1, 4), (1, 1): ("seq", 1, 8)}
+    feeds = (torch.randint(1, 16, (2, 5)), torch.arange(5).expand(2, 5))
+    graph = capture_module(PaddingMaskAttention(), feeds, ["tokens", "positions"], ["logits"], dims)
+    with pytest.raises(UnsupportedMaskError, match=r"layer 0 takes a bool mask .*computed from %tokens"):
+        insert_kv_cache(graph, max_batch=2, max_seq_len=8)
