@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 
 PREFILL_CHUNK = 128
 MAX_QUEUE = 256
+MOVE_WORTH = 4  # tokens a request must have left to move it down a row (`_compact`): a copy costs ~1 step row
 SHARED_PREFILL = 16  # prompt tokens worth waiting for another request to prefill (`_prefill_to_share`)
 
 
@@ -217,6 +218,7 @@ class Engine:
             prefilling = next((r for r in self.running if r.unfed > 1), None)
             if prefilling is not None:
                 self._guarded([prefilling], self._feed_chunk, prefilling)
+            self._compact()
             decoding = [r for r in self.running if r.unfed == 1]
             if decoding:
                 self._guarded(decoding, self._decode, decoding)
@@ -275,6 +277,23 @@ class Engine:
                 if shared >= SHARED_PREFILL and shared > other.fed:
                     return True
         return False
+
+    def _compact(self) -> None:
+        """Move the request in the highest busy row into the lowest free row below it, when no
+        request waits for one: a decode call spans rows [0, the highest decoding one], so a row
+        freed below it would cost a row of work every step until the batch drains. One move a
+        step, copying the slots the request has fed (exact copies: its output is unchanged)."""
+        if self.paged or self.waiting or not self.slots.row_copies or not self.running:
+            return
+        top = max(self.running, key=lambda r: r.kv_row)
+        free = self.slots.free_rows()
+        if not free or free[0] > top.kv_row or top.max_new - len(top.tokens) < MOVE_WORTH:
+            return
+        source, target = top.kv_row, free[0]
+        copy_prefix(self.executable.cache_views(), source, target, top.fed)
+        self.slots.occupy(target, top, self.slots.contents[source][: top.fed])
+        self.slots.release(source)  # its contents stay cached for a prompt that starts with them
+        top.kv_row = target
 
     def _feed_chunk(self, request: Request) -> None:
         start = time.perf_counter()

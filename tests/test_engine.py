@@ -111,6 +111,19 @@ def test_a_freed_row_admits_the_next_waiting_request_at_once():
     assert max(batch for batch, _, _ in log.calls) <= 2
 
 
+def test_a_request_left_in_a_high_row_moves_down_so_decode_calls_narrow():
+    log = CallLog(executable())
+    llm = LLM(log)
+    prompts, lengths = mixed_prompts(4, seed=3), [2, 3, 4, 16]  # rows 0-2 finish long before row 3
+    with llm.engine.exclusive():
+        handles = [llm.submit(p, max_new_tokens=n) for p, n in zip(prompts, lengths)]
+    results = [h.result(timeout=60) for h in handles]
+    expected = [alone(p, max_new_tokens=n).token_ids for p, n in zip(prompts, lengths)]
+    assert [r.token_ids for r in results] == expected
+    decode_batches = [batch for batch, seq, _ in log.calls if seq == 1]
+    assert decode_batches[-1] == 1 and decode_batches.count(1) >= 8  # the last request ran in row 0
+
+
 def test_a_repeated_prompt_reuses_its_cached_prefix():
     log = CallLog(executable())
     llm = LLM(log)
