@@ -30,11 +30,12 @@ Writes bench/results/throughput-BACKEND[-paged][-SCHEME][-decode].md.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import os
 import random
 import statistics
 import sys
 import threading
-import time
 from pathlib import Path
 
 import torch
@@ -79,22 +80,37 @@ def kv_bytes(llm) -> int:
     return sum(view.numel() * view.element_size() for view in llm.executable.cache_views())
 
 
+def above_engine_priority() -> None:
+    """Run the calling thread one step above the process's real-time priority, if it has one."""
+    policy = os.sched_getscheduler(0)
+    if policy in (os.SCHED_FIFO, os.SCHED_RR):
+        priority = os.sched_getparam(0).sched_priority
+        os.sched_setscheduler(threading.get_native_id(), policy, os.sched_param(priority + 1))
+
+
 def run_level(llm, requests: list[list[int]], concurrency: int, new_tokens: list[int]) -> dict:
     """Submit every request from a client thread, at most `concurrency` in flight, while the
     engine runs in this (main) thread as `kiln serve` runs it; the level's measurements."""
     handles, stop = [], threading.Event()
 
     def client():
-        # Polls instead of a thread per request: starting a thread waits for it to run, which
-        # waits for the engine's model call (a compiled step holds the GIL) to end: one
-        # submission per engine step, which kept levels above one from filling.
-        for prompt, new in zip(requests, new_tokens):
-            while sum(not h.done for h in handles) >= concurrency:
-                time.sleep(0.001)
-            handles.append(llm.submit(prompt, max_new_tokens=new, ignore_eos=True))
-        for handle in handles:
-            handle.result()
+        # Waits for a request to end (asyncio, as `kiln serve`'s handlers wait) instead of
+        # polling, one priority step above the engine under a real-time policy: with `chrt -f`,
+        # a client of the same priority waited for a core until the engine's OpenMP threads slept,
+        # which they hardly do between steps (a finished request was replaced 0.1-6 s late, so
+        # levels 4 and 8 ran one to three rows short most of the time).
+        above_engine_priority()
+        asyncio.run(keep_in_flight())
         stop.set()
+
+    async def keep_in_flight():
+        waiting: set[asyncio.Task] = set()
+        for prompt, new in zip(requests, new_tokens):
+            if len(waiting) >= concurrency:
+                _, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            handles.append(llm.submit(prompt, max_new_tokens=new, ignore_eos=True))
+            waiting.add(asyncio.ensure_future(handles[-1].wait()))
+        await asyncio.gather(*waiting)
 
     engine = llm.engine
     engine.slots.forget()  # no prefix cached by an earlier level
