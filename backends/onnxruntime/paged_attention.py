@@ -10,7 +10,8 @@ ops, and the attention after them is plain_attention's:
   Only the first ceil(total_sequence_length / block_size) blocks of each table are gathered (the
   largest slot of the call + 1, fed by the executable): no query of the call sees a later slot,
   so a decode step copies the blocks its rows hold, not max_seq_len slots a row.
-The indices are built once per graph (every layer reads the same table) under /model/paged.
+The indices are built once per graph (every layer writes the same slots and reads the same table)
+under /model/paged: a layer adds a ScatterND per pool and a GatherND per pool, no index arithmetic.
 """
 
 from __future__ import annotations
@@ -34,17 +35,8 @@ def lower_paged_kv_write(b: OnnxBuilder, node: Node) -> str:
     heads, block_size = new.type.shape[1], pool.type.shape[2]
     if not isinstance(heads, int) or not isinstance(block_size, int):
         raise OnnxLoweringError(f"a paged kv_write needs static heads and block size, got {new.type}, {pool.type}")
-    updates = b.typed(new, pool.type.dtype)
-    grid = b.op("Shape", updates, start=0, end=3)  # [rows, heads, tokens]
-    places = b.typed(slots, "i64")
-    blocks = b.op("GatherElements", _table(b, table), b.op("Div", places, b.const(block_size)), axis=1)
-    columns = [
-        b.op("Unsqueeze", blocks, b.const([1])),
-        b.const(np.arange(heads).reshape(1, heads, 1)),
-        b.op("Unsqueeze", b.op("Mod", places, b.const(block_size)), b.const([1])),
-    ]
-    columns = [b.op("Unsqueeze", b.op("Expand", c, grid), b.const([-1])) for c in columns]
-    return b.op("ScatterND", b.value(pool), b.op("Concat", *columns, axis=-1), updates)
+    indices = _write_indices(b, slots, table, heads, block_size)
+    return b.op("ScatterND", b.value(pool), indices, b.typed(new, pool.type.dtype))
 
 
 def lower_kv_pages(b: OnnxBuilder, node: Node) -> str:
@@ -70,6 +62,32 @@ def _table(b: OnnxBuilder, table) -> str:
     if key not in b.memo:
         with _paged_scope(b):
             b.memo[key] = b.typed(table, "i64")
+    return b.memo[key]
+
+
+def _write_indices(b: OnnxBuilder, slots, table, heads: int, block_size: int) -> str:
+    """i64 [batch, heads, tokens, 3]: the (block, head, offset) each new key goes to."""
+    key = f"paged/write/{b.value(slots)}/{heads}/{block_size}"
+    if key not in b.memo:
+        table_i64 = _table(b, table)
+        with _paged_scope(b):
+            places = b.typed(slots, "i64")
+            rows_and_tokens = b.op("Shape", places)
+            grid = b.op(
+                "Concat",
+                b.op("Slice", rows_and_tokens, b.const([0]), b.const([1])),
+                b.const([heads]),
+                b.op("Slice", rows_and_tokens, b.const([1]), b.const([2])),
+                axis=0,
+            )
+            blocks = b.op("GatherElements", table_i64, b.op("Div", places, b.const(block_size)), axis=1)
+            columns = [
+                b.op("Unsqueeze", blocks, b.const([1])),
+                b.const(np.arange(heads).reshape(1, heads, 1)),
+                b.op("Unsqueeze", b.op("Mod", places, b.const(block_size)), b.const([1])),
+            ]
+            columns = [b.op("Unsqueeze", b.op("Expand", c, grid), b.const([-1])) for c in columns]
+            b.memo[key] = b.op("Concat", *columns, axis=-1)
     return b.memo[key]
 
 

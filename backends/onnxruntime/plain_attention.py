@@ -83,7 +83,8 @@ def lower_attention(b: OnnxBuilder, node: Node) -> str:
     if visible is not None:
         scores = b.op("Where", visible, scores, b.const(-np.inf, dtype))
     probs = b.op("Softmax", scores, axis=-1)
-    probs = b.op("Where", b.op("IsNaN", probs), b.const(0.0, dtype), probs)  # a row that sees nothing
+    if mask is not None or paged_attention.key_count(b, k) is None:  # a paged row sees its own new slot
+        probs = b.op("Where", b.op("IsNaN", probs), b.const(0.0, dtype), probs)  # a row that sees nothing
     out = b.op("MatMul", probs, values)
     if groups > 1:
         out = b.op("Reshape", out, b.const([0, q_heads, -1, v.type.shape[3]]))
@@ -128,11 +129,17 @@ def _visible_keys(b: OnnxBuilder, q, k, positions, attrs, rank: int) -> str | No
     """Bool [b|1, 1, (1,) s, keys]: key slot <= query position (and within the window)."""
     if positions is None and not attrs["causal"]:
         return None
-    slots = _key_slots(b, k)
+    count = _key_count(b, k)
+    queries = b.value(positions) if positions is not None else q.type.shape[2]
+    key = f"visible/{queries}/{count}/{attrs['window']}/{rank}"
+    if key in b.memo:  # every layer of a window kind sees the same keys
+        return b.memo[key]
+    slots = b.op("Range", b.const(0), count, b.const(1))
     query_pos = _query_positions(b, q, k, positions, rank)
     visible = b.op("LessOrEqual", slots, query_pos)
     if attrs["window"]:
         visible = b.op("And", visible, b.op("Greater", slots, b.op("Sub", query_pos, b.const(attrs["window"]))))
+    b.memo[key] = visible
     return visible
 
 
