@@ -61,15 +61,15 @@ CHAIN_LOOKUP = "prompt_lookup chain"  # prompt lookup in the engine, its most re
 @contextmanager
 def lookup_branches(speculative):
     """Prompt lookup drafting one chain instead of a tree, for `CHAIN_LOOKUP`."""
-    import kiln.runtime.generate as generate
+    import kiln.runtime.drafters as drafters  # where engine_drafter finds it
 
-    saved = generate.PromptLookupDrafter
+    saved = drafters.PromptLookupDrafter
     if speculative == CHAIN_LOOKUP:
-        generate.PromptLookupDrafter = functools.partial(saved, branches=1)
+        drafters.PromptLookupDrafter = functools.partial(saved, branches=1)
     try:
         yield "prompt_lookup" if speculative == CHAIN_LOOKUP else speculative
     finally:
-        generate.PromptLookupDrafter = saved
+        drafters.PromptLookupDrafter = saved
 
 
 def run(llm, prompt: list[int], tokens: int, speculative) -> tuple[object, float, float]:
