@@ -6,7 +6,9 @@ Each request gets a row of its own for its whole life. Every engine step
    token to feed (a prompt, or its newest token plus the tokens a constraint forced after it:
    fast-forward) through a single-row call at its row;
 3. runs one decode call over rows [0, highest decoding row] that feeds every decoding request
-   its newest token and samples its next one.
+   its newest token and samples its next one; before it, when no request waits for a row, the
+   request in the highest busy row moves into the lowest free row below it (`_compact`), so the
+   call does not keep spanning rows freed as a batch drains.
 So a long prompt is prefilled a chunk at a time between decode steps instead of stalling them,
 and a request that finishes frees its row for the next one at once. Rows in the decode call
 with nothing to decode (free, or still prefilling) get a placeholder at the slot their next
