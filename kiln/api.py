@@ -158,7 +158,7 @@ def compile(
     reference backend, see docs/kv-cache.md). `kv_layout="paged"` lays it out as a pool of
     `kv_blocks` blocks of `kv_block_size` tokens per layer (None: as many tokens as max_batch full
     rows) addressed through a block table, which the engine fills as requests grow and shares
-    between requests with a common prefix (Inductor and the reference backend).
+    between requests with a common prefix (Inductor, ONNX Runtime and the reference backend).
 
     `tensor_parallel` N > 1 shards the graph over N ranks (the pipeline's last phase) and
     writes one artifact with every rank's weights; run it with `torchrun --nproc-per-node N`.
