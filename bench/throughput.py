@@ -5,7 +5,7 @@
         [--mix decode --max-seq-len 512]
 
 Each level submits `--requests` requests of mixed prompt lengths (16-120 tokens) to one engine
-through `llm.submit` from a client thread (the engine runs in the main thread, as in `kiln serve`),
+through `llm.submit` from client threads (the engine runs in the main thread, as in `kiln serve`),
 at most `concurrency` in flight at a time (a new one as soon as one ends), every request
 generating exactly `--new-tokens` tokens (EOS ignored). The artifact is compiled with max_batch
 equal to the highest level. Reported per level: total generated tokens/s (wall),
@@ -30,7 +30,6 @@ Writes bench/results/throughput-BACKEND[-paged][-SCHEME][-decode].md.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 import random
 import statistics
@@ -89,28 +88,32 @@ def above_engine_priority() -> None:
 
 
 def run_level(llm, requests: list[list[int]], concurrency: int, new_tokens: list[int]) -> dict:
-    """Submit every request from a client thread, at most `concurrency` in flight, while the
+    """Submit every request from client threads, at most `concurrency` in flight, while the
     engine runs in this (main) thread as `kiln serve` runs it; the level's measurements."""
-    handles, stop = [], threading.Event()
+    handles, stop = [None] * len(requests), threading.Event()
+    order, taking = iter(range(len(requests))), threading.Lock()
+
+    def worker():
+        # `concurrency` workers, each submitting the next request (in order) once its last one
+        # ends, one real-time priority step above the engine under `chrt -f`: a client at the
+        # engine's priority waited for a core until the engine's OpenMP threads slept, which they
+        # hardly do between steps (a finished request was replaced 0.1-6 s late, so levels 4 and 8
+        # ran rows short). They block on the request's end alone, not on every streamed token.
+        above_engine_priority()
+        while True:
+            with taking:
+                i = next(order, None)
+                if i is None:
+                    return
+                handles[i] = llm.submit(requests[i], max_new_tokens=new_tokens[i], ignore_eos=True)
+            handles[i].result()
+
+    workers = [threading.Thread(target=worker, daemon=True) for _ in range(concurrency)]
 
     def client():
-        # Waits for a request to end (asyncio, as `kiln serve`'s handlers wait) instead of
-        # polling, one priority step above the engine under a real-time policy: with `chrt -f`,
-        # a client of the same priority waited for a core until the engine's OpenMP threads slept,
-        # which they hardly do between steps (a finished request was replaced 0.1-6 s late, so
-        # levels 4 and 8 ran one to three rows short most of the time).
-        above_engine_priority()
-        asyncio.run(keep_in_flight())
+        for thread in workers:
+            thread.join()
         stop.set()
-
-    async def keep_in_flight():
-        waiting: set[asyncio.Task] = set()
-        for prompt, new in zip(requests, new_tokens):
-            if len(waiting) >= concurrency:
-                _, waiting = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
-            handles.append(llm.submit(prompt, max_new_tokens=new, ignore_eos=True))
-            waiting.add(asyncio.ensure_future(handles[-1].wait()))
-        await asyncio.gather(*waiting)
 
     engine = llm.engine
     engine.slots.forget()  # no prefix cached by an earlier level
@@ -124,6 +127,8 @@ def run_level(llm, requests: list[list[int]], concurrency: int, new_tokens: list
     engine.adopt_this_thread()
     preempted = engine.preemptions
     with CpuMeter() as meter:
+        for thread in workers:  # before the engine runs: a thread's start waits for the GIL
+            thread.start()
         threading.Thread(target=client, daemon=True).start()
         threading.Thread(target=watch, daemon=True).start()
         engine.run_in_this_thread(stop)
