@@ -6,8 +6,10 @@ Each cache is one preallocated buffer [max_batch, kv_heads, max_seq_len, head_di
   kernel writes the new keys and values into the buffer it reads (ORT's past-present buffer
   sharing); nothing is copied per step, and the bindings stay as they are while the batch
   size does not change;
-- copied back: a cache updated by plain ONNX (ScatterND) gets its `present.*` in a scratch
-  tensor, copied into the buffer's rows after the call (CPU only).
+  A cache a plain ScatterND updates, when nothing else reads it, is bound the same way (ORT's
+  ScatterND copies its data input to its output only when the two buffers differ);
+- copied back: a cache something else also reads gets its `present.*` in a scratch tensor,
+  copied into the buffer's rows after the call (CPU only).
 A paged cache's pools [num_blocks, kv_heads, block_size, head_dim] are bound whole, input and
 output alike (its ScatterND writes them in place), and each call's `block_table` is fed like the
 tokens (kiln.backends.paged_feeds checks it).
