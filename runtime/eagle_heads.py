@@ -68,10 +68,18 @@ def layer_shape(graph, rows: int) -> LayerShape:
     first = {op: next((n for n in nodes if n.op == op), None) for op in ("rms_norm", "add_rms_norm", "attention")}
     activation = next((n for n in nodes if n.op in ACTIVATIONS), None)
     layer_norm = first["rms_norm"] or first["add_rms_norm"]
-    if norm is None or activation is None or first["attention"] is None or layer_norm is None:
+    sizes = ("num_heads", "num_kv_heads", "head_dim")
+    if (
+        norm is None
+        or activation is None
+        or first["attention"] is None
+        or layer_norm is None
+        or not all(isinstance(model.get(size), int) for size in sizes)
+    ):
         raise SpeculatorError(
             "eagle heads copy a pre-norm decoder layer (RMSNorm, attention, a SiLU or GELU MLP) "
-            "and read out through the model's final RMSNorm; this graph lacks one of them. "
+            "and read out through the model's final RMSNorm, with the attention's sizes in the "
+            "graph's metadata; this graph lacks one of them. "
             "Fix: train --kind mlp or --kind medusa heads for this model."
         )
     rope = next((n for n in nodes if n.op == "rope"), None)

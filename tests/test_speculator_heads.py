@@ -164,6 +164,18 @@ def test_eagle_heads_learn_keep_greedy_output_beat_untrained_ones_and_check_thei
         kiln.load(copy, check_hashes=False).generate(prompts[0], max_new_tokens=4, speculative="heads:eagle")
 
 
+def test_eagle_heads_refuse_a_model_without_an_rmsnorm_layer_by_name():
+    from kiln.ir import Graph, TensorType
+    from kiln.runtime.speculator_heads import build_heads
+
+    graph = Graph()  # logits straight from the embedding: no layer, no final RMSNorm to copy
+    tokens = graph.add_input("tokens", TensorType("i64", (1, 4)))
+    table = graph.add_param("embed", torch.randn(16, 8))
+    graph.outputs = [graph.call("linear", graph.call("embedding", table, tokens), table)]
+    with pytest.raises(SpeculatorError, match="pre-norm decoder layer"):
+        build_heads("eagle", output_head(graph), 2, torch.arange(16), "tied")
+
+
 def test_sampled_generation_with_heads_runs_and_counts_its_drafts(artifact):
     llm = kiln.load(artifact[1])
     result = llm.generate("Once upon a time", max_new_tokens=16, temperature=0.8, seed=3, speculative="heads")
