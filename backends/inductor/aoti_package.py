@@ -20,6 +20,7 @@ import shutil
 import tempfile
 import threading
 import warnings
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -50,6 +51,11 @@ PACKAGE_CONFIGS = {
     # probes still run). A compiler that lacks a flag the CPU has then fails the kernel build
     # loudly instead of falling back to a narrower ISA.
     "cpp.vec_isa_ok": True,
+    # No precompiled headers: torch builds them (~6 s each for the wrapper's and the kernels'
+    # headers, 150 MB apiece) into its default cache directory, whatever TORCHINDUCTOR_CACHE_DIR
+    # says, to be used once per package; parsing the headers in each build costs ~3 s, and the
+    # wrapper's build runs beside the kernels' (_wrapper_built_beside_kernels).
+    "aot_inductor.precompile_headers": False,
 }
 
 
@@ -109,7 +115,7 @@ def layers_compiled_once() -> bool:
 
 def _compile_package(graph: Graph, module: torch.fx.GraphModule, path: Path) -> int:
     """AOT-compile the module into the package at `path`; the number of layer bodies it has."""
-    with _cpu_flags_trusted():
+    with _cpu_flags_trusted(), _wrapper_built_beside_kernels():
         return _compile_program(graph, module, path)
 
 
@@ -147,6 +153,43 @@ def _cpu_flags_trusted():
         yield
     finally:
         VecISA.check_build = probe
+
+
+@contextmanager
+def _wrapper_built_beside_kernels():
+    """AOTInductor builds the wrapper's object file, then the kernels', one after the other; here
+    the wrapper's g++ runs in a thread (the GIL is free while it waits) beside the kernels' build,
+    and any later build (the weights, the link) waits for it first."""
+    from torch._inductor.cpp_builder import CppBuilder
+
+    build = CppBuilder.build
+    pending: list[Future] = []
+
+    def wait_for_wrapper():
+        while pending:
+            pending.pop().result()  # its CppCompileError, if any, is raised here
+
+    def parallel_build(self):
+        target = self.get_target_file_path()
+        if target.endswith(".wrapper.o"):
+            wait_for_wrapper()
+            pending.append(_BUILDS.submit(build, self))
+            return
+        if not target.endswith(".kernel.o"):
+            wait_for_wrapper()
+        build(self)
+
+    CppBuilder.build = parallel_build
+    try:
+        yield
+        wait_for_wrapper()
+    finally:
+        CppBuilder.build = build
+        for future in pending:
+            future.cancel() or future.exception()  # an abandoned build: wait for it, drop its error
+
+
+_BUILDS = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-wrapper-g++")
 
 
 class AOTIExecutable(StatefulRunner):
