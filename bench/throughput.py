@@ -152,6 +152,11 @@ def run_level(llm, requests: list[list[int]], concurrency: int, new_tokens: list
     }
 
 
+def pool_line(paged: dict) -> str:
+    """The pool as the artifact holds it (the block count chosen at compile when not given)."""
+    return f", {paged['num_blocks']} blocks of {paged['block_size']}"
+
+
 def compiled(backend: str, max_batch: int, max_seq_len: int, kv_layout: str = "static", kv_blocks=None, quantize=None):
     import kiln
 
@@ -221,7 +226,7 @@ def main(argv=None) -> int:
         f"{args.requests} requests ({args.mix} mix) of "
         f"{min(lengths)}-{max(lengths)} tokens (mean {statistics.mean(lengths):.0f}, prompt + {news} new), "
         f"max_seq_len {args.max_seq_len}; {args.kv_layout} KV cache, max_batch {max(levels)}"
-        + (f", {args.kv_blocks} blocks of 32" if args.kv_layout == "paged" else ""),
+        + (pool_line(llm.executable.paged) if args.kv_layout == "paged" else ""),
         "",
         "| layout | concurrent | KV MB | peak blocks | preempted | total tokens/s | x 1 concurrent | requests/s "
         "| mean TTFT ms "
