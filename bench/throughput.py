@@ -23,8 +23,9 @@ slots equal it) serving the same requests N at a time (`--static-concurrency 1,1
 new tokens (seeded; `--new-tokens` is ignored), so nearly every step is a batched decode step
 (needs `--max-seq-len` of at least 288). The default mix ("short", 16-120 prompt tokens + 32 new)
 is mostly prompt: prefill is compute-bound and batches little.
-`--quantize SCHEME` compiles quantized weights (the lm_head and embedding too).
-Writes bench/results/throughput-BACKEND[-paged][-SCHEME][-decode].md.
+`--quantize SCHEME` compiles quantized weights (the lm_head and embedding too); `--kv-cache int8`
+an int8 KV cache (Inductor).
+Writes bench/results/throughput-BACKEND[-paged][-SCHEME][-kv8][-decode].md.
 """
 
 from __future__ import annotations
@@ -157,11 +158,14 @@ def pool_line(paged: dict) -> str:
     return f", {paged['num_blocks']} blocks of {paged['block_size']}"
 
 
-def compiled(backend: str, max_batch: int, max_seq_len: int, kv_layout: str = "static", kv_blocks=None, quantize=None):
+def compiled(
+    backend: str, max_batch: int, max_seq_len: int, kv_layout="static", kv_blocks=None, quantize=None, kv_cache="f32"
+):
     import kiln
 
     layout = f"-paged{kv_blocks}" if kv_layout == "paged" else ""
     scheme = f"-{quantize}" if quantize else ""
+    scheme += "-kv8" if kv_cache == "int8" else ""
     out = Path(f"out/bench-throughput-{backend}-b{max_batch}-s{max_seq_len}{layout}{scheme}.kiln")
     if max_seq_len == 256 and not layout and not scheme:
         out = Path(f"out/bench-throughput-{backend}-b{max_batch}.kiln")  # the name before the options
@@ -176,6 +180,7 @@ def compiled(backend: str, max_batch: int, max_seq_len: int, kv_layout: str = "s
             kv_blocks=kv_blocks,
             quantize=quantize,
             quantize_embeddings=bool(quantize),
+            kv_cache=kv_cache,
         )
     return kiln.load(out)
 
@@ -188,6 +193,7 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--kv-layout", default="static", choices=("static", "paged"))
+    parser.add_argument("--kv-cache", default="f32", choices=("f32", "int8"), help="the KV cache's numbers")
     parser.add_argument("--kv-blocks", type=int, default=None, help="the paged pool's blocks of 32 tokens")
     parser.add_argument("--max-seq-len", type=int, default=256)
     parser.add_argument("--mix", default="short", choices=("short", "long", "decode"))
@@ -199,10 +205,14 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     levels = [int(c) for c in args.concurrency.split(",")]
-    llm = compiled(args.backend, max(levels), args.max_seq_len, args.kv_layout, args.kv_blocks, args.quantize)
+    llm = compiled(
+        args.backend, max(levels), args.max_seq_len, args.kv_layout, args.kv_blocks, args.quantize, args.kv_cache
+    )
     runs = [(args.kv_layout, llm, levels)]
     if args.static_rows:
-        static = compiled(args.backend, args.static_rows, args.max_seq_len, quantize=args.quantize)
+        static = compiled(
+            args.backend, args.static_rows, args.max_seq_len, quantize=args.quantize, kv_cache=args.kv_cache
+        )
         static_levels = [int(c) for c in (args.static_concurrency or str(args.static_rows)).split(",")]
         runs.append(("static", static, static_levels))  # as many at once as its rows hold, by default
     requests = prompts(llm.tokenizer, args.requests, mix=args.mix, total=args.max_seq_len, new=args.new_tokens)
@@ -225,7 +235,7 @@ def main(argv=None) -> int:
         f"SmolLM2-135M {args.quantize or 'f32'}, kiln-{args.backend}, {args.threads} threads, "
         f"{args.requests} requests ({args.mix} mix) of "
         f"{min(lengths)}-{max(lengths)} tokens (mean {statistics.mean(lengths):.0f}, prompt + {news} new), "
-        f"max_seq_len {args.max_seq_len}; {args.kv_layout} KV cache, max_batch {max(levels)}"
+        f"max_seq_len {args.max_seq_len}; {args.kv_layout} {args.kv_cache} KV cache, max_batch {max(levels)}"
         + (pool_line(llm.executable.paged) if args.kv_layout == "paged" else ""),
         "",
         "| layout | concurrent | KV MB | peak blocks | preempted | total tokens/s | x 1 concurrent | requests/s "
@@ -247,7 +257,7 @@ def main(argv=None) -> int:
     text = "\n".join(lines) + "\n"
     print(text)
     suffix = ("-paged" if args.kv_layout == "paged" else "") + (f"-{args.quantize}" if args.quantize else "")
-    suffix += f"-{args.mix}" if args.mix == "decode" else ""
+    suffix += ("-kv8" if args.kv_cache == "int8" else "") + (f"-{args.mix}" if args.mix == "decode" else "")
     write_result(RESULTS / f"throughput-{args.backend}{suffix}.md", text)
     return 0
 
