@@ -29,9 +29,9 @@ from kiln.backends.token_trees import has_token_trees
 from kiln.ir import Graph, Node, Value
 from kiln.ir.dims import dims_equal
 
-from .onnx_builder import MS_DOMAIN, NUMPY_DTYPES, OnnxBuilder, elem_type
+from .onnx_builder import MS_DOMAIN, NUMPY_DTYPES, OnnxBuilder, elem_type, shared_scope
 from .op_lowerings import norm_scale, reshape_target, transposed_weight
-from .plain_attention import shared_scope, tree_visible_keys
+from .plain_attention import tree_visible_keys
 from .quantized_lowerings import lower_linear_q, matmul_nbits
 
 Emitter = Callable[[OnnxBuilder], "str | list[str]"]
@@ -261,7 +261,7 @@ def _tree_bias(b: OnnxBuilder, slots: Value, tree: Value, dtype: str) -> str:
     this call the tree hides; one per graph, every layer adds the same."""
     key = f"tree_bias/{dtype}"
     if key not in b.memo:
-        with shared_scope(b):
+        with shared_scope(b, "/model/tree"):
             keys = b.op("Cast", TOTAL_LENGTH, to=elem_type("i64"))
             visible = b.op("Unsqueeze", tree_visible_keys(b, slots, tree, keys), b.const([1]))
             numpy_dtype = NUMPY_DTYPES[dtype]

@@ -9,6 +9,7 @@ compute it from the graph input the symbol is bound to.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import re
 from collections.abc import Iterable
@@ -261,6 +262,17 @@ class OnnxBuilder:
         if isinstance(d, int):
             return self.const(d)
         return self.op("Squeeze", self.dim(d), self.const([0]))
+
+
+@contextlib.contextmanager
+def shared_scope(b: OnnxBuilder, scope: str):
+    """Name the nodes built inside under `scope` (e.g. /model/tree): values every layer reads,
+    built once."""
+    saved, b.scope, b.label = (b.scope, b.label), scope, None
+    try:
+        yield
+    finally:
+        b.scope, b.label = saved
 
 
 def layer_scopes(graph: Graph) -> dict[int, str]:

@@ -16,14 +16,12 @@ under /model/paged: a layer adds a ScatterND per pool and a GatherND per pool, n
 
 from __future__ import annotations
 
-import contextlib
-
 import numpy as np
 
 from kiln.ir import Node
 
 from .errors import OnnxLoweringError
-from .onnx_builder import OnnxBuilder, elem_type
+from .onnx_builder import OnnxBuilder, elem_type, shared_scope
 
 TOTAL_LENGTH = "total_sequence_length"  # contrib_patterns' name: the largest slot of the call + 1
 BLOCK_TABLE = "block_table"
@@ -60,7 +58,7 @@ def key_count(b: OnnxBuilder, keys) -> str | None:
 def _table(b: OnnxBuilder, table) -> str:
     key = "paged/table"
     if key not in b.memo:
-        with _paged_scope(b):
+        with shared_scope(b, "/model/paged"):
             b.memo[key] = b.typed(table, "i64")
     return b.memo[key]
 
@@ -70,7 +68,7 @@ def _write_indices(b: OnnxBuilder, slots, table, heads: int, block_size: int) ->
     key = f"paged/write/{b.value(slots)}/{heads}/{block_size}"
     if key not in b.memo:
         table_i64 = _table(b, table)
-        with _paged_scope(b):
+        with shared_scope(b, "/model/paged"):
             places = b.typed(slots, "i64")
             rows_and_tokens = b.op("Shape", places)
             grid = b.op(
@@ -97,7 +95,7 @@ def _page_indices(b: OnnxBuilder, table, kv_heads: int, block_size: int) -> tupl
     key = f"paged/indices/{kv_heads}/{block_size}"
     if key not in b.memo:
         table_i64 = _table(b, table)
-        with _paged_scope(b):
+        with shared_scope(b, "/model/paged"):
             total = b.op("Cast", TOTAL_LENGTH, to=elem_type("i64"))
             blocks = b.op("Div", b.op("Add", total, b.const(block_size - 1)), b.const(block_size))
             held = b.op("Slice", table_i64, b.const([0]), b.op("Unsqueeze", blocks, b.const([0])), b.const([1]))
@@ -109,13 +107,3 @@ def _page_indices(b: OnnxBuilder, table, kv_heads: int, block_size: int) -> tupl
             pairs = [b.op("Unsqueeze", b.op("Expand", c, grid), b.const([-1])) for c in (held, heads)]
             b.memo[key] = (b.op("Concat", *pairs, axis=-1), b.op("Mul", blocks, b.const(block_size)))
     return b.memo[key]
-
-
-@contextlib.contextmanager
-def _paged_scope(b: OnnxBuilder):
-    """Name the nodes built inside under /model/paged: values every layer reads, built once."""
-    saved, b.scope, b.label = (b.scope, b.label), "/model/paged", None
-    try:
-        yield
-    finally:
-        b.scope, b.label = saved

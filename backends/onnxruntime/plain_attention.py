@@ -13,7 +13,6 @@ kv_write and kv_pages are paged_attention.py's; attention reads kv_pages' rows l
 
 from __future__ import annotations
 
-import contextlib
 import math
 
 import numpy as np
@@ -23,7 +22,7 @@ from kiln.ir.dims import dims_equal
 
 from . import paged_attention
 from .errors import OnnxLoweringError
-from .onnx_builder import NUMPY_DTYPES, OnnxBuilder
+from .onnx_builder import NUMPY_DTYPES, OnnxBuilder, shared_scope
 
 
 def lower_kv_write(b: OnnxBuilder, node: Node) -> str:
@@ -150,7 +149,7 @@ def tree_visible_keys(b: OnnxBuilder, slots, tree, keys: str) -> str:
     key = f"tree_visible/{b.value(slots)}/{b.value(tree)}/{keys}"
     if key in b.memo:
         return b.memo[key]
-    with shared_scope(b):
+    with shared_scope(b, "/model/tree"):
         key_slots = b.op("Range", b.const(0), keys, b.const(1))
         first = b.op("Slice", b.typed(slots, "i64"), b.const([0]), b.const([1]), b.const([1]))  # [b, 1]
         own = b.op("Sub", key_slots, b.op("Unsqueeze", first, b.const([2])))  # [b, 1, keys]: the call's index j
@@ -162,16 +161,6 @@ def tree_visible_keys(b: OnnxBuilder, slots, tree, keys: str) -> str:
         seen = b.op("GatherElements", b.value(tree), columns, axis=2)
         b.memo[key] = b.op("Or", b.op("Not", inside), seen)
     return b.memo[key]
-
-
-@contextlib.contextmanager
-def shared_scope(b: OnnxBuilder):
-    """Name the nodes built inside under /model/tree: values every layer reads, built once."""
-    saved, b.scope, b.label = (b.scope, b.label), "/model/tree", None
-    try:
-        yield
-    finally:
-        b.scope, b.label = saved
 
 
 def _grouped(b: OnnxBuilder, mask, groups: int, kv_heads: int) -> str:
