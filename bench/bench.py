@@ -234,6 +234,12 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--skip-hf-compile", action="store_true", help="skip the slow-to-compile baseline")
     parser.add_argument("--skip-hf", action="store_true", help="skip both Hugging Face baselines")
+    parser.add_argument(
+        "--reuse-artifacts",
+        action="store_true",
+        help="load existing artifacts even where Kiln's sources changed since they were compiled (a tinygrad "
+        "artifact is the graph and weights, lowered again at load by the current code)",
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
 
@@ -248,7 +254,8 @@ def main(argv=None) -> int:
             embeddings = bool(scheme) and args.quantize_embeddings
             suffix = (f"-{scheme}" if scheme else "") + ("-emb" if embeddings else "")
             artifact = Path(f"{args.artifact}-{backend}{suffix}.kiln")
-            if not (artifact / "manifest.json").exists() or compiled_before_sources(artifact):
+            stale = not args.reuse_artifacts and compiled_before_sources(artifact)
+            if not (artifact / "manifest.json").exists() or stale:
                 started = time.perf_counter()
                 kiln.compile(
                     str(model_dir),

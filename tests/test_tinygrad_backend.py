@@ -140,6 +140,22 @@ def test_decoding_compiles_no_kernel_after_the_first_steps(compiled):
     assert decode.captured is not None and decode.cnt > 40
 
 
+def test_steps_replay_from_native_code_with_greedy_equal_to_hugging_face(compiled, monkeypatch):
+    """Every step's kernels run from native_replay.c's loop (split kernels on its threads), not
+    from the Python fallback, and the tokens are still Hugging Face's."""
+    from kiln.backends.tinygrad.cpu_graph import KernelLaunch, NativeLaunches
+
+    native_calls = []
+    run = NativeLaunches.run
+    monkeypatch.setattr(NativeLaunches, "run", lambda self, *a: (native_calls.append(1), run(self, *a))[1])
+    monkeypatch.setattr(KernelLaunch, "prepare", lambda *a: pytest.fail("a step replayed from Python"))
+    _, llm, model = compiled("llama")
+    (prompt,) = prompts([6], seed=5)
+    result = llm.generate(prompt, max_new_tokens=8)
+    assert result.token_ids == hf_greedy(model, prompt, 8, eos_ids(llm))
+    assert len(native_calls) >= len(result.token_ids)
+
+
 def test_artifact_lists_its_tinygrad_file_and_reloads(compiled, tmp_path):
     path, llm, _ = compiled("gpt2")
     manifest = json.loads((path / "manifest.json").read_text())

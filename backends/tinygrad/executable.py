@@ -47,6 +47,7 @@ from .kernel_opts import install_kernel_opts
 from .op_lowerings import check_lowering_table, tiny_dtype
 from .toolchain import configure_cpu_device
 from .weight_layouts import plan_weights, stored_weight
+from .wide_loads import install_wide_loads
 
 PREFILL_CHUNK = 64
 FIXED_CHUNKS = (512, 128, 32)  # prompt pieces compiled at a fixed length, so products tile along tokens
@@ -81,6 +82,7 @@ class TinygradExecutable(Executable):
         install_cpu_graph(options.threads)
         install_thread_connections()
         install_kernel_opts()
+        install_wide_loads()
         verify(graph)
         check_lowering_table()
         self.graph, self.options = graph, options

@@ -14,12 +14,14 @@ these optimizations, decided from its shape alone (nothing is searched or timed,
 differs between compile and load); every other kernel keeps tinygrad's own choice.
 - decode (one row, or a symbolic row count): lanes x16, two blocks at once, the reduction
   unrolled by 4, blocks split over the threads;
-- prefill (a fixed chunk of rows): lanes x16 and 4 rows at once (a 4 x 16 register tile, so
-  each weight load serves 4 tokens), blocks split over the threads.
+- prefill (a fixed chunk of rows): lanes x16 and 8 rows at once on an AVX-512 host (an 8 x 16
+  tile in eight 512-bit registers, so each weight load serves 8 tokens), 4 elsewhere (eight
+  256-bit registers; 8 rows spill AVX2's sixteen), blocks split over the threads.
 A decode product over packed codes (packed_codes.py: uint32 words [N/16, K/per_word, 16]) gets
-lanes x16 and a group's words unrolled (each word unpacked into its codes in registers), the
-blocks split over the threads only for a large product (the thread handoff costs more than a
-SmolLM2-sized one takes).
+lanes x16, two blocks at once and a group's words unrolled (each word unpacked into its codes in registers), the
+blocks split over the threads from 16k words on (every SmolLM2 product; with the Python pool the
+handoff had cost more than such a product takes, cpu_graph.py's native threads take it in about
+a microsecond).
 """
 
 from __future__ import annotations
@@ -30,7 +32,9 @@ from tinygrad.codegen.opt import KernelOptError, Opt, OptOps
 
 LANES = 16
 THREAD_MIN_WORK = 1 << 18  # multiply-adds per row under which a thread split costs more than it gains
-PACKED_THREAD_MIN_WORDS = 1 << 20  # packed-code words under which a product stays on one thread
+PACKED_THREAD_MIN_WORDS = (
+    1 << 14
+)  # packed-code words under which a product stays on one thread (cpu_graph.py hands pieces to native threads in ~1 us)
 
 _installed = {"original": None}
 
@@ -112,6 +116,8 @@ def packed_product_opts(k):
             unroll = size if size <= 8 else 4 if size % 4 == 0 else 1
             if unroll > 1:
                 k.apply_opt(Opt(OptOps.UNROLL, k.unrollable_dims.index(axis), unroll))
+        if k.full_shape[_axis_of(k, block_id)] % 2 == 0:  # two blocks' sums in flight: each is a chain of adds
+            k.apply_opt(Opt(OptOps.UPCAST, _axis_of(k, block_id), 2))
         threads, blocks = NUM_CPU_THREADS.value, k.full_shape[_axis_of(k, block_id)]
         if threads > 1 and blocks % threads == 0 and work >= PACKED_THREAD_MIN_WORDS:
             k.apply_opt(Opt(OptOps.THREAD, _axis_of(k, block_id), threads))
@@ -134,13 +140,14 @@ def interleaved_product_opts(k):
         return None
     lane, block, reduce, rows = axes
     block_id, blocks, reduce_size = k.rngs[block].arg[0], k.full_shape[block], k.full_shape[reduce]
-    tiled_rows = [i for i in rows if isinstance(k.full_shape[i], int) and k.full_shape[i] % 4 == 0]
+    tile = prefill_row_tile()
+    tiled_rows = [i for i in rows if isinstance(k.full_shape[i], int) and k.full_shape[i] % tile == 0]
     row_id = k.rngs[tiled_rows[0]].arg[0] if tiled_rows else None
     k = k.copy()
     try:
         k.apply_opt(Opt(OptOps.UPCAST, lane, LANES))
         if row_id is not None:
-            k.apply_opt(Opt(OptOps.UPCAST, _axis_of(k, row_id), 4))
+            k.apply_opt(Opt(OptOps.UPCAST, _axis_of(k, row_id), tile))
         else:
             if k.full_shape[_axis_of(k, block_id)] % 2 == 0:
                 k.apply_opt(Opt(OptOps.UPCAST, _axis_of(k, block_id), 2))
@@ -152,6 +159,13 @@ def interleaved_product_opts(k):
     except KernelOptError:
         return None
     return k
+
+
+def prefill_row_tile() -> int:
+    """Tokens per register tile of a prefill product: 8 with 512-bit vectors (wide_loads.py), else 4."""
+    from .wide_loads import has_avx512
+
+    return 8 if has_avx512() else 4
 
 
 def _apply_opts(ast, ren, beam: int = 0):
