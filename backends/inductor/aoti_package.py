@@ -106,8 +106,8 @@ def write_package(graph: Graph, module: torch.fx.GraphModule, options: BackendOp
 
 def layers_compiled_once() -> bool:
     """Whether packages compile each distinct decoder layer once (outline_layers.py) rather than
-    the full graph: KILN_INDUCTOR_LAYERS=once or full (the default)."""
-    choice = os.environ.get(LAYERS_SWITCH, "full")
+    the full graph: KILN_INDUCTOR_LAYERS=once (the default) or full."""
+    choice = os.environ.get(LAYERS_SWITCH, "once")
     if choice not in ("once", "full"):
         raise OptionError(f"{LAYERS_SWITCH}={choice!r} is not a choice. Fix: set it to 'once' or 'full'.")
     return choice == "once"
