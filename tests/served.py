@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import signal
 import threading
 import time
 import urllib.error
@@ -74,3 +75,10 @@ def http_with_headers(method: str, url: str, body: bytes | None = None, headers:
             return response.status, response.headers, response.read()
     except urllib.error.HTTPError as error:
         return error.code, error.headers, error.read()
+
+
+def sigint_default() -> None:
+    """A server child's preexec_fn: SIGINT at its default, so Python installs its Ctrl-C handler
+    there even when the suite itself runs as a background job, whose shell ignores SIGINT (an
+    ignored signal is inherited across exec, and Python then leaves it ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -13,7 +13,7 @@ import time
 import pytest
 
 import kiln
-from served import http, http_with_headers, tiny_llama_artifact
+from served import http, http_with_headers, sigint_default, tiny_llama_artifact
 
 PROMPT = "The capital of France is"
 
@@ -80,7 +80,13 @@ def test_kiln_serve_runs_the_engine_in_the_main_thread_and_stops_on_ctrl_c(artif
         "from kiln.cli import kiln_main\n"
         f"sys.exit(kiln_main(['serve', {str(artifact)!r}, '--port', '{port}', '--log-level', 'warning']))"
     )
-    server = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    server = subprocess.Popen(
+        [sys.executable, "-c", code],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=sigint_default,
+    )
     try:
         deadline = time.monotonic() + 60
         while True:

@@ -21,7 +21,7 @@ import kiln
 from kiln.ir.errors import ArtifactError
 from kiln.runtime.errors import GenerationError
 from kiln.runtime.server import create_app
-from served import record_submits, served, tiny_llama_artifact
+from served import record_submits, served, sigint_default, tiny_llama_artifact
 
 MODEL = "tiny-llama"
 # repetitive: its own n-grams come back, so lookup finds drafts
@@ -120,6 +120,7 @@ def test_kiln_serve_with_speculative_and_an_api_key_from_the_environment(artifac
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        preexec_fn=sigint_default,
     )
     url = f"http://127.0.0.1:{port}"
     try:
