@@ -7,7 +7,7 @@ Each request gets a row of its own for its whole life. Every engine step
    fast-forward) through a single-row call at its row;
 3. runs one decode call over rows [0, highest decoding row] that feeds every decoding request
    its newest token and samples its next one; before it, when no request waits for a row, the
-   request in the highest busy row moves into the lowest free row below it (`_compact`), so the
+   request in the highest busy row moves into the lowest free row below it (`row_moves.py`), so the
    call does not keep spanning rows freed as a batch drains.
 So a long prompt is prefilled a chunk at a time between decode steps instead of stalling them,
 and a request that finishes frees its row for the next one at once. Rows in the decode call
@@ -45,13 +45,13 @@ from kiln.runtime.kv_blocks import KvBlocks
 from kiln.runtime.kv_slots import KvSlots, common_prefix_length
 from kiln.runtime.request import GenerationSettings, Request, RequestStatus
 from kiln.runtime.request_handle import RequestHandle
+from kiln.runtime.row_moves import move_top_row_down
 from kiln.runtime.token_ids import check_request_ids, model_vocab_size
 
 log = logging.getLogger(__name__)
 
 PREFILL_CHUNK = 128
 MAX_QUEUE = 256
-MOVE_WORTH = 4  # tokens a request must have left to move it down a row (`_compact`): a copy costs ~1 step row
 SHARED_PREFILL = 16  # prompt tokens worth waiting for another request to prefill (`_prefill_to_share`)
 
 
@@ -281,21 +281,8 @@ class Engine:
         return False
 
     def _compact(self) -> None:
-        """Move the request in the highest busy row into the lowest free row below it, when no
-        request waits for one: a decode call spans rows [0, the highest decoding one], so a row
-        freed below it would cost a row of work every step until the batch drains. One move a
-        step, copying the slots the request has fed (exact copies: its output is unchanged)."""
-        if self.paged or self.waiting or not self.slots.row_copies or not self.running:
-            return
-        top = max(self.running, key=lambda r: r.kv_row)
-        free = self.slots.free_rows()
-        if not free or free[0] > top.kv_row or top.max_new - len(top.tokens) < MOVE_WORTH:
-            return
-        source, target = top.kv_row, free[0]
-        copy_prefix(self.executable.cache_views(), source, target, top.fed)
-        self.slots.occupy(target, top, self.slots.contents[source][: top.fed])
-        self.slots.release(source)  # its contents stay cached for a prompt that starts with them
-        top.kv_row = target
+        if not self.paged and not self.waiting and self.slots.row_copies:
+            move_top_row_down(self.slots, self.executable, self.running)
 
     def _feed_chunk(self, request: Request) -> None:
         start = time.perf_counter()
