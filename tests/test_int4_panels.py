@@ -1,7 +1,8 @@
 """Kiln's int4 kernel over weights packed into panels at lowering (`kiln::linear_q4_panels`,
 backends/inductor/int4_panels.h) against a float reference: x rounded to int8 per block of 32 as
 the kernel rounds it, times the dequantized weight (its scales rounded to f16 where the panels
-hold them so), in float64."""
+hold them so), in float64; and batch invariance: every row of an M-row call (panels, or staged
+per call) bit for bit the one-row kernel's result for that row alone."""
 
 from __future__ import annotations
 
@@ -56,16 +57,37 @@ def test_packed_panels_equal_the_float_reference(kernel, vnni, n, k, group_size,
     assert panels.shape == ((n + 15) // 16, torch.ops.kiln.q4_panel_bytes(k, not symmetric))
     half = q.scales.half() if symmetric else None
     bias = torch.randn(n)
+    x_all = torch.randn(max(ROWS), k)
+    torch.ops.kiln.q4_panels_at_one_row(False)
+    # batch invariance: each row as the one-row kernel gives it alone (f16 scales where the panels
+    # hold them; the staged kernel also with f32 scales)
+    alone = torch.cat(
+        [
+            torch.ops.kiln.linear_q4(x_all[r : r + 1], q.qweight, q.scales, q.zeros, bias, group_size, half)
+            for r in range(max(ROWS))
+        ]
+    )
+    alone_f32 = torch.cat(
+        [
+            torch.ops.kiln.linear_q4(x_all[r : r + 1], q.qweight, q.scales, q.zeros, bias, group_size)
+            for r in range(max(ROWS))
+        ]
+    )
     for rows in ROWS:
-        x = torch.randn(rows, k)
+        x = x_all[:rows]
         want = reference(x, q, group_size, bias)
         for at_one_row in (False, True) if rows == 1 else (False,):  # one row: linear_q4's kernel or the panels
             torch.ops.kiln.q4_panels_at_one_row(at_one_row)
             got = torch.ops.kiln.linear_q4_panels(x, panels, q.qweight, q.scales, q.zeros, bias, group_size, half)
             assert got.shape == (rows, n)
-            # the same integer sums; f32 arithmetic against float64 (one row's kernel also sums its
-            # blocks in another order)
+            # the same integer sums; f32 arithmetic against float64
             assert torch.allclose(got.double(), want, atol=2e-4, rtol=1e-4), (rows, (got - want).abs().max())
+            assert torch.equal(got, alone[:rows]), (rows, at_one_row, (got - alone[:rows]).abs().max())
+        staged = torch.ops.kiln.linear_q4(x, q.qweight, q.scales, q.zeros, bias, group_size, half)
+        assert torch.equal(staged, alone[:rows]), (rows, (staged - alone[:rows]).abs().max())
+        staged_f32 = torch.ops.kiln.linear_q4(x, q.qweight, q.scales, q.zeros, bias, group_size)
+        assert torch.equal(staged_f32, alone_f32[:rows]), (rows, (staged_f32 - alone_f32[:rows]).abs().max())
+    torch.ops.kiln.q4_panels_at_one_row(False)
 
 
 def test_packing_refuses_a_group_size_the_panels_cannot_hold(kernel):

@@ -1,8 +1,9 @@
 """`kiln::linear_q8` (int8_kernel.cpp): int8 weights x int8-rounded activations.
 
 Checked against `int8_kernel.reference` (float64 F.linear of x rounded per block of 32 as the
-kernel rounds it, times the dequantized weight) for every M the kernel takes (1..64), odd N,
-each instruction set this CPU has (AVX-512 VNNI and the AVX2 baseline), with and without bias;
+kernel rounds it, times the dequantized weight) for every M the kernel takes (1..64), each row
+bit for bit its one-row result (batch invariance), odd N, each instruction set this CPU has
+(AVX-512 VNNI and the AVX2 baseline), with and without bias;
 above 64 rows the op runs the f32 GEMM on the unrounded x. One slow test runs SmolLM2-135M int8
 through the lowering (eagerly) and compares its greedy tokens with the interpreter's (~60 s).
 """
@@ -51,11 +52,17 @@ def test_matches_reference_for_every_m(isa, n, k):
     g = torch.Generator().manual_seed(1)
     x = torch.randn(64, k, generator=g)
     x[3, :32] = 0.0  # an all-zero block: scale 0
+    alone = {
+        b is None: torch.cat([torch.ops.kiln.linear_q8(x[r : r + 1], packed, scales, b) for r in range(64)])
+        for b in (None, bias)
+    }
     for m in range(1, 65):
         for b in (None, bias):
             got = torch.ops.kiln.linear_q8(x[:m], packed, scales, b)
             assert got.shape == (m, n)
             assert _relative_error(got, ik.reference(x[:m], q, scales, b)) < 1e-5, (isa, n, k, m, b is None)
+            # batch invariance: each row bit for bit what it gets alone
+            assert torch.equal(got, alone[b is None][:m]), (isa, n, k, m, b is None)
 
 
 def test_rounding_error_is_small_against_f32(isa):

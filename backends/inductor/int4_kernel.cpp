@@ -21,13 +21,11 @@
 // even and odd elements, matching the low and high nibbles. 32 bytes of a weight row (64 weights)
 // then take two `maddubs` (u8 weight x s8 x -> pairs summed in int16; at most 2 * 15 * 127, no
 // saturation) and one `madd` to int32 (lanes 0-3: the first 32 weights, 4-7: the next 32).
-// Symmetric weights (zero point 8, the common case) fold the zero point into that step: each lane
-// becomes dot * x_block_scale - 8 * (the block's rounded x summed) * x_block_scale / 4, one FMSUB
-// with a per-block term computed once with x, then one FMA by the group scale, whose two lanes'
-// values come from one 8-byte broadcast and a permute. With software prefetch of each row this
-// runs ~1.4x the earlier per-group epilogue (whole-model decode shapes, 2 threads). Asymmetric
-// weights add their zero points per group after the row's dot. Four weight rows, one from each of
-// four slabs of a thread's rows, share each x load; threads split N (at::parallel_for). Needs
+// Every M from 1 to kSmallM gives each row of x the same result bit for bit (batch invariance: a
+// request decodes the same tokens alone and in a batch): the same rounding of x, and per output
+// the same f32 steps block by block, (dot * x_scale - zero term) * group scale added in order
+// (int4_one_row.h). One row: four weight rows, one from each of four slabs of a thread's rows,
+// share each x load, their block dots gathered into one vector; threads split N. Needs
 // AVX2 + FMA + F16C; K % 64 == 0 and group_size 32 or a multiple of 64, so that no step straddles
 // two groups (the lowering dequantizes + GEMMs otherwise, as the op does for M > kSmallM = 128).
 //
@@ -36,17 +34,13 @@
 #include <cstdint>
 
 extern "C" {
-// x rounded for the kernel: xe/xo int8 [K/2] (even/odd elements), block_scale f32 [K/32] and
-// block_quarter f32 [K/32] = (the block's rounded x summed) * block_scale / 4 (a lane's share).
-void kiln_q4_prepare_x(const float* x, int64_t K, int8_t* xe, int8_t* xo, float* block_scale, float* block_quarter);
-// y[n] for n in [n0, n1) of one prepared row of x: sum over groups of the dequantized dot.
-// The _f16 form: symmetric weights whose scales are IEEE half (10% fewer bytes per token).
-void kiln_q4_rows_f16(const int8_t* xe, const int8_t* xo, const float* block_scale, const float* block_quarter,
-                      const uint8_t* q, const uint16_t* scales, int64_t K, int64_t group_size, int64_t n0,
-                      int64_t n1, const float* bias, float* y);
-void kiln_q4_rows(const int8_t* xe, const int8_t* xo, const float* block_scale, const float* block_quarter,
-                  const uint8_t* q, const float* scales, const uint8_t* zeros, int64_t K, int64_t group_size,
-                  int64_t n0, int64_t n1, const float* bias, float* y);
+// y[n] for n in [n0, n1) of one row of x prepared by kiln_q4_prepare_rows (`record`): each output
+// bit for bit what the several-row kernels give that row (int4_one_row.h). The _f16 form:
+// symmetric weights whose scales are IEEE half (10% fewer bytes per token).
+void kiln_q4_rows_f16(const uint8_t* record, const uint8_t* q, const uint16_t* scales, int64_t K, int64_t group_size,
+                      int64_t n0, int64_t n1, const float* bias, float* y);
+void kiln_q4_rows(const uint8_t* record, const uint8_t* q, const float* scales, const uint8_t* zeros, int64_t K,
+                  int64_t group_size, int64_t n0, int64_t n1, const float* bias, float* y);
 // Several rows of x: each row rounded once into a record of kiln_q4_record_bytes(K) bytes (the
 // int8 halves and per-lane block terms, padded to whole 512-bit steps); record m of `records` at
 // m * kiln_q4_record_bytes(K).
@@ -81,30 +75,12 @@ void kiln_q4_dequantize(const uint8_t* q, const float* scales, const uint8_t* ze
 
 namespace kiln_q4 {
 
-static inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // The per-lane factor of one 64-weight step (lanes 0-3 cover weights [0, 32), lanes 4-7 [32, 64)):
 // p[0] in lanes 0-3, p[1] in lanes 4-7: one 8-byte broadcast and a permute.
 static inline __m256 pair_at(const float* p) {
   const __m256i idx = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
   return _mm256_permutevar8x32_ps(_mm256_castpd_ps(_mm256_broadcast_sd(reinterpret_cast<const double*>(p))), idx);
 }
-
-// Group scales as f32 lanes: p[0] in lanes 0-3 and p[1] in 4-7 (pair), or p[0] in all (one).
-static inline __m256 scale_pair(const float* p) { return pair_at(p); }
-static inline __m256 scale_one(const float* p) { return _mm256_set1_ps(*p); }
-static inline __m256 scale_pair(const uint16_t* p) {
-  const __m256i idx = _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1);
-  int32_t two;
-  std::memcpy(&two, p, sizeof two);
-  return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_cvtph_ps(_mm_cvtsi32_si128(two))), idx);
-}
-static inline __m256 scale_one(const uint16_t* p) { return _mm256_set1_ps(_cvtsh_ss(*p)); }
 
 // Each weight row asks for the bytes this far ahead of the step it reads (measured: 1.1-1.3x).
 constexpr int kPrefetchBytes = 1024;
@@ -117,105 +93,13 @@ static inline __m256i dot64(__m256i w, __m256i e, __m256i o) {
   return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
 }
 
-// y[n0 + r * stride] for R symmetric rows (zero point 8). Groups of 32 pair up within a step; larger
-// groups (multiples of 64) cover whole steps, so both lanes take one scale.
-template <int R, class Scale>
-static void symmetric_rows(const int8_t* xe, const int8_t* xo, const float* block_scale, const float* block_quarter,
-                           const uint8_t* q, const Scale* scales, int64_t K, int64_t gs, int64_t n0, int64_t stride,
-                           const float* bias, float* y) {
-  const int64_t G = (K + gs - 1) / gs, row_bytes = K / 2;
-  const __m256 eight = _mm256_set1_ps(8.f);
-  __m256 acc[R];
-  for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-  for (int64_t byte = 0; byte < row_bytes; byte += 32) {
-    const int64_t block = byte / 16;  // x block of 32 values at lanes 0-3
-    const __m256i e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xe + byte));
-    const __m256i o = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xo + byte));
-    const __m256 xs = pair_at(block_scale + block), zero_term = _mm256_mul_ps(eight, pair_at(block_quarter + block));
-    for (int r = 0; r < R; r++) {
-      const uint8_t* w = q + (n0 + r * stride) * row_bytes + byte;
-      _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes, _MM_HINT_T0);
-      const __m256i dot = dot64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)), e, o);
-      const __m256 centered = _mm256_fmsub_ps(_mm256_cvtepi32_ps(dot), xs, zero_term);
-      const Scale* s = scales + (n0 + r * stride) * G;
-      const __m256 ws = gs == 32 ? scale_pair(s + block) : scale_one(s + byte * 2 / gs);
-      acc[r] = _mm256_fmadd_ps(centered, ws, acc[r]);
-    }
-  }
-  for (int r = 0; r < R; r++) y[n0 + r * stride] = hsum(acc[r]) + (bias ? bias[n0 + r * stride] : 0.f);
-}
-
-// Rows [n0, n1), four at a time, one from each of four equal slabs: four(n, slab) takes rows n,
-// n + slab, n + 2 slab, n + 3 slab. Each slab's weights and scales stream front to back, eight long
-// streams the prefetchers keep ahead of (measured 1.4x four neighbouring rows, whose reads make one
-// stream). Leftover rows follow one at a time: one(n).
-template <class Four, class One>
-static void in_slabs(int64_t n0, int64_t n1, Four four, One one) {
-  const int64_t slab = (n1 - n0) / 4;
-  for (int64_t j = 0; j < slab; j++) four(n0 + j, slab);
-  for (int64_t n = n0 + 4 * slab; n < n1; n++) one(n);
-}
-
-template <class Scale>
-static void symmetric_slabs(const int8_t* xe, const int8_t* xo, const float* block_scale, const float* block_quarter,
-                            const uint8_t* q, const Scale* scales, int64_t K, int64_t gs, int64_t n0, int64_t n1,
-                            const float* bias, float* y) {
-  in_slabs(
-      n0, n1,
-      [&](int64_t n, int64_t slab) {
-        symmetric_rows<4>(xe, xo, block_scale, block_quarter, q, scales, K, gs, n, slab, bias, y);
-      },
-      [&](int64_t n) { symmetric_rows<1>(xe, xo, block_scale, block_quarter, q, scales, K, gs, n, 0, bias, y); });
-}
-
-// acc[r] += the 64 weights at `byte` of row n0 + r * stride times x, scaled per lane by x's block
-// scales times the rows' group scales (ws[r]).
-template <int R>
-static inline void step(const int8_t* xe, const int8_t* xo, __m256 xs, const uint8_t* q, int64_t row_bytes,
-                        int64_t n0, int64_t stride, int64_t byte, const __m256* ws, __m256* acc) {
-  const __m256i e = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xe + byte));
-  const __m256i o = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xo + byte));
-  for (int r = 0; r < R; r++) {
-    const uint8_t* w = q + (n0 + r * stride) * row_bytes + byte;
-    _mm_prefetch(reinterpret_cast<const char*>(w) + kPrefetchBytes, _MM_HINT_T0);
-    const __m256 dot = _mm256_cvtepi32_ps(dot64(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)), e, o));
-    acc[r] = _mm256_fmadd_ps(dot, _mm256_mul_ps(xs, ws[r]), acc[r]);
-  }
-}
-
-// y[n0 + r * stride] for R rows with zero points. Groups of 32 pair up within a 64-weight step; larger
-// groups (multiples of 64) span whole steps. group_sum: the rounded x summed per group.
-template <int R>
-static void rows_times_x(const int8_t* xe, const int8_t* xo, const float* block_scale, const float* group_sum,
-                         const uint8_t* q, const float* scales, const uint8_t* zeros, int64_t K, int64_t gs,
-                         int64_t n0, int64_t stride, const float* bias, float* y) {
-  const int64_t G = (K + gs - 1) / gs, row_bytes = K / 2;
-  __m256 acc[R], ws[R];
-  for (int r = 0; r < R; r++) acc[r] = _mm256_setzero_ps();
-  if (gs == 32) {
-    for (int64_t byte = 0, g = 0; byte < row_bytes; byte += 32, g += 2) {
-      for (int r = 0; r < R; r++) ws[r] = pair_at(scales + (n0 + r * stride) * G + g);
-      step<R>(xe, xo, pair_at(block_scale + g), q, row_bytes, n0, stride, byte, ws, acc);
-    }
-  } else {
-    for (int64_t g = 0; g < G; g++) {
-      for (int r = 0; r < R; r++) ws[r] = _mm256_set1_ps(scales[(n0 + r * stride) * G + g]);
-      const int64_t end = std::min(row_bytes, (g + 1) * gs / 2);
-      for (int64_t byte = g * gs / 2; byte < end; byte += 32)
-        step<R>(xe, xo, pair_at(block_scale + byte / 16), q, row_bytes, n0, stride, byte, ws, acc);
-    }
-  }
-  for (int r = 0; r < R; r++) {
-    const int64_t n = n0 + r * stride;
-    float zero_term = 0.f;  // sum_g s[n, g] * z[n, g] * (sum of the rounded x over group g)
-    for (int64_t g = 0; g < G; g++) zero_term += scales[n * G + g] * (float)zeros[n * G + g] * group_sum[g];
-    y[n] = hsum(acc[r]) - zero_term + (bias ? bias[n] : 0.f);
-  }
-}
-
 // ---- several rows of x (int4_rows_isa.h) ----
 
 #include "int4_rows_isa.h"
+
+// ---- one row of x (int4_one_row.h) ----
+
+#include "int4_one_row.h"
 
 static bool cpu_has_vnni() {
   __builtin_cpu_init();  // static initializers may run before the CPU model is read
@@ -234,7 +118,7 @@ bool kiln_q4_use_vnni(bool wanted) {
 
 int64_t kiln_q4_record_bytes(int64_t K) { return kiln_q4::record_bytes(K); }
 
-// Per block of 32: rounded as kiln_q4_prepare_x (cvtps rounds to nearest even, as nearbyint), the
+// Per block of 32: scale max|x| / 127, each value times 127 / max|x| rounded to nearest even (cvtps), the
 // 32 bytes split into even and odd elements.
 void kiln_q4_prepare_rows(const float* x, int64_t K, int64_t m0, int64_t m1, uint8_t* records) {
   const __m256 sign_bit = _mm256_set1_ps(-0.f);
@@ -318,24 +202,6 @@ void kiln_q4_panels(const uint8_t* records, int64_t M, const uint8_t* packed, in
   kiln_q4::avx2::packed_panels<uint16_t>(rows, M, packed, panel_bytes, K, false, p0, p1, bias, y, N);
 }
 
-void kiln_q4_prepare_x(const float* x, int64_t K, int8_t* xe, int8_t* xo, float* block_scale, float* block_quarter) {
-  for (int64_t b = 0; b < K / 32; b++) {
-    float amax = 0.f;
-    for (int i = 0; i < 32; i++) amax = std::max(amax, std::fabs(x[b * 32 + i]));
-    const float scale = amax / 127.f, inverse = amax > 0.f ? 127.f / amax : 0.f;
-    block_scale[b] = scale;
-    int sum = 0;
-    for (int i = 0; i < 32; i += 2) {
-      const int8_t even = (int8_t)std::nearbyint(x[b * 32 + i] * inverse);
-      const int8_t odd = (int8_t)std::nearbyint(x[b * 32 + i + 1] * inverse);
-      xe[(b * 32 + i) / 2] = even;
-      xo[(b * 32 + i) / 2] = odd;
-      sum += even + odd;
-    }
-    block_quarter[b] = sum * scale / 4.f;
-  }
-}
-
 // 32 weights (16 bytes of codes) at a time: nibbles split and interleaved back into column order,
 // widened to f32 and mapped to (q - z) * scale = q * scale - z * scale by one FMA.
 void kiln_q4_dequantize(const uint8_t* q, const float* scales, const uint8_t* zeros, int64_t K, int64_t group_size,
@@ -362,32 +228,17 @@ void kiln_q4_dequantize(const uint8_t* q, const float* scales, const uint8_t* ze
   }
 }
 
-void kiln_q4_rows_f16(const int8_t* xe, const int8_t* xo, const float* block_scale, const float* block_quarter,
-                      const uint8_t* q, const uint16_t* scales, int64_t K, int64_t group_size, int64_t n0,
-                      int64_t n1, const float* bias, float* y) {
-  kiln_q4::symmetric_slabs(xe, xo, block_scale, block_quarter, q, scales, K, group_size, n0, n1, bias, y);
+void kiln_q4_rows_f16(const uint8_t* record, const uint8_t* q, const uint16_t* scales, int64_t K, int64_t group_size,
+                      int64_t n0, int64_t n1, const float* bias, float* y) {
+  const kiln_q4::XRow x = kiln_q4::x_row(record, K, 0);
+  kiln_q4::one_row<false>(x, q, scales, static_cast<const uint8_t*>(nullptr), K, group_size, n0, n1, bias, y);
 }
 
-void kiln_q4_rows(const int8_t* xe, const int8_t* xo, const float* block_scale, const float* block_quarter,
-                  const uint8_t* q, const float* scales, const uint8_t* zeros, int64_t K, int64_t group_size,
-                  int64_t n0, int64_t n1, const float* bias, float* y) {
-  if (!zeros)
-    return kiln_q4::symmetric_slabs(xe, xo, block_scale, block_quarter, q, scales, K, group_size, n0, n1, bias, y);
-  const int64_t G = (K + group_size - 1) / group_size;
-  float group_sum[G];  // the rounded x summed per group, in x's units
-  for (int64_t g = 0; g < G; g++) {
-    group_sum[g] = 0.f;
-    for (int64_t b = g * group_size / 32; b < std::min(K, (g + 1) * group_size) / 32; b++)
-      group_sum[g] += 4.f * block_quarter[b];
-  }
-  kiln_q4::in_slabs(
-      n0, n1,
-      [&](int64_t n, int64_t slab) {
-        kiln_q4::rows_times_x<4>(xe, xo, block_scale, group_sum, q, scales, zeros, K, group_size, n, slab, bias, y);
-      },
-      [&](int64_t n) {
-        kiln_q4::rows_times_x<1>(xe, xo, block_scale, group_sum, q, scales, zeros, K, group_size, n, 0, bias, y);
-      });
+void kiln_q4_rows(const uint8_t* record, const uint8_t* q, const float* scales, const uint8_t* zeros, int64_t K,
+                  int64_t group_size, int64_t n0, int64_t n1, const float* bias, float* y) {
+  const kiln_q4::XRow x = kiln_q4::x_row(record, K, 0);
+  if (zeros) return kiln_q4::one_row<true>(x, q, scales, zeros, K, group_size, n0, n1, bias, y);
+  kiln_q4::one_row<false>(x, q, scales, zeros, K, group_size, n0, n1, bias, y);
 }
 }
 
@@ -437,22 +288,16 @@ static void over_rows_of_w(int64_t N, int64_t per_task, Rows rows) {
   });
 }
 
-// One row of x (decode): x rounded into a scratch buffer kept per thread (a decode step makes
-// ~120 of these calls, and tensor allocations were a good part of each small call's cost).
+// One row of x (decode): x rounded into a record kept per thread (a decode step makes ~120 of these
+// calls, and tensor allocations were a good part of each small call's cost), as many_rows rounds it.
 static void one_row(const float* x, const WeightPointers& w, int64_t N, int64_t K, int64_t group_size, float* y) {
-  const int64_t blocks = K / 32;
-  thread_local std::vector<float> scratch;
-  scratch.resize(K / 4 + 2 * blocks);  // xe, xo: K/2 int8 each = K/4 floats in all
-  int8_t* xe = reinterpret_cast<int8_t*>(scratch.data());
-  int8_t* xo = xe + K / 2;
-  float* block_scale = scratch.data() + K / 4;
-  float* block_quarter = block_scale + blocks;
-  kiln_q4_prepare_x(x, K, xe, xo, block_scale, block_quarter);
+  thread_local std::vector<uint8_t> scratch;
+  scratch.resize(kiln_q4_record_bytes(K));
+  uint8_t* record = scratch.data();
+  kiln_q4_prepare_rows(x, K, 0, 1, record);
   over_rows_of_w(N, kRowsPerTask, [&](int64_t n0, int64_t n1) {
-    if (w.half_scales)
-      kiln_q4_rows_f16(xe, xo, block_scale, block_quarter, w.q, w.half_scales, K, group_size, n0, n1, w.bias, y);
-    else
-      kiln_q4_rows(xe, xo, block_scale, block_quarter, w.q, w.scales, w.zeros, K, group_size, n0, n1, w.bias, y);
+    if (w.half_scales) kiln_q4_rows_f16(record, w.q, w.half_scales, K, group_size, n0, n1, w.bias, y);
+    else kiln_q4_rows(record, w.q, w.scales, w.zeros, K, group_size, n0, n1, w.bias, y);
   });
 }
 
@@ -529,8 +374,12 @@ at::Tensor linear_q4_panels(const at::Tensor& x_in, const at::Tensor& panels, co
                             const std::optional<at::Tensor>& bias_in, int64_t group_size,
                             const std::optional<at::Tensor>& decode_scales) {
   const int64_t K = x_in.size(-1), M = x_in.numel() / std::max<int64_t>(K, 1), N = q.size(0);
-  if ((M == 1 && !panels_at_one_row) || M > kSmallM || M == 0)
-    return linear_q4(x_in, q, scales, zeros, bias_in, group_size, decode_scales);
+  if ((M == 1 && !panels_at_one_row) || M > kSmallM || M == 0) {
+    // symmetric panels hold f16 scales: one row reads the same ones, so that it equals its row among many
+    const bool half_needed = M == 1 && !zeros && !decode_scales;
+    return linear_q4(x_in, q, scales, zeros, bias_in, group_size,
+                     half_needed ? std::optional<at::Tensor>(scales.to(at::kHalf)) : decode_scales);
+  }
   TORCH_CHECK(x_in.device().is_cpu() && x_in.scalar_type() == at::kFloat,
               "kiln::linear_q4_panels: x must be CPU float32");
   TORCH_CHECK(K == q.size(1) * 2 && K % 64 == 0, "kiln::linear_q4_panels: x has K=", K, ", the weight K=", q.size(1) * 2,
