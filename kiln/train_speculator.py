@@ -73,10 +73,12 @@ def train_speculator(
     report=print,
     log_every: int = 50,
     checkpoint_every: int = 100,
+    collect_with=None,
 ) -> dict:
     """Train heads of `config.kind` for the loaded `llm` (from `artifact`) and store them there;
     returns the training summary recorded in the manifest. `prompts` and `texts` replace the
-    bundled chat prompts and text; `data_files` add text."""
+    bundled chat prompts and text; `data_files` add text; `collect_with` (a loaded artifact of
+    the same checkpoint, e.g. one compiled with a larger max_batch) runs the collection instead."""
     import torch
 
     from kiln.runtime.last_hidden import output_head
@@ -86,7 +88,7 @@ def train_speculator(
     config.check()
     started, cpu_started = time.perf_counter(), time.process_time()
     head = output_head(llm.graph)
-    corpus = _corpus(llm, head, artifact, config, data_files, prompts, texts, report)
+    corpus = _corpus(llm, head, artifact, config, data_files, prompts, texts, report, collect_with)
     vocab_ids = corpus.ranking[: config.draft_vocab] if config.draft_vocab else corpus.ranking
     torch.manual_seed(config.seed)
     heads = build_heads(config.kind, head, config.stages, vocab_ids, config.head)
@@ -114,8 +116,9 @@ def train_speculator(
     return summary
 
 
-def _corpus(llm, head, artifact: Path, config: TrainConfig, data_files, prompts, texts, report):
+def _corpus(llm, head, artifact: Path, config: TrainConfig, data_files, prompts, texts, report, collect_with=None):
     from kiln import speculator_data as data
+    from kiln.runtime.last_hidden import SpeculatorError
 
     texts = data.default_texts(list(data_files), texts)
     prompts = data.read_prompts() if prompts is None else prompts
@@ -124,7 +127,13 @@ def _corpus(llm, head, artifact: Path, config: TrainConfig, data_files, prompts,
     corpus = data.load_corpus(path, key, head)
     if corpus is None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        corpus = data.collect(llm, head, texts, prompts, config.reply_tokens, report)
+        collector = collect_with or llm
+        if collector.manifest.get("source_hash") != llm.manifest.get("source_hash"):
+            raise SpeculatorError(
+                "--collect-with names an artifact of another checkpoint (its source_hash differs). "
+                "Fix: compile the same model again with a larger --max-batch and collect with that."
+            )
+        corpus = data.collect(collector, head, texts, prompts, config.reply_tokens, report)
         data.save_corpus(corpus, path, key)
     report(f"corpus: {len(corpus.tokens)} tokens in {len(corpus.starts)} sequences ({sum(corpus.replies)} replies)")
     return corpus
@@ -165,6 +174,11 @@ def add_arguments(commands) -> None:
         help="tokens of each reply to the bundled chat prompts",
     )
     parser.add_argument("--data", action="append", default=[], help="more training text (a UTF-8 file; repeatable)")
+    parser.add_argument(
+        "--collect-with",
+        default=None,
+        help="an artifact of the same checkpoint with a larger max_batch, to decode the replies side by side",
+    )
     parser.add_argument("--log-every", type=int, default=50)
     parser.add_argument("--seed", type=int, default=defaults.seed)
     parser.add_argument(
@@ -202,7 +216,14 @@ def run_command(args) -> int:
     llm = kiln.load(artifact)
     if args.threads:
         torch.set_num_threads(args.threads)
+    collector = kiln.load(args.collect_with) if args.collect_with else None
     train_speculator(
-        llm, artifact, config, args.data, report=lambda line: print(line, flush=True), log_every=args.log_every
+        llm,
+        artifact,
+        config,
+        args.data,
+        report=lambda line: print(line, flush=True),
+        log_every=args.log_every,
+        collect_with=collector,
     )
     return 0

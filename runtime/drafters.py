@@ -33,8 +33,7 @@ class StoredHeads:
             )
         if kind not in self._loaded:
             self._loaded[kind] = HeadsDrafter.from_artifact(self.directory, self.manifest, self.graph, kind)
-        loaded = self._loaded[kind]
-        return HeadsDrafter(loaded.heads, loaded.to_hidden, loaded.min_confidence)
+        return self._loaded[kind].fresh()
 
 
 def engine_drafter(speculative, heads: StoredHeads):

@@ -2,14 +2,20 @@
 
 SpeculativeGeneration tells the drafter the raw logits row that chose the newest token
 (`observe`); the hidden state is solved from it (last_hidden.py) and the heads draft one chain of
-up to `stages` tokens after that token (speculator_heads.py). Before the first observation, or
-after a context the drafter did not see grow, it proposes nothing (the target decodes alone).
+up to `stages` tokens after that token (speculator_heads.py); eagle heads grow a token tree from
+their own probabilities instead (eagle_tree.py). Before the first observation, or after a context
+the drafter did not see grow, it proposes nothing (the target decodes alone).
+
+The stored heads are made cheaper to draft with once, at load (`DraftSettings`): a smaller draft
+vocabulary (its most frequent tokens) and int8 weights, chosen by
+bench/draft_readout.py's measurement of draft time against acceptance.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -19,23 +25,39 @@ from kiln.runtime.last_hidden import HiddenFromLogits, output_head
 from kiln.runtime.speculator_heads import DraftHeads, load_heads
 
 
+@dataclass(frozen=True)
+class DraftSettings:
+    vocab: int | None = 4096  # the draft vocabulary's most frequent tokens kept (None: all it was trained on)
+    int8: bool = True  # int8 weights (Int8Linear) in the readouts and the stage matrices
+    tree_top_k: int = 4  # eagle: nodes expanded per level, and children proposed per node
+    tree_nodes: int = 8  # eagle: the tree's size (0: the greedy chain with stage 0's runners-up)
+    min_confidence: float = 0.0
+    alternatives: int = 2  # stage 0's runners-up beside a chain
+
+
+DEFAULT_SETTINGS = DraftSettings()
+
+
 class HeadsDrafter:
-    def __init__(
-        self, heads: DraftHeads, to_hidden: HiddenFromLogits, min_confidence: float = 0.0, alternatives: int = 2
-    ):
-        self.heads, self.to_hidden, self.min_confidence = heads, to_hidden, min_confidence
-        self.alternatives = alternatives
+    def __init__(self, heads: DraftHeads, to_hidden: HiddenFromLogits, settings: DraftSettings = DEFAULT_SETTINGS):
+        self.heads, self.to_hidden, self.settings = heads, to_hidden, settings
         self.hidden: torch.Tensor | None = None
 
     @classmethod
     def from_artifact(
-        cls, directory, manifest: dict, graph, kind: str | None = None, min_confidence: float = 0.0
+        cls, directory, manifest: dict, graph, kind: str | None = None, settings: DraftSettings | None = None
     ) -> HeadsDrafter:
         """The heads of `kind` stored in the artifact at `directory` (ArtifactError if there are
-        none, they are damaged or belong to another model)."""
+        none, they are damaged or belong to another model), compacted as `settings` say
+        (default: DEFAULT_SETTINGS)."""
+        settings = settings or DEFAULT_SETTINGS
         head = output_head(graph)
         heads, rows = load_heads(Path(directory), manifest, head, kind)
-        return cls(heads, HiddenFromLogits(head, rows), min_confidence)
+        return cls(heads.compact(settings.vocab, settings.int8), HiddenFromLogits(head, rows), settings)
+
+    def fresh(self) -> HeadsDrafter:
+        """A drafter over the same heads with no state of its own yet (one per request)."""
+        return HeadsDrafter(self.heads, self.to_hidden, self.settings)
 
     def observe(self, logits: torch.Tensor) -> None:
         """The raw logits [vocab] that chose the newest token."""
@@ -43,14 +65,18 @@ class HeadsDrafter:
             self.hidden = self.to_hidden(logits.detach())
 
     def propose(self, context: Sequence[int], max_tokens: int) -> DraftTree:
-        """The heads' greedy chain after the newest token, with runners-up for its first token
-        (`DraftHeads.draft_tree`; a caller that verifies chains takes the chain alone)."""
+        """Eagle heads' grown tree (`grow_tree`), or the heads' greedy chain after the newest
+        token with runners-up for its first token (`DraftHeads.draft_tree`); a caller that
+        verifies chains takes the tree's first path, the greedy chain."""
         if self.hidden is None or max_tokens < 1:
             return DraftTree.chain([])
+        settings, token = self.settings, int(context[-1])
         with _one_thread():
-            return self.heads.draft_tree(
-                self.hidden, int(context[-1]), max_tokens, self.alternatives, self.min_confidence
-            )
+            if self.heads.kind == "eagle" and settings.tree_nodes > 0:
+                from kiln.runtime.eagle_tree import grow_tree
+
+                return grow_tree(self.heads, self.hidden, token, max_tokens, settings.tree_top_k, settings.tree_nodes)
+            return self.heads.draft_tree(self.hidden, token, max_tokens, settings.alternatives, settings.min_confidence)
 
     def feedback(self, drafted: int, accepted: int) -> None:
         pass  # the next observe() carries everything the heads need

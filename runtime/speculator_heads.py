@@ -70,7 +70,32 @@ class DraftHeads(nn.Module):
         return self.heads[stage] if self.head_choice == "own" else self.tied_rows
 
     def logits(self, stage: int, state: torch.Tensor) -> torch.Tensor:
+        readouts = getattr(self, "int8_readouts", None)
+        if readouts is not None:
+            return readouts[stage if len(readouts) > 1 else 0](state)
         return F.linear(state, self.head_weight(stage))
+
+    @torch.no_grad()
+    def compact(self, vocab: int | None = None, int8: bool = False) -> DraftHeads:
+        """These heads made cheaper to draft with, in place (no longer trainable): only the
+        `vocab` most frequent draft tokens (vocab_ids are ranked by frequency) and, with `int8`,
+        int8 weights in every readout and stage matrix (Int8Linear)."""
+        if vocab and vocab < len(self.vocab_ids):
+            self.vocab_ids = self.vocab_ids[:vocab]
+            if self.head_choice == "own":
+                self.heads = nn.ParameterList(nn.Parameter(rows[:vocab], requires_grad=False) for rows in self.heads)
+            else:
+                self.tied_rows = self.tied_rows[:vocab]
+        if int8:
+            from kiln.runtime.int8_linear import Int8Linear
+
+            readouts = self.stages if self.head_choice == "own" else 1
+            self.int8_readouts = [Int8Linear(self.head_weight(stage)) for stage in range(readouts)]
+            for module in list(self.modules()):
+                for child, linear in list(module.named_children()):
+                    if isinstance(linear, nn.Linear):
+                        setattr(module, child, Int8Linear.of(linear))
+        return self.eval()
 
     def forward(self, hidden: torch.Tensor, tokens: torch.Tensor) -> list[torch.Tensor]:
         """Teacher-forced logits over the draft vocabulary, one [batch, draft_vocab] per stage:

@@ -297,3 +297,29 @@ def test_heads_learn_the_models_own_greedy_choices_also_on_text(artifact):
     assert torch.equal(wanted, targets[choice])
     in_vocab = wanted != IGNORE
     assert (wanted != targets[corpus.tokens[after + 1]])[in_vocab].float().mean() > 0.5  # not the text's tokens
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
+def test_eagle_trees_keep_greedy_output_on_other_architectures(tiny_model_dirs, tmp_path, arch, monkeypatch):
+    """Eagle heads copy each model's layer (qkv biases, sliding windows, Gemma's offset norms and
+    GELU); the trees they grow from their own probabilities, verified in one step with the
+    ancestor mask (their first path, the greedy chain, where sliding windows rule trees out),
+    keep plain greedy output, with int8 weights and a cut draft vocabulary."""
+    from kiln.runtime import heads_drafter
+    from kiln.runtime.request import Request
+
+    monkeypatch.setattr(heads_drafter, "DEFAULT_SETTINGS", heads_drafter.DraftSettings(vocab=128, tree_nodes=6))
+    out = kiln.compile(str(tiny_model_dirs(arch)), out=tmp_path / "m.kiln", backend="reference", max_seq_len=96)
+    config = TrainConfig(**{**CONFIG.__dict__, "kind": "eagle", "head": "tied", "steps": 30, "reply_tokens": 16})
+    train_speculator(kiln.load(out), out, config, prompts=PROMPTS[:2], texts=TEXTS, report=lambda line: None)
+    llm = kiln.load(out)
+    prompt = llm.encode_chat([{"role": "user", "content": PROMPTS[2]}])
+    expected = llm.generate(prompt, max_new_tokens=20).token_ids
+    trees = []
+    verify_tree = Request.verify_tree
+    monkeypatch.setattr(
+        Request, "verify_tree", lambda self, logits, tree: (trees.append(tree), verify_tree(self, logits, tree))[1]
+    )
+    result = llm.generate(prompt, max_new_tokens=20, speculative="heads:eagle")
+    assert result.token_ids == expected and result.stats.drafted_tokens > 0
+    assert any(len(tree) == 6 and not tree.is_chain for tree in trees) == llm.engine.verifies_trees
