@@ -53,7 +53,7 @@ def build_old_op(rev: str) -> None:
 
     def renamed(text: str) -> str:
         text = text.replace("kiln_q4", "kiln_q4old")
-        return re.sub(r'"(linear_q4|q4_use_vnni)\b', r'"\1_old', text)
+        return re.sub(r'"(linear_q4\w*|q4_\w+)(?=[("])', r'"\1_old', text)  # every op it defines
 
     directory = Path(tempfile.mkdtemp(prefix="kiln_int4_old_"))
     source = at_rev(KERNEL)
