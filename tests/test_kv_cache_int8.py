@@ -50,6 +50,7 @@ def test_kv_quantize_keeps_each_number_within_half_a_step_of_its_row():
     "batch,heads,kv_heads,seq,head_dim,window,with_tree",
     [
         (1, 9, 3, 1, 64, 0, False),  # SmolLM2 decode
+        (6, 9, 3, 1, 64, 0, False),  # SmolLM2 batched decode: the threads split rows, not a row's heads
         (2, 4, 2, 3, 20, 0, True),  # a few queries with a tree, head dim not a multiple of 8
         (3, 8, 2, 8, 64, 7, False),  # sliding window
         (2, 6, 3, 24, 32, 0, True),  # a prefill chunk: ATen's attention over the used slots, dequantized
@@ -77,6 +78,18 @@ def test_the_kernel_reads_an_int8_cache_like_the_irs_attention(
     scale = 1 / math.sqrt(head_dim)
     actual = torch.ops.kiln.cached_attention(q, k, v, positions, scale, window, tree, k_scales, v_scales)
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
+    if seq <= 16:  # batch invariance of the few-queries kernel: each row bit for bit as alone (int8 and f32)
+        k32, v32 = k.float() * k_scales, v.float() * v_scales
+        together = torch.ops.kiln.cached_attention(q, k32, v32, positions, scale, window, tree, None, None)
+        for b in range(batch):
+            one = slice(b, b + 1)
+            tree_b = None if tree is None else tree[one]
+            alone = torch.ops.kiln.cached_attention(
+                q[one], k[one], v[one], positions[one], scale, window, tree_b, k_scales[one], v_scales[one]
+            )
+            assert torch.equal(alone[0], actual[b]), b
+            alone = torch.ops.kiln.cached_attention(q[one], k32[one], v32[one], positions[one], scale, window, tree_b)
+            assert torch.equal(alone[0], together[b]), b
 
 
 def test_the_graph_holds_codes_and_scales_beside_them(tiny_model_dirs):

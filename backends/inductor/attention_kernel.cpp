@@ -15,7 +15,10 @@
 // Few queries are attended per kv head, all at once: every (query token, query head) pair of the
 // call that reads the head (the group's heads x T tokens) is scored against a block of 64 key
 // slots while those keys sit in L1, and the values likewise, so each cached row is read from
-// memory once per call rather than once per query token and query head.
+// memory once per call rather than once per query token and query head. Every score is computed
+// alike whichever queries share a pass and wherever its key falls in a block (one FMA chain per key,
+// one reduction tree, key scale * scale): how the threads split a row's queries depends on the
+// batch, and a row's output must not (a request decodes the same tokens alone and in a batch).
 //
 // A paged cache (block_table int32 [B, blocks_per_row] given): k and v (and the scales) are pools
 // [num_blocks, Hkv, block_size, D], row b's slot s in block block_table[b, s / block_size]. Few
@@ -74,6 +77,23 @@ inline float hsum(__m256 a) {
   return _mm_cvtss_f32(s);
 }
 
+// The eight lanes of a summed in sums_of_eight's order, ((0+1)+(2+3)) + ((4+5)+(6+7)): a key scored
+// alone gets the score it gets among eight (or four), bit for bit.
+inline float tree_sum(__m256 a) {
+  const __m256 pairs = _mm256_hadd_ps(a, a), fours = _mm256_hadd_ps(pairs, pairs);
+  return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(fours), _mm256_extractf128_ps(fours, 1)));
+}
+
+// q . k over D % 8 == 0 values: one chain of FMAs and tree_sum, as the many-key loops compute it.
+template <typename Row, typename Load>
+inline float dot_chain(const float* q, const Row* k, int64_t D, Load load) {
+  __m256 acc = _mm256_setzero_ps();
+  for (int64_t c = 0; c < D; c += 8) acc = _mm256_fmadd_ps(load(k + c), _mm256_loadu_ps(q + c), acc);
+  return tree_sum(acc);
+}
+
+inline __m256 load_f32(const float* p) { return _mm256_loadu_ps(p); }
+
 inline float dot(const float* a, const float* b, int64_t n) {
   __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
   int64_t i = 0;
@@ -130,7 +150,7 @@ void scores_of(const float* q, const float* k, int64_t D, int64_t n, float scale
     }
     _mm256_storeu_ps(scores + i, _mm256_mul_ps(sums_of_eight(acc), _mm256_set1_ps(scale)));
   }
-  for (; i < n; i++) scores[i] = scale * dot(q, k + i * D, D);
+  for (; i < n; i++) scores[i] = dot_chain(q, k + i * D, D, load_f32) * scale;
 }
 
 // p[i] = e^(p[i] - max p) for i < n; returns their sum (0 when every p[i] is -inf).
@@ -187,7 +207,8 @@ void scores_q8(const float* q, const int8_t* k, const float* k_scales, int64_t D
     const __m256 key_scales = _mm256_mul_ps(_mm256_loadu_ps(k_scales + i), scale8);
     _mm256_storeu_ps(scores + i, _mm256_mul_ps(sums_of_eight(acc), key_scales));
   }
-  for (; i < n; i++) scores[i] = scale * k_scales[i] * dot_q8(q, k + i * D, D);
+  for (; i < n; i++)
+    scores[i] = (D % 8 == 0 ? dot_chain(q, k + i * D, D, codes8) : dot_q8(q, k + i * D, D)) * (k_scales[i] * scale);
 }
 
 // Softmax numerators of scores[0, n) (slots lo..hi) in place, a tree's hidden slots at exactly
@@ -236,11 +257,12 @@ void scores_of_two(const float* q0, const float* q1, const Row* k, const float* 
         acc[4 + j] = _mm256_fmadd_ps(key, b, acc[4 + j]);
       }
     }
-    __m256 both = _mm256_mul_ps(sums_of_eight(acc), _mm256_set1_ps(scale));
+    __m256 factor = _mm256_set1_ps(scale);  // key scale * scale, as the one-query loops multiply
     if (key_scales) {
-      const __m128 four = _mm_loadu_ps(key_scales + i);
-      both = _mm256_mul_ps(both, _mm256_set_m128(four, four));
+      const __m128 four = _mm_mul_ps(_mm_loadu_ps(key_scales + i), _mm_set1_ps(scale));
+      factor = _mm256_set_m128(four, four);
     }
+    const __m256 both = _mm256_mul_ps(sums_of_eight(acc), factor);
     _mm_storeu_ps(scores0 + i, _mm256_castps256_ps128(both));
     _mm_storeu_ps(scores1 + i, _mm256_extractf128_ps(both, 1));
   }
@@ -252,8 +274,8 @@ void scores_of_two(const float* q0, const float* q1, const Row* k, const float* 
       b = _mm256_fmadd_ps(key, _mm256_loadu_ps(q1 + c), b);
     }
     const float key_scale = key_scales ? key_scales[i] * scale : scale;
-    scores0[i] = hsum(a) * key_scale;
-    scores1[i] = hsum(b) * key_scale;
+    scores0[i] = tree_sum(a) * key_scale;
+    scores1[i] = tree_sum(b) * key_scale;
   }
 }
 
