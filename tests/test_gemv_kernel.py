@@ -2,8 +2,9 @@
 
 The ops `kiln::linear_f32` / `kiln::linear_i8` must match F.linear for the SmolLM2-135M shapes
 at decode (M = 1), small batches (M = 2..8), many rows (M = 9..64: verification, batched decode,
-with the AVX-512 and the AVX2 kernel) and prefill (M <= 128 the same kernel, M > 128 the MKL
-path), with and without bias, any leading dims, 1 or 2 threads, and inside `torch.compile(fullgraph=True)`.
+with the AVX-512 and the AVX2 kernel; every row bit-identical to it alone) and prefill (M <= 128
+the same kernel, M > 128 the MKL path), with and without bias, any leading dims, 1 or 2 threads,
+and inside `torch.compile(fullgraph=True)`.
 """
 
 from __future__ import annotations
@@ -139,17 +140,24 @@ def isa(request):
 @pytest.mark.parametrize("n,k", [(67, 130), (33, 17), (1000, 40), (96, 1536), (4100, 64)])
 def test_every_row_count_up_to_64(isa, n, k):
     """Each M from 1 to 64 (odd and even, below and above the row blocks of 6 and 12 and the
-    16-row steps), odd N and K: f32 and int8 against float64."""
+    16-row steps), odd N and K: f32 and int8 against float64, and every row bit-identical to
+    the same row alone (M = 1): the kernels add in one order whatever M (batch invariance)."""
     w, b = _weights(n, k, seed=n)
     wt, (wq, scales) = gk.pack_linear_weight(w), gk.pack_linear_weight_int8(w)
     w_deq = wq.t().double() * scales[:, None].double()
-    g = torch.Generator().manual_seed(k)
+    x_all = torch.randn(64, k, generator=torch.Generator().manual_seed(k))
+    alone = torch.cat([torch.ops.kiln.linear_f32(row[None], wt, b) for row in x_all])
+    alone_q = torch.cat([torch.ops.kiln.linear_i8(row[None], wq, scales, b) for row in x_all])
     for m in range(1, 65):
-        x = torch.randn(m, k, generator=g)
+        x = x_all[:m]
         ref = F.linear(x.double(), w.double(), b.double())
-        assert (torch.ops.kiln.linear_f32(x, wt, b) - ref).abs().max().item() < 1e-4, (isa, n, k, m)
+        got = torch.ops.kiln.linear_f32(x, wt, b)
+        assert (got - ref).abs().max().item() < 1e-4, (isa, n, k, m)
+        assert torch.equal(got, alone[:m]), (isa, n, k, m)
         ref_q = F.linear(x.double(), w_deq, b.double())
-        assert (torch.ops.kiln.linear_i8(x, wq, scales, b) - ref_q).abs().max().item() < 1e-4, (isa, n, k, m)
+        got_q = torch.ops.kiln.linear_i8(x, wq, scales, b)
+        assert (got_q - ref_q).abs().max().item() < 1e-4, (isa, n, k, m)
+        assert torch.equal(got_q, alone_q[:m]), (isa, n, k, m)
 
 
 def test_bad_inputs_raise():

@@ -94,6 +94,11 @@ static inline void prefetch_row(const T* w, int64_t c) {
   _mm_prefetch(reinterpret_cast<const char*>(w + c) + kPrefetchBytes, _MM_HINT_T0);
 }
 
+// Concurrent weight streams per thread: [k0, k1) is cut into kSlabs equal slabs read side by side
+// (panel below, and panel_many in gemv_many_rows.h). It also fixes the order every output element
+// is summed in, the same for any number of rows of x: see `panel`.
+constexpr int kSlabs = 16;
+
 // True once per cache line of weights (16 fp32 / 64 int8 columns), for the 16-column steps.
 template <class T>
 static inline bool line_start(int64_t c, int64_t c0) {
@@ -188,10 +193,18 @@ static void step_mm(const float* xk, int64_t xrs, const typename L::T* w, int64_
 // slab, so R streams each run front to back through one contiguous slab (long runs that the
 // prefetchers keep ahead of) instead of R short rows restarting every group. The few rows left
 // over (fewer than R) follow one at a time.
+// Batch-invariant: each output element is one accumulator starting at init_row (or 0) that takes
+// one FMA per k in that order (step by step, slab by slab, then the left-over rows), whatever M;
+// panel_many (M > 8) adds in the same order, so a row of x gets the same bits alone or beside
+// others (a request decodes the same tokens alone or batched, with an int8 KV cache too).
 template <class L, int M>
 static void panel(const float* x, int64_t ldx, const typename L::T* Wt, int64_t N, int64_t k0, int64_t k1,
                   int64_t c0, int64_t c1, float* y, int64_t ldy, const float* init_row) {
-  constexpr int R = 8;  // concurrent weight streams: measured best of 4, 8, 16
+  constexpr int R = kSlabs;  // 16, as panel_many needs (8 and 16 stream as fast at M = 1)
+  // M = 1 keeps a step's x values in registers, which hold 8 beside the accumulators and loads
+  // (AVX2 has 16): a step of 16 slabs runs as two steps of 8 over the columns, adding in the
+  // same order (slabs 0-7 then 8-15 into each element) at the cost of a second pass over y.
+  constexpr int kHoisted = 8;
   Src src{init_row, 0};
   if (k0 == k1) {
     for (int m = 0; m < M; m++)
@@ -211,8 +224,16 @@ static void panel(const float* x, int64_t ldx, const typename L::T* Wt, int64_t 
     constexpr int RN = decltype(rr)::value;
     const float* xk = xs + (k - k0) * XS;
     const typename L::T* w = Wt + k * N;
-    if constexpr (M == 1) step_m1<L, RN>(xk, slab_rows * XS, w, slab_rows * N, c0, c1, y, src);
-    else step_mm<L, M, RN>(xk, slab_rows * XS, w, slab_rows * N, c0, c1, y, ldy, src);
+    if constexpr (M == 1 && RN > kHoisted) {  // halves, in order: each hoists its broadcasts
+      for (int h = 0; h < RN; h += kHoisted) {
+        step_m1<L, kHoisted>(xk + h * slab_rows, slab_rows, w + h * slab_rows * N, slab_rows * N, c0, c1, y, src);
+        src = Src{y, ldy};
+      }
+    } else if constexpr (M == 1) {
+      step_m1<L, RN>(xk, slab_rows * XS, w, slab_rows * N, c0, c1, y, src);
+    } else {
+      step_mm<L, M, RN>(xk, slab_rows * XS, w, slab_rows * N, c0, c1, y, ldy, src);
+    }
     src = Src{y, ldy};
   };
   const int64_t slab = (k1 - k0) / R;

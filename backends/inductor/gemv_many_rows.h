@@ -5,13 +5,14 @@
 
 // ---- Many rows of x (M > 8): each weight read from memory once per call ----
 //
-// A step takes kRowStep rows of Wt (one from each of kRowStep slabs) and adds their products to
+// A step takes kRowStep rows of Wt (row j of each of the kSlabs slabs, as `panel` steps: the same
+// order of sums, so M > 8 rows give each row the bits M = 1 gives it) and adds their products to
 // every row of x. Within a step, each 16-column tile is read from memory once (each slab's stream
 // prefetched kPrefetchBytes ahead), then every block of up to six rows of x is done from L1: 12 accumulators, two
 // weight vectors and one broadcast, 12 FMAs per 8 loads. The partial sums live in y, which the
 // columns are blocked to keep in L2 (kManyRowsYBytes). int8 tiles are widened to f32 once per
 // tile (not once per block of x rows); column tails are staged zero-padded and stored masked.
-constexpr int kRowStep = 16;
+constexpr int kRowStep = kSlabs;
 constexpr int kMaxRowBlock = 6;
 constexpr int64_t kManyRowsYBytes = 256 * 1024;
 
