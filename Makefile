@@ -60,4 +60,4 @@ run: $(VENV_STAMP)
 # artifact is reused, and training resumes from its checkpoint if it was interrupted.
 speculator: $(VENV_STAMP)
 	@test -f out/smollm2.kiln/manifest.json || $(VENV)/bin/compile-model -o out/smollm2.kiln
-	@test -f out/smollm2.kiln/speculator.mlp.safetensors || $(VENV)/bin/kiln train-speculator out/smollm2.kiln
+	@test -f out/smollm2.kiln/speculator.eagle.safetensors || $(VENV)/bin/kiln train-speculator out/smollm2.kiln

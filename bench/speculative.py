@@ -73,11 +73,49 @@ def lookup_branches(speculative):
 
 
 def run(llm, prompt: list[int], tokens: int, speculative) -> tuple[object, float, float]:
-    with CpuMeter() as meter, lookup_branches(speculative) as speculative:
+    with (
+        CpuMeter() as meter,
+        lookup_branches(speculative) as speculative,
+        engine_heads(llm, speculative) as speculative,
+    ):
         start = time.perf_counter()
         result = llm.generate(prompt, max_new_tokens=tokens, speculative=speculative)
         seconds = time.perf_counter() - start
     return result, seconds, meter.result.other_cores
+
+
+class EngineHeads:
+    """Heads drafting inside the engine (trees where the backend verifies them) with `settings`
+    (kiln.runtime.heads_drafter.DraftSettings), each request's drafter timed (`drafter`)."""
+
+    def __init__(self, kind: str, settings):
+        self.kind, self.settings, self.drafter = kind, settings, None
+
+
+@contextmanager
+def engine_heads(llm, speculative):
+    """For an EngineHeads: speculative="heads:KIND" with its settings, its drafters timed."""
+    if not isinstance(speculative, EngineHeads):
+        yield speculative
+        return
+    from kiln.runtime import heads_drafter
+
+    saved, stored = heads_drafter.DEFAULT_SETTINGS, llm.heads
+    heads_drafter.DEFAULT_SETTINGS = speculative.settings
+    stored._loaded.pop(speculative.kind, None)  # loaded again with these settings
+    make = stored.drafter
+
+    def timed(kind):
+        speculative.drafter = TimedDrafter(make(kind))
+        return speculative.drafter
+
+    stored.drafter = timed
+    try:
+        yield f"heads:{speculative.kind}"
+    finally:
+        del stored.drafter
+        stored._loaded.pop(speculative.kind, None)
+        heads_drafter.DEFAULT_SETTINGS = saved
 
 
 class TimedDrafter:
@@ -113,6 +151,14 @@ class TimedDrafter:
         if not self.accepted:
             return ""
         return " / ".join(f"{sum(a > i for a in self.accepted) / len(self.accepted):.0%}" for i in range(stages))
+
+
+# heads drafting in the engine (kiln.runtime.heads_drafter.DraftSettings), beside the heads' fp32 chain alone
+HEADS_SETTINGS = {
+    "int8 2048 (engine chain)": {"vocab": 2048, "int8": True, "tree_nodes": 0, "alternatives": 0},
+    "int8 2048 (tree top-3, 8 nodes)": {"vocab": 2048, "int8": True, "tree_top_k": 3, "tree_nodes": 8},
+    "int8 2048 (tree top-4, 12 nodes)": {"vocab": 2048, "int8": True, "tree_top_k": 4, "tree_nodes": 12},
+}
 
 
 def fresh(speculative):
@@ -161,8 +207,13 @@ def main(argv=None) -> int:
         )
     except Exception as error:  # noqa: BLE001 - a scheme this backend cannot lower yet: report, keep going
         print(f"note: no {args.draft_quantize} draft on {args.backend}: {error}", file=sys.stderr)
+    from kiln.runtime.heads_drafter import DraftSettings
+
     for kind in sorted(target.manifest.get("speculators", {})):
-        drafts[f"{kind} heads"] = functools.partial(TimedDrafter.heads, target, kind)
+        drafts[f"{kind} heads, fp32 (chain)"] = functools.partial(TimedDrafter.heads, target, kind)
+        for name, settings in HEADS_SETTINGS.items():
+            if kind == "eagle" or "tree" not in name:
+                drafts[f"{kind} heads, {name}"] = functools.partial(EngineHeads, kind, DraftSettings(**settings))
     lines = [
         "| prompt | method | tok/s | x plain | acceptance | tokens/target step | draft ms/step | "
         "accepted to stage 1/2/3/.. | same as plain | others' cores |",
@@ -181,6 +232,7 @@ def main(argv=None) -> int:
             result, seconds, others = run(target, prompt, args.tokens, drafter)
             same = "yes" if result.token_ids == plain.token_ids else "NO"
             rate = len(result.token_ids) / seconds
+            drafter = drafter.drafter if isinstance(drafter, EngineHeads) else drafter
             timed = isinstance(drafter, TimedDrafter)
             draft_ms = (
                 f"{drafter.seconds / result.stats.target_steps * 1000:.1f}"

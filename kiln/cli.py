@@ -9,7 +9,7 @@
     kiln serve model.kiln [--host 127.0.0.1] [--port 8000]   (OpenAI-compatible HTTP server)
     kiln quality model.kiln --reference f32.kiln --text FILE   (KL divergence and more against a reference)
     kiln cache info|clear   (the compile cache: where and how big, or empty it)
-    kiln train-speculator model.kiln [--kind mlp|medusa|eagle] [--stages N]   (draft heads for speculative="heads")
+    kiln train-speculator model.kiln [--kind eagle|mlp|medusa] [--stages N]   (draft heads for speculative="heads")
 
 Every mistake the user can fix prints one line to stderr, naming it and the fix, and exits with
 status 2: a Kiln error, a flag argparse refuses, an option out of range. Options are checked

@@ -1,6 +1,6 @@
 """`kiln train-speculator ARTIFACT`: train draft heads for speculative decoding, on the CPU.
 
-    kiln train-speculator model.kiln [--kind mlp|medusa|eagle] [--stages 4] [--steps 1000] [--data FILE ...]
+    kiln train-speculator model.kiln [--kind eagle|mlp|medusa] [--stages 4] [--steps 1000] [--data FILE ...]
 
 Collects the artifact's own hidden states (kiln/speculator_data.py: the bundled text, then the
 model's greedy replies to chat prompts), trains the heads with AdamW on the sum of the stages'
@@ -145,7 +145,9 @@ def add_arguments(commands) -> None:
     defaults = TrainConfig()
     parser = commands.add_parser("train-speculator", help="train draft heads for speculative='heads' (CPU)")
     parser.add_argument("artifact")
-    parser.add_argument("--kind", default=defaults.kind, help=f"one of {', '.join(KINDS)}")
+    parser.add_argument(
+        "--kind", default="eagle", help=f"one of {', '.join(KINDS)} (default eagle: it drafts the longest chains)"
+    )
     parser.add_argument("--stages", type=int, default=defaults.stages, help="tokens drafted per step")
     parser.add_argument(
         "--head",

@@ -27,7 +27,7 @@ from kiln.runtime.speculator_heads import DraftHeads, load_heads
 
 @dataclass(frozen=True)
 class DraftSettings:
-    vocab: int | None = 4096  # the draft vocabulary's most frequent tokens kept (None: all it was trained on)
+    vocab: int | None = 2048  # the draft vocabulary's most frequent tokens kept (None: all it was trained on)
     int8: bool = True  # int8 weights (Int8Linear) in the readouts and the stage matrices
     tree_top_k: int = 4  # eagle: nodes expanded per level, and children proposed per node
     tree_nodes: int = 8  # eagle: the tree's size (0: the greedy chain with stage 0's runners-up)

@@ -305,13 +305,13 @@ def _atomic(target: Path, write) -> None:
 
 
 def load_heads(directory: Path, manifest: dict, model_head: OutputHead, kind: str | None = None):
-    """(heads, inverse_rows) of `kind` (None: the only kind there, or mlp) from the artifact;
+    """(heads, inverse_rows) of `kind` (None: eagle, else mlp, else the only kind there) from the artifact;
     ArtifactError when there are none, they are damaged, or they were trained for another model."""
     directory = Path(directory)
     trained = manifest.get("speculators") or {}
     if not trained:
         raise ArtifactError(f"{directory} has no draft heads. Fix: `kiln train-speculator {directory}` first.")
-    kind = kind or ("mlp" if "mlp" in trained else sorted(trained)[0])
+    kind = kind or next((k for k in ("eagle", "mlp") if k in trained), sorted(trained)[0])
     entry = trained.get(kind)
     if not isinstance(entry, dict) or entry.get("file") not in manifest["files"]:
         raise ArtifactError(

@@ -323,3 +323,20 @@ def test_eagle_trees_keep_greedy_output_on_other_architectures(tiny_model_dirs, 
     result = llm.generate(prompt, max_new_tokens=20, speculative="heads:eagle")
     assert result.token_ids == expected and result.stats.drafted_tokens > 0
     assert any(len(tree) == 6 and not tree.is_chain for tree in trees) == llm.engine.verifies_trees
+
+
+def test_compacted_heads_keep_the_most_frequent_tokens_and_int8_logits_near_fp32(artifact):
+    """compact(): the draft vocabulary cut to its first (most frequent) ids, and int8 weights
+    whose logits stay within a few percent of fp32's, so the drafts barely change."""
+    from kiln.runtime.speculator_heads import load_heads
+
+    llm = kiln.load(artifact[1])
+    head = output_head(llm.graph)
+    exact, _ = load_heads(artifact[1], llm.manifest, head)
+    cheap, _ = load_heads(artifact[1], llm.manifest, head)
+    cheap.compact(vocab=100, int8=True)
+    assert torch.equal(cheap.vocab_ids, exact.vocab_ids[:100])
+    hidden, tokens = torch.randn(8, head.weight.shape[1]), torch.randint(0, 100, (8, CONFIG.stages))
+    with torch.no_grad():
+        for want, got in zip(exact(hidden, tokens), cheap(hidden, tokens)):
+            assert (got - want[:, :100]).abs().max() < 0.05 * want.abs().max()
