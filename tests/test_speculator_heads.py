@@ -310,17 +310,17 @@ def test_eagle_trees_keep_greedy_output_on_other_architectures(tiny_model_dirs, 
 
     monkeypatch.setattr(heads_drafter, "DEFAULT_SETTINGS", heads_drafter.DraftSettings(vocab=128, tree_nodes=6))
     out = kiln.compile(str(tiny_model_dirs(arch)), out=tmp_path / "m.kiln", backend="reference", max_seq_len=96)
-    config = TrainConfig(**{**CONFIG.__dict__, "kind": "eagle", "head": "tied", "steps": 30, "reply_tokens": 16})
-    train_speculator(kiln.load(out), out, config, prompts=PROMPTS[:2], texts=TEXTS, report=lambda line: None)
+    config = TrainConfig(**{**CONFIG.__dict__, "kind": "eagle", "head": "tied", "steps": 10, "reply_tokens": 8})
+    train_speculator(kiln.load(out), out, config, prompts=PROMPTS[:1], texts=TEXTS, report=lambda line: None)
     llm = kiln.load(out)
     prompt = llm.encode_chat([{"role": "user", "content": PROMPTS[2]}])
-    expected = llm.generate(prompt, max_new_tokens=20).token_ids
+    expected = llm.generate(prompt, max_new_tokens=12).token_ids
     trees = []
     verify_tree = Request.verify_tree
     monkeypatch.setattr(
         Request, "verify_tree", lambda self, logits, tree: (trees.append(tree), verify_tree(self, logits, tree))[1]
     )
-    result = llm.generate(prompt, max_new_tokens=20, speculative="heads:eagle")
+    result = llm.generate(prompt, max_new_tokens=12, speculative="heads:eagle")
     assert result.token_ids == expected and result.stats.drafted_tokens > 0
     assert any(len(tree) == 6 and not tree.is_chain for tree in trees) == llm.engine.verifies_trees
 
