@@ -16,14 +16,15 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
 from kiln.ir import Graph
 
 from .errors import UnsupportedOpError
-from .fx_to_ir import FxToIr
+from .fx_to_ir import FxToIr, _clean_param_name
+from .layer_templates import plan_layers, repeat_layers, templates_only
 
 KEEP_WHOLE = (torch.ops.aten.scaled_dot_product_attention.default, torch.ops.aten.linear.default)
 EXAMPLE_BATCH, EXAMPLE_SEQ = 2, 17  # not 0/1: torch.export would specialize those sizes
@@ -83,45 +84,77 @@ def capture_module(
     input_names: list[str],
     output_names: list[str],
     dynamic_dims: dict | None = None,
+    layers=None,
 ) -> Graph:
     """Capture any module into IR. Raises UnsupportedOpError for an ATen op Kiln cannot map.
 
     The training IR is converted directly when the ATen table covers all of its ops (the common
     case: it saves a second trace, about half of capture time); otherwise the program is
     decomposed to core ATen first, where every op is one the table knows or an error names it.
+    `layers` (a layer_templates.LayerPlan) gets each IR node's decoder layer.
     """
     dynamic_dims = dynamic_dims or {}
     program = export_module(module.eval(), example_inputs, dynamic_dims)
     dim_names = {k: v[0] for k, v in dynamic_dims.items()}
     try:
-        graph = FxToIr(program, input_names, dim_names).convert(output_names)
+        graph = FxToIr(program, input_names, dim_names, layers).convert(output_names)
     except UnsupportedOpError:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             program = program.run_decompositions(decompositions())
-        graph = FxToIr(program, input_names, dim_names).convert(output_names)
+        graph = FxToIr(program, input_names, dim_names, layers).convert(output_names)
     for name, lo, hi in dict.fromkeys(dynamic_dims.values()):
         graph.add_symbol(name, lo, hi)
     return graph
 
 
 def capture_causal_lm(
-    lm: torch.nn.Module, max_batch: int = 8, max_seq_len: int = 2048, dtype: torch.dtype = torch.float32
+    lm: torch.nn.Module,
+    max_batch: int = 8,
+    max_seq_len: int = 2048,
+    dtype: torch.dtype = torch.float32,
+    note: Callable[[str], None] | None = None,
 ) -> Graph:
     """The stateless forward of a causal LM: tokens i64[batch, seq], positions -> logits, with
     the model's floating-point weights in `dtype` (converted in place). The trace runs on fake
     tensors, so an f16/bf16 capture costs no slow CPU half-precision math; it records the casts
-    the model itself makes (norms and softmax in f32), as Hugging Face runs it in that dtype."""
+    the model itself makes (norms and softmax in f32), as Hugging Face runs it in that dtype.
+    Each kind of decoder layer is traced once where the layers allow (layer_templates.py);
+    `note` hears how the layers were captured."""
     lm = lm.eval().to(dtype)
     tokens = torch.randint(0, lm.config.vocab_size, (EXAMPLE_BATCH, EXAMPLE_SEQ))
     positions = torch.arange(EXAMPLE_SEQ).expand(EXAMPLE_BATCH, EXAMPLE_SEQ).contiguous()
     batch = ("batch", 1, max(max_batch, EXAMPLE_BATCH))
     seq = ("seq", 1, max(max_seq_len, EXAMPLE_SEQ))
     dynamic = {(0, 0): batch, (0, 1): seq, (1, 0): batch, (1, 1): seq}
+    args = (StatelessForward(lm), (tokens, positions), ["tokens", "positions"], ["logits"], dynamic)
     with gathered_experts(lm), alibi_table_past(lm, seq[2]):
-        graph = capture_module(StatelessForward(lm), (tokens, positions), ["tokens", "positions"], ["logits"], dynamic)
+        graph, how = capture_layers_once(lm, args)
+        if graph is None:
+            graph = capture_module(*args)
+    if note is not None:
+        note(f"capture: {how}")
     graph.meta["model"] = model_meta(lm)
     return graph
+
+
+def capture_layers_once(lm: torch.nn.Module, args) -> tuple[Graph | None, str]:
+    """(the graph traced from one layer per kind, how), or (None, why every layer is traced)."""
+    plan = plan_layers(lm)
+    if isinstance(plan, str):
+        return None, f"every decoder layer traced ({plan})"
+    with templates_only(lm, plan):
+        graph = capture_module(*args, layers=plan)
+    weights = {_clean_param_name(f"lm.{n}"): t for n, t in _named_tensors(lm)}
+    repeated = repeat_layers(graph, plan, weights)
+    if isinstance(repeated, str):
+        return None, f"every decoder layer traced ({repeated})"
+    return repeated, plan.summary()
+
+
+def _named_tensors(lm: torch.nn.Module):
+    for name, tensor in [*lm.named_parameters(remove_duplicate=False), *lm.named_buffers(remove_duplicate=False)]:
+        yield name, tensor.detach().contiguous()
 
 
 @contextlib.contextmanager

@@ -34,8 +34,11 @@ def source_line(node: torch.fx.Node) -> str | None:
 class FxToIr:
     """The state of one conversion: the IR graph being built and the FX -> IR value map."""
 
-    def __init__(self, program: torch.export.ExportedProgram, input_names: list[str], dim_names: dict):
+    def __init__(self, program: torch.export.ExportedProgram, input_names: list[str], dim_names: dict, layers=None):
         self.program = program
+        self.layers = layers  # a layer_templates.LayerPlan: tag each IR node with its layer
+        if layers is not None:
+            layers.tags.clear()
         self.graph = Graph()
         self.env: dict[torch.fx.Node, Any] = {}
         self.input_names = input_names
@@ -111,7 +114,9 @@ class FxToIr:
             if node.name in param_of:
                 target = param_of[node.name]
                 tensor = weights[target].detach()
-                self.env[node] = self.graph.add_param(_clean_param_name(target), tensor.contiguous())
+                name = _clean_param_name(target)
+                name = self.layers.param_name(name) if self.layers else name
+                self.env[node] = self.graph.add_param(name, tensor.contiguous())
             else:
                 self._add_user_input(node, user_index)
                 user_index += 1
@@ -165,7 +170,11 @@ class FxToIr:
         self.add_placeholders()
         for node in self.program.graph.nodes:
             if node.op == "call_function":
+                start = len(self.graph.nodes)
                 self.convert_node(node)
+                if self.layers is not None:
+                    layer = self.layers.layer_of(node)
+                    self.layers.tags.update((id(n), layer) for n in self.graph.nodes[start:])
             elif node.op == "output":
                 outputs = [self.value(a) for a in node.args[0]]
         self.graph.outputs = [self._rename(v, n) for v, n in zip(outputs, output_names)]

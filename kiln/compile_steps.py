@@ -159,14 +159,17 @@ class CompileSteps:
         from kiln.frontend.capture import capture_causal_lm
         from kiln.passes.pipeline import run_pipeline
 
-        options = self.options
+        options, notes = self.options, []
         with self.step("capture", "capture the forward into IR"):
             graph = capture_causal_lm(
                 self.loaded.model,
                 max_batch=options.max_batch,
                 max_seq_len=options.max_seq_len,
                 dtype=options.torch_dtype,
+                note=notes.append,
             )
+        for line in notes:  # how the decoder layers were traced (each kind once, or why not)
+            self.summary(line)
         rank_weights = [] if options.tensor_parallel > 1 else None
         with self.step("passes", "run the pass pipeline"):
             graph = run_pipeline(

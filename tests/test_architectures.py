@@ -4,9 +4,11 @@ BLOOM and MPT (ALiBi), Falcon (multi-query attention, picked out of the fused qk
 lists) and Gemma 2 (attention-logit soft-capping) have no SDPA path in transformers: they load
 with eager attention, which `fuse_attention_pattern` turns into `attention` with its `alibi`
 slopes or `softcap`. Mixtral and OLMoE route each token to its top-2 experts (`topk`), whose
-stacked weights are gathered by the chosen ids. Each tiny seeded model must give the
-interpreter's logits within 1e-4 of Hugging Face's, and on each backend greedy tokens identical
-to Hugging Face's for one prompt and for a batch of two prompts of different lengths.
+stacked weights are gathered by the chosen ids. Each tiny seeded model (3 layers; Gemma 2's 4
+alternate sliding and full) is captured from its first layer and one of each kind, the others
+copies of those (frontend/layer_templates.py). It must give the interpreter's logits within
+1e-4 of Hugging Face's, and on each backend greedy tokens identical to Hugging Face's for one
+prompt and for a batch of two prompts of different lengths.
 """
 
 from __future__ import annotations
@@ -36,17 +38,21 @@ BACKENDS = [
 ]
 ALIBI = {"bloom", "mpt"}
 MOE = {"mixtral", "olmoe"}
+CAPTURE_NOTES: dict[str, list[str]] = {}
 
 
 @pytest.fixture(scope="module")
 def compiled(tiny_model_dirs):
-    """family -> (the pipeline's stateful graph, HF model, HF's greedy tokens per batch), once."""
+    """family -> (the pipeline's stateful graph, HF model, HF's greedy tokens per batch), once.
+    The capture traces one layer of each kind and copies it (CAPTURE_NOTES says so)."""
     cache = {}
 
     def get(family):
         if family not in cache:
             model = load_model(tiny_model_dirs(family)).model
-            graph = run_pipeline(capture_causal_lm(model, OPTIONS.max_batch, OPTIONS.max_seq_len), OPTIONS)
+            notes = CAPTURE_NOTES.setdefault(family, [])
+            captured = capture_causal_lm(model, OPTIONS.max_batch, OPTIONS.max_seq_len, note=notes.append)
+            graph = run_pipeline(captured, OPTIONS)
             expected = {
                 name: [hf_greedy(model, p, NEW_TOKENS, {EOS_TOKEN_ID}) for p in batch]
                 for name, batch in BATCHES.items()
@@ -62,6 +68,11 @@ def test_ir_logits_match_hugging_face_eager(compiled, family):
     graph, model, _ = compiled(family)
     attentions = [n for n in graph.nodes if n.op == "attention"]
     assert len(attentions) == model.config.num_hidden_layers
+    traced = 3 if family == "gemma2" else 2  # the first layer, then one per kind (Gemma 2: sliding, full)
+    layers = model.config.num_hidden_layers
+    assert CAPTURE_NOTES[family] == [
+        f"capture: {traced} of {layers} decoder layers traced (the first and {traced - 1} kind(s))"
+    ]
     routers = sum(n.op == "topk" for n in graph.nodes)  # each MoE layer's softmax feeds its topk
     assert sum(n.op == "softmax" for n in graph.nodes) == routers
     if family in ALIBI:  # BLOOM's and MPT's slopes for 4 heads: 2^-2, 2^-4, 2^-6, 2^-8

@@ -55,13 +55,35 @@ def test_capture_keeps_batch_and_seq_symbolic(captured):
 
 @pytest.mark.slow
 def test_real_smollm2_ir_matches_hugging_face_logits(smollm2_dir):
-    model = load_model(smollm2_dir).model
-    graph = capture_causal_lm(model, max_batch=2, max_seq_len=64)
+    model, notes = load_model(smollm2_dir).model, []
+    graph = capture_causal_lm(model, max_batch=2, max_seq_len=64, note=notes.append)
+    assert notes == ["capture: 2 of 30 decoder layers traced (the first and 1 kind(s))"]
     torch.manual_seed(2)
     tokens = torch.randint(0, model.config.vocab_size, (2, 17))
     positions = torch.arange(17).expand(2, 17)
     logits = run_graph(graph, [tokens, positions])[0]
     assert (logits - hf_logits(model, tokens, positions)).abs().max() <= 1e-4
+
+
+def test_layers_alike_are_traced_once_and_others_on_their_own(monkeypatch):
+    """The capture traces layer 0 and the first later layer of each kind (layer_templates.py);
+    a layer whose weights differ in shape is its own kind; a setting that makes the layer's
+    index part of its math (GPT-2's inverse-index scaling), or KILN_CAPTURE_LAYERS=full, makes
+    every layer traced."""
+    from transformers import AutoModelForCausalLM
+
+    from kiln.frontend.layer_templates import SWITCH, plan_layers
+    from tiny_models import tiny_config
+
+    llama = AutoModelForCausalLM.from_config(tiny_config("llama", num_hidden_layers=5))
+    plan = plan_layers(llama)
+    assert (plan.container, plan.templates, plan.template_of) == ("model.layers", [0, 1], [0, 1, 1, 1, 1])
+    llama.model.layers[3].mlp.down_proj = torch.nn.Linear(96, 64, bias=False)
+    assert plan_layers(llama).template_of == [0, 1, 1, 3, 1]
+    gpt2 = AutoModelForCausalLM.from_config(tiny_config("gpt2", n_layer=3, scale_attn_by_inverse_layer_idx=True))
+    assert plan_layers(gpt2) == "no two decoder layers alike after the first"
+    monkeypatch.setenv(SWITCH, "full")
+    assert plan_layers(llama) == f"{SWITCH}=full"
 
 
 class UsesAnUnmappedOp(torch.nn.Module):

@@ -25,13 +25,14 @@ def tiny_llama(tiny_model_dirs):
     return load_model(tiny_model_dirs("llama")).model
 
 
-@pytest.mark.parametrize("mode", ["inline", "background"])
-def test_compile_writes_the_break_report_into_the_artifact(tiny_model_dirs, tmp_path, monkeypatch, mode):
-    """Inline, or in a child process beside the capture (what large models get on 2+ cores)."""
+@pytest.mark.parametrize(("mode", "arch"), [("inline", "llama"), ("background", "gemma3")])
+def test_compile_writes_the_break_report_into_the_artifact(tiny_model_dirs, tmp_path, monkeypatch, mode, arch):
+    """Inline, or in a child process beside the capture (what large models get on 2+ cores),
+    which checks the decoder layers the capture traces: Gemma 3's first three of its four."""
     monkeypatch.setenv("KILN_BREAK_CHECK", mode)
     lines = []
     path = kiln.compile(
-        str(tiny_model_dirs("llama")),
+        str(tiny_model_dirs(arch)),
         out=tmp_path / "m.kiln",
         backend="reference",
         max_seq_len=64,
@@ -46,6 +47,15 @@ def test_compile_writes_the_break_report_into_the_artifact(tiny_model_dirs, tmp_
     [section] = report["sections"]
     assert section["name"] == "stateless forward" and section["single_graph"] and section["graphs"] == 1
     assert "captured this as one graph" in (path / "report.md").read_text()
+    layers = [n for n in section["notes"] if n.startswith("checked with")]
+    assert layers == (
+        []
+        if mode == "inline"
+        else [
+            "checked with 3 of 4 decoder layers traced (the first and 2 kind(s)); the other layers are alike, "
+            "so timing and op counts are those of 3 layers"
+        ]
+    )
 
 
 def _norm_with_checksum(self, hidden):

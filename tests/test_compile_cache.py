@@ -81,6 +81,7 @@ def test_the_callback_receives_every_phase_of_a_compile(first):
     assert all(re.fullmatch(rf"{re.escape(e.title)}: done in \d+\.\ds", e) for e in done)  # the line's form
     assert set(COMPILED) <= set(PHASES)
     assert "graph breaks: 0 breaks found, 0 eliminated, 0 left" in events  # the summary stays a plain line
+    assert "capture: every decoder layer traced (no two decoder layers alike after the first)" in events
 
 
 def test_a_second_compile_hits_the_cache_and_generates_the_same_tokens(first, model_dir, tmp_path):
@@ -188,7 +189,7 @@ def test_compile_model_prints_a_line_per_phase_outside_a_terminal(model_dir, tmp
         f"save the artifact to {tmp_path / 'm.kiln'}",
         "store the artifact in the compile cache",
     ]
-    assert len(lines) == len(done) + 1  # and the graph-break summary
+    assert len(lines) == len(done) + 2  # and the graph-break and capture summaries
     assert not any("Warning" in line or "%|" in line for line in lines)
 
 

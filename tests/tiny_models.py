@@ -28,6 +28,9 @@ BOS_TOKEN, EOS_TOKEN = "<|im_start|>", "<|im_end|>"
 BOS_TOKEN_ID, EOS_TOKEN_ID = 1, 2
 MAX_POSITIONS = 128
 SLIDING_WINDOW = 8  # small, so that windowed attention differs from full at length 9+
+# The FAMILIES have 3 layers: the capture traces the first two (frontend/layer_templates.py) and
+# copies the second, so test_architectures.py checks the copies of every family against Hugging Face.
+FAMILY_LAYERS = 3
 
 # Ten times the usual 0.02: logits spread out (std ~1.6), so greedy argmax has no near ties, and
 # greedy generations vary instead of repeating one token (which would hide KV-cache bugs).
@@ -200,15 +203,15 @@ def tiny_config(arch: str, **overrides):
             tie_word_embeddings=False,  # tied, the sqrt(hidden)-scaled embedding makes it echo its input
         )
     elif arch == "bloom":  # ALiBi, fused qkv, layer norm on the embeddings
-        config = BloomConfig(hidden_size=64, n_layer=2, n_head=4, **tokens)
+        config = BloomConfig(hidden_size=64, n_layer=FAMILY_LAYERS, n_head=4, **tokens)
     elif arch == "mpt":  # ALiBi from a table of max_seq_len keys; above the compiled 128 (see README)
         config = MptConfig(
-            d_model=64, n_layers=2, n_heads=4, expansion_ratio=2, max_seq_len=2 * MAX_POSITIONS, **tokens
+            d_model=64, n_layers=FAMILY_LAYERS, n_heads=4, expansion_ratio=2, max_seq_len=2 * MAX_POSITIONS, **tokens
         )
     elif arch == "falcon":  # multi-query: one k/v head, picked out of the fused qkv by index lists
         config = FalconConfig(
             hidden_size=64,
-            num_hidden_layers=2,
+            num_hidden_layers=FAMILY_LAYERS,
             num_attention_heads=4,
             multi_query=True,
             new_decoder_architecture=False,
@@ -220,7 +223,7 @@ def tiny_config(arch: str, **overrides):
         )
     elif arch == "gemma2":
         config = Gemma2Config(
-            **decoder,
+            **dict(decoder, num_hidden_layers=4),  # sliding, full, sliding, full: the last is a copy
             head_dim=16,
             sliding_window=SLIDING_WINDOW,
             query_pre_attn_scalar=32,
@@ -228,9 +231,13 @@ def tiny_config(arch: str, **overrides):
             final_logit_softcapping=30.0,
         )
     elif arch == "mixtral":
-        config = MixtralConfig(**decoder, num_local_experts=4, num_experts_per_tok=2)
+        config = MixtralConfig(
+            **dict(decoder, num_hidden_layers=FAMILY_LAYERS), num_local_experts=4, num_experts_per_tok=2
+        )
     elif arch == "olmoe":  # q/k norms, 8 experts, top-2 weights not renormalized
-        config = OlmoeConfig(**dict(decoder, intermediate_size=64), num_experts=8, num_experts_per_tok=2)
+        config = OlmoeConfig(
+            **dict(decoder, intermediate_size=64, num_hidden_layers=FAMILY_LAYERS), num_experts=8, num_experts_per_tok=2
+        )
     else:
         raise ValueError(f"no tiny model for {arch!r}; choose one of {ARCHITECTURES + FAMILIES}")
     for name, value in overrides.items():
