@@ -85,8 +85,18 @@ def default_texts(extra_files: list[Path], base: list[str] | None = None) -> lis
     return texts
 
 
-def collect(llm, head: OutputHead, texts: list[str], prompts: list[str], reply_tokens: int, report=print) -> Corpus:
-    """Run the artifact over the texts and over its replies to the prompts; return the corpus."""
+def collect(
+    llm,
+    head: OutputHead,
+    texts: list[str],
+    prompts: list[str],
+    reply_tokens: int,
+    report=print,
+    partial: tuple[Path, str] | None = None,
+) -> Corpus:
+    """Run the artifact over the texts and over its replies to the prompts; return the corpus.
+    `partial` (a file and the corpus' key) keeps the replies decoded so far, group by group, so
+    an interrupted collection resumes after its last finished group."""
     tokenizer = llm.tokenizer
     if tokenizer is None:
         raise SpeculatorError(
@@ -100,7 +110,7 @@ def collect(llm, head: OutputHead, texts: list[str], prompts: list[str], reply_t
         for ids in [tokenizer.encode(text, add_special_tokens=False)]
         for i in range(0, len(ids), chunk)
     ]
-    sequences += _replies(llm, prompts, reply_tokens, report)
+    sequences += _replies(llm, prompts, reply_tokens, report, partial)
     sequences = [s for s in sequences if len(s[0]) > 1]
     ranking = frequency_ranking([s[0] for s in sequences], head.weight.shape[0])
     to_hidden = HiddenFromLogits.for_head(head, ranking)
@@ -133,23 +143,41 @@ def collect(llm, head: OutputHead, texts: list[str], prompts: list[str], reply_t
     )
 
 
-def _replies(llm, prompts: list[str], reply_tokens: int, report) -> list[tuple[list[int], int, bool]]:
+def _replies(
+    llm, prompts: list[str], reply_tokens: int, report, partial: tuple[Path, str] | None = None
+) -> list[tuple[list[int], int, bool]]:
     """(prompt + greedy reply, the prompt's last position, True) per prompt; prompts go to the
-    engine in groups of a few batches, so it decodes them side by side and progress shows."""
+    engine in groups of two batches, so it decodes them side by side and progress shows."""
     chats = [llm.tokenizer.encode_chat([{"role": "user", "content": prompt}]) for prompt in prompts]
     chats = [ids for ids in chats if len(ids) < llm.max_seq_len - 1]  # room for at least one token
-    group = max(1, llm.max_batch) * 4
-    started, sequences = time.perf_counter(), []
-    for first in range(0, len(chats), group):
+    group = max(4, 2 * llm.max_batch)
+    sequences = _decoded_so_far(partial)
+    if sequences:
+        report(f"replies: resuming after {len(sequences)}/{len(chats)} ({partial[0]})")
+    started, resumed = time.perf_counter(), len(sequences)
+    for first in range(resumed, len(chats), group):
         batch = chats[first : first + group]
         longest = max(len(ids) for ids in batch)
         tokens = max(1, min(reply_tokens, llm.max_seq_len - longest - 1))
         for ids, reply in zip(batch, llm.generate(batch, max_new_tokens=tokens)):
             sequences.append((ids + reply.token_ids, len(ids) - 1, True))
+        if partial is not None:
+            torch.save({"key": partial[1], "sequences": sequences}, partial[0])
         done = first + len(batch)
         elapsed = time.perf_counter() - started
-        report(f"replies {done}/{len(chats)}, ETA {_clock(elapsed / done * (len(chats) - done))}")
+        report(f"replies {done}/{len(chats)}, ETA {_clock(elapsed / (done - resumed) * (len(chats) - done))}")
     return sequences
+
+
+def _decoded_so_far(partial: tuple[Path, str] | None) -> list:
+    """The replies an interrupted collection with the same key had decoded (none if another)."""
+    if partial is None or not partial[0].is_file():
+        return []
+    try:
+        saved = torch.load(partial[0], weights_only=True)
+    except Exception:  # noqa: BLE001 - an unreadable file: decode again
+        return []
+    return [tuple(s) for s in saved["sequences"]] if saved.get("key") == partial[1] else []
 
 
 def frequency_ranking(sequences: list[list[int]], vocab: int) -> torch.Tensor:
