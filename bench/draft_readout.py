@@ -89,6 +89,10 @@ def main(argv=None) -> int:
             for vocab in (4096, 2048)
             for top_k, nodes in ((2, 6), (3, 8), (4, 8), (4, 12), (6, 16))
         ]
+        settings += [
+            DraftSettings(vocab=2048, int8=True, tree_top_k=3, tree_nodes=8, tree_min_probability=floor)
+            for floor in (0.05, 0.15)
+        ]
     lines = [
         "| draft vocabulary | weights | draft | tokens accepted per draft | nodes per draft | draft ms |",
         "| ---: | --- | --- | ---: | ---: | ---: |",
@@ -97,6 +101,7 @@ def main(argv=None) -> int:
         drafter = HeadsDrafter.from_artifact(artifact, llm.manifest, llm.graph, args.kind, setting)
         accepted, nodes, ms = score(drafter, corpus, positions, stages)
         shape = f"tree top-{setting.tree_top_k}, {setting.tree_nodes} nodes" if setting.tree_nodes else "chain"
+        shape += f", p >= {setting.tree_min_probability}" if setting.tree_nodes and setting.tree_min_probability else ""
         line = (
             f"| {len(drafter.heads.vocab_ids)} | {'int8' if setting.int8 else 'fp32'} | {shape} | "
             f"{accepted:.3f} | {nodes:.1f} | {ms:.2f} |"

@@ -157,7 +157,20 @@ class TimedDrafter:
 HEADS_SETTINGS = {
     "int8 2048 (engine chain)": {"vocab": 2048, "int8": True, "tree_nodes": 0, "alternatives": 0},
     "int8 2048 (tree top-3, 8 nodes)": {"vocab": 2048, "int8": True, "tree_top_k": 3, "tree_nodes": 8},
-    "int8 2048 (tree top-4, 12 nodes)": {"vocab": 2048, "int8": True, "tree_top_k": 4, "tree_nodes": 12},
+    "int8 2048 (tree top-3, 8 nodes, p >= 0.05)": {
+        "vocab": 2048,
+        "int8": True,
+        "tree_top_k": 3,
+        "tree_nodes": 8,
+        "tree_min_probability": 0.05,
+    },
+    "int8 2048 (tree top-3, 8 nodes, p >= 0.15)": {
+        "vocab": 2048,
+        "int8": True,
+        "tree_top_k": 3,
+        "tree_nodes": 8,
+        "tree_min_probability": 0.15,
+    },
 }
 
 

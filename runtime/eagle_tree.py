@@ -12,6 +12,8 @@ first, so the tree's first path is the draft's greedy chain.
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch.nn import functional as F
 
@@ -19,8 +21,12 @@ from kiln.runtime.draft_tree import DraftTree
 
 
 @torch.inference_mode()
-def grow_tree(heads, hidden: torch.Tensor, token: int, depth: int, top_k: int, max_nodes: int) -> DraftTree:
-    """The draft tree after `token` from the target's state `hidden` [hidden] (EagleHeads)."""
+def grow_tree(
+    heads, hidden: torch.Tensor, token: int, depth: int, top_k: int, max_nodes: int, min_probability: float = 0.0
+) -> DraftTree:
+    """The draft tree after `token` from the target's state `hidden` [hidden] (EagleHeads),
+    without nodes whose path the draft gives less than `min_probability` (each node verified
+    costs part of a target step; an unlikely one seldom pays it back)."""
     top_k = max(1, min(top_k, len(heads.vocab_ids)))
     states, feed, cache = hidden[None], torch.tensor([token]), []
     path_scores, rows_node = torch.zeros(1), [-1]  # log-probability of each row's path, its node
@@ -43,13 +49,17 @@ def grow_tree(heads, hidden: torch.Tensor, token: int, depth: int, top_k: int, m
         feed = heads.vocab_ids[best.indices.flatten()[expand]]
         path_scores = candidates[expand]
         rows_node = [first_node + position for position in range(len(expand))]
-    return _likeliest(tokens, parents, scores, max_nodes)
+    floor = math.log(min_probability) if min_probability > 0 else -math.inf
+    return _likeliest(tokens, parents, scores, max_nodes, floor)
 
 
-def _likeliest(tokens: list[int], parents: list[int], scores: list[float], max_nodes: int) -> DraftTree:
-    """The `max_nodes` likeliest nodes with all their ancestors, in their original order."""
+def _likeliest(tokens: list[int], parents: list[int], scores: list[float], max_nodes: int, floor: float) -> DraftTree:
+    """The `max_nodes` likeliest nodes scoring at least `floor`, with all their ancestors, in
+    their original order."""
     kept: set[int] = set()
     for node in sorted(range(len(tokens)), key=lambda i: (-scores[i], i)):
+        if scores[node] < floor:
+            break
         chain = []
         while node >= 0 and node not in kept:
             chain.append(node)

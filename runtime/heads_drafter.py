@@ -29,8 +29,9 @@ from kiln.runtime.speculator_heads import DraftHeads, load_heads
 class DraftSettings:
     vocab: int | None = 2048  # the draft vocabulary's most frequent tokens kept (None: all it was trained on)
     int8: bool = True  # int8 weights (Int8Linear) in the readouts and the stage matrices
-    tree_top_k: int = 4  # eagle: nodes expanded per level, and children proposed per node
+    tree_top_k: int = 3  # eagle: nodes expanded per level, and children proposed per node
     tree_nodes: int = 8  # eagle: the tree's size (0: the greedy chain with stage 0's runners-up)
+    tree_min_probability: float = 0.0  # eagle: nodes whose path the draft finds less likely are dropped
     min_confidence: float = 0.0
     alternatives: int = 2  # stage 0's runners-up beside a chain
 
@@ -75,7 +76,15 @@ class HeadsDrafter:
             if self.heads.kind == "eagle" and settings.tree_nodes > 0:
                 from kiln.runtime.eagle_tree import grow_tree
 
-                return grow_tree(self.heads, self.hidden, token, max_tokens, settings.tree_top_k, settings.tree_nodes)
+                return grow_tree(
+                    self.heads,
+                    self.hidden,
+                    token,
+                    max_tokens,
+                    settings.tree_top_k,
+                    settings.tree_nodes,
+                    settings.tree_min_probability,
+                )
             return self.heads.draft_tree(self.hidden, token, max_tokens, settings.alternatives, settings.min_confidence)
 
     def feedback(self, drafted: int, accepted: int) -> None:
