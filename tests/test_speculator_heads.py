@@ -340,3 +340,23 @@ def test_compacted_heads_keep_the_most_frequent_tokens_and_int8_logits_near_fp32
     with torch.no_grad():
         for want, got in zip(exact(hidden, tokens), cheap(hidden, tokens)):
             assert (got - want[:, :100]).abs().max() < 0.05 * want.abs().max()
+
+
+def test_an_interrupted_collection_resumes_after_its_last_group_of_replies(artifact, tmp_path):
+    from kiln import speculator_data as data
+
+    llm = kiln.load(artifact[0])
+    prompts = [*PROMPTS, "Name a color.", "Say hello."]  # two groups of four on a max_batch 1 artifact
+    partial = (tmp_path / "replies.partial.pt", "key")
+
+    def stop_after_the_first_group(line):
+        if line.startswith("replies 4/"):
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        data._replies(llm, prompts, 4, stop_after_the_first_group, partial)
+    lines = []
+    replies = data._replies(llm, prompts, 4, lines.append, partial)
+    assert lines[0].startswith("replies: resuming after 4/6") and lines[-1].startswith("replies 6/6")
+    assert len(replies) == 6 and all(reply for _, _, reply in replies)
+    assert data._replies(llm, prompts, 4, lines.append, (partial[0], "another key")) == replies  # decoded again
