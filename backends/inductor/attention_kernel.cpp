@@ -66,6 +66,7 @@ void kiln_attend_queries(const KilnKvHead* head, const KilnQuery* queries, int64
 
 #ifdef KILN_ATTENTION_KERNELS
 #include <immintrin.h>
+#include <algorithm>
 #include <cmath>
 
 namespace {
@@ -229,6 +230,17 @@ float visible_softmax(float* scores, int64_t lo, int64_t hi, const bool* seen, i
 
 constexpr int64_t kSlotBlock = 64;  // slots per block: 16 KiB of f32 keys at head dim 64, an L1's share
 
+// Asks for a block of rows (keys or values) before it is read: a kv head's slots are short streams
+// (SmolLM2 at position 280: 70 KiB of keys, then as many values, per row and kv head) that the
+// hardware prefetchers, stopping at each 4 KiB page, would follow only after a miss per page.
+// Fetching the next block while this one is scored keeps a batched step's attention streaming.
+inline void prefetch_slots(const KilnKvHead& head, const void* rows, int64_t first, int64_t n) {
+  if (n <= 0) return;
+  const int64_t row_bytes = head.k_scales ? head.D : head.D * (int64_t)sizeof(float);
+  const char* start = static_cast<const char*>(rows) + first * row_bytes;
+  for (int64_t offset = 0; offset < n * row_bytes; offset += 64) _mm_prefetch(start + offset, _MM_HINT_T0);
+}
+
 // scores[0:n] of the query against slots first..first+n-1 of the head.
 void score_slots(const KilnKvHead& head, const float* q, int64_t first, int64_t n, float* scores) {
   const int64_t D = head.D;
@@ -343,8 +355,11 @@ extern "C" void kiln_attend_queries(const KilnKvHead* head, const KilnQuery* que
     first = queries[i].lo < first ? queries[i].lo : first;
     last = queries[i].hi > last ? queries[i].hi : last;
   }
+  if (last >= first) prefetch_slots(*head, head->k, first, std::min(kSlotBlock, last - first + 1));
   for (int64_t start = first; start <= last; start += kSlotBlock) {
     const int64_t end = start + kSlotBlock - 1 < last ? start + kSlotBlock - 1 : last;
+    if (end < last) prefetch_slots(*head, head->k, end + 1, std::min(kSlotBlock, last - end));
+    else prefetch_slots(*head, head->v, first, std::min(kSlotBlock, last - first + 1));  // the values' first block
     for (int64_t i = 0; i < count; i++) {
       const KilnQuery& query = queries[i];
       const int64_t s0 = start > query.lo ? start : query.lo, s1 = end < query.hi ? end : query.hi;
@@ -381,6 +396,7 @@ extern "C" void kiln_attend_queries(const KilnKvHead* head, const KilnQuery* que
   }
   for (int64_t start = first; start <= last; start += kSlotBlock) {
     const int64_t end = start + kSlotBlock - 1 < last ? start + kSlotBlock - 1 : last;
+    if (end < last) prefetch_slots(*head, head->v, end + 1, std::min(kSlotBlock, last - end));
     for (int64_t i = 0; i < count; i++) {
       const KilnQuery& query = queries[i];
       const int64_t s0 = start > query.lo ? start : query.lo, s1 = end < query.hi ? end : query.hi;
