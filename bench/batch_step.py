@@ -6,9 +6,10 @@
 Every row's cache is filled to the position first (one prompt call per row), then each cell is
 the median of `--repeats` decode calls over rows [0, B) at that position, as the engine's decode
 step makes with B requests in flight, with the ratio to B = 1 at the same position. A profiled
-pass of three calls splits the step into Kiln's linears (`kiln::linear_f32` / `linear_i8` and
-the quantized ops), its attention (`kiln::cached_attention`) and the rest (Inductor's own
-kernels, the wrapper), per call. The CPU time other processes took is recorded per row (`*`:
+pass of as many calls splits the step into Kiln's linears (`kiln::linear_f32` / `linear_i8` and
+the quantized ops) and its attention (`kiln::cached_attention`), their mean per call, and the
+rest of the median (Inductor's own kernels, the wrapper; negative where the profiled pass ran
+slower). The CPU time other processes took is recorded per row (`*`:
 more than a quarter core). Writes bench/results/batch_step[-SUFFIX].md.
 """
 
@@ -42,22 +43,21 @@ def decode_call(executable, rows: int, position: int):
     return lambda: executable.run(tokens, torch.full((rows, 1), position, dtype=torch.int64))
 
 
-def split(call) -> dict:
-    """ms per call of the linears, the attention and the rest, from a profiled pass of three calls."""
+def split(call, repeats: int, total_ms: float) -> dict:
+    """ms per call of the linears and the attention (their mean over a profiled pass of `repeats`
+    calls), and the rest of the unprofiled median `total_ms`."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        start = time.perf_counter()
-        for _ in range(3):
+        for _ in range(repeats):
             call()
-        total = (time.perf_counter() - start) / 3
     parts = {"linears": 0.0, "attention": 0.0}
     for event in prof.key_averages():
         if event.key.startswith("kiln::linear") or event.key.startswith("kiln::q"):
-            parts["linears"] += event.self_cpu_time_total / 3e3
+            parts["linears"] += event.self_cpu_time_total / 1e3 / repeats
         elif event.key == "kiln::cached_attention":
-            parts["attention"] += event.self_cpu_time_total / 3e3
-    parts["rest"] = max(0.0, 1e3 * total - parts["linears"] - parts["attention"])
+            parts["attention"] += event.self_cpu_time_total / 1e3 / repeats
+    parts["rest"] = total_ms - parts["linears"] - parts["attention"]
     return parts
 
 
@@ -73,7 +73,8 @@ def measure(executable, rows: list[int], position: int, repeats: int) -> list[di
                 start = time.perf_counter()
                 call()
                 times.append(time.perf_counter() - start)
-        out.append({"rows": count, "ms": 1e3 * statistics.median(times), "meter": meter.result, **split(call)})
+        total = 1e3 * statistics.median(times)
+        out.append({"rows": count, "ms": total, "meter": meter.result, **split(call, repeats, total)})
     return out
 
 
