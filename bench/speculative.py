@@ -157,19 +157,19 @@ class TimedDrafter:
 HEADS_SETTINGS = {
     "int8 2048 (engine chain)": {"vocab": 2048, "int8": True, "tree_nodes": 0, "alternatives": 0},
     "int8 2048 (tree top-3, 8 nodes)": {"vocab": 2048, "int8": True, "tree_top_k": 3, "tree_nodes": 8},
-    "int8 2048 (tree top-3, 8 nodes, p >= 0.05)": {
+    "int8 2048 (tree top-3, 8 nodes, rests below 0.5 accepted)": {
         "vocab": 2048,
         "int8": True,
         "tree_top_k": 3,
         "tree_nodes": 8,
-        "tree_min_probability": 0.05,
+        "pause_below": 0.5,
     },
-    "int8 2048 (tree top-3, 8 nodes, p >= 0.15)": {
+    "int8 2048 (engine chain, rests below 0.5 accepted)": {
         "vocab": 2048,
         "int8": True,
-        "tree_top_k": 3,
-        "tree_nodes": 8,
-        "tree_min_probability": 0.15,
+        "tree_nodes": 0,
+        "alternatives": 0,
+        "pause_below": 0.5,
     },
 }
 

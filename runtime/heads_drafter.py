@@ -34,6 +34,10 @@ class DraftSettings:
     tree_min_probability: float = 0.0  # eagle: nodes whose path the draft finds less likely are dropped
     min_confidence: float = 0.0
     alternatives: int = 2  # stage 0's runners-up beside a chain
+    # below this many tokens accepted per draft (a running average), drafting loses to plain
+    # decoding: the drafter rests for `rest_steps` target steps, then tries again (0: never rests)
+    pause_below: float = 0.5
+    rest_steps: int = 8
 
 
 DEFAULT_SETTINGS = DraftSettings()
@@ -43,6 +47,8 @@ class HeadsDrafter:
     def __init__(self, heads: DraftHeads, to_hidden: HiddenFromLogits, settings: DraftSettings = DEFAULT_SETTINGS):
         self.heads, self.to_hidden, self.settings = heads, to_hidden, settings
         self.hidden: torch.Tensor | None = None
+        self.logits: torch.Tensor | None = None  # solved into `hidden` when a draft needs it
+        self.accepted_average, self.resting = 1.0, 0
 
     @classmethod
     def from_artifact(
@@ -61,18 +67,23 @@ class HeadsDrafter:
         return HeadsDrafter(self.heads, self.to_hidden, self.settings)
 
     def observe(self, logits: torch.Tensor) -> None:
-        """The raw logits [vocab] that chose the newest token."""
-        with _one_thread():
-            self.hidden = self.to_hidden(logits.detach())
+        """The raw logits [vocab] that chose the newest token (solved into the hidden state only
+        when a draft is made: a resting drafter skips that product)."""
+        self.logits, self.hidden = logits.detach(), None
 
     def propose(self, context: Sequence[int], max_tokens: int) -> DraftTree:
         """Eagle heads' grown tree (`grow_tree`), or the heads' greedy chain after the newest
         token with runners-up for its first token (`DraftHeads.draft_tree`); a caller that
         verifies chains takes the tree's first path, the greedy chain."""
-        if self.hidden is None or max_tokens < 1:
+        if self.resting > 0:
+            self.resting -= 1
+            return DraftTree.chain([])
+        if (self.hidden is None and self.logits is None) or max_tokens < 1:
             return DraftTree.chain([])
         settings, token = self.settings, int(context[-1])
         with _one_thread():
+            if self.hidden is None:
+                self.hidden = self.to_hidden(self.logits)
             if self.heads.kind == "eagle" and settings.tree_nodes > 0:
                 from kiln.runtime.eagle_tree import grow_tree
 
@@ -88,7 +99,13 @@ class HeadsDrafter:
             return self.heads.draft_tree(self.hidden, token, max_tokens, settings.alternatives, settings.min_confidence)
 
     def feedback(self, drafted: int, accepted: int) -> None:
-        pass  # the next observe() carries everything the heads need
+        """The next observe() carries what the heads need; this keeps the running average of
+        tokens accepted per draft, and rests the drafter while it is below `pause_below`."""
+        if drafted == 0:
+            return
+        self.accepted_average = 0.7 * self.accepted_average + 0.3 * accepted
+        if self.accepted_average < self.settings.pause_below:
+            self.resting = self.settings.rest_steps
 
 
 @contextmanager
