@@ -127,7 +127,12 @@ class TimedDrafter:
 
     @classmethod
     def heads(cls, llm, kind: str) -> TimedDrafter:
-        return cls(llm.heads.drafter(kind))
+        """The stored heads as trained (fp32, their whole draft vocabulary), drafting chains."""
+        from kiln.runtime.heads_drafter import DraftSettings, HeadsDrafter
+
+        as_trained = DraftSettings(vocab=None, int8=False, tree_nodes=0, alternatives=0, pause_below=0.0)
+        stored = llm.heads
+        return cls(HeadsDrafter.from_artifact(stored.directory, stored.manifest, stored.graph, kind, as_trained))
 
     def _timed(self, method, *args):
         start = time.perf_counter()
@@ -155,20 +160,19 @@ class TimedDrafter:
 
 # heads drafting in the engine (kiln.runtime.heads_drafter.DraftSettings), beside the heads' fp32 chain alone
 HEADS_SETTINGS = {
-    "int8 2048 (engine chain)": {"vocab": 2048, "int8": True, "tree_nodes": 0, "alternatives": 0},
-    "int8 2048 (tree top-3, 8 nodes)": {"vocab": 2048, "int8": True, "tree_top_k": 3, "tree_nodes": 8},
-    "int8 2048 (tree top-3, 8 nodes, rests below 0.5 accepted)": {
-        "vocab": 2048,
-        "int8": True,
-        "tree_top_k": 3,
-        "tree_nodes": 8,
-        "pause_below": 0.5,
-    },
+    "int8 2048 (engine chain)": {"vocab": 2048, "int8": True, "tree_nodes": 0, "alternatives": 0, "pause_below": 0.0},
+    "int8 2048 (tree top-3, 8 nodes)": {"vocab": 2048, "int8": True, "tree_nodes": 8, "pause_below": 0.0},
     "int8 2048 (engine chain, rests below 0.5 accepted)": {
         "vocab": 2048,
         "int8": True,
         "tree_nodes": 0,
         "alternatives": 0,
+        "pause_below": 0.5,
+    },
+    "int8 2048 (tree top-3, 8 nodes, rests below 0.5 accepted: the default)": {
+        "vocab": 2048,
+        "int8": True,
+        "tree_nodes": 8,
         "pause_below": 0.5,
     },
 }
