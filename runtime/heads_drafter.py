@@ -8,7 +8,9 @@ the drafter did not see grow, it proposes nothing (the target decodes alone).
 
 The stored heads are made cheaper to draft with once, at load (`DraftSettings`): a smaller draft
 vocabulary (its most frequent tokens) and int8 weights, chosen by
-bench/draft_readout.py's measurement of draft time against acceptance.
+bench/draft_readout.py's measurement of draft time against acceptance. A drafter whose drafts
+lose (fewer tokens accepted per draft than pay for the draft and the wider verifying step) rests
+for a few target steps at a time, so speculation costs little where the heads guess badly.
 """
 
 from __future__ import annotations
