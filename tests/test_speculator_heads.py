@@ -360,3 +360,20 @@ def test_an_interrupted_collection_resumes_after_its_last_group_of_replies(artif
     assert lines[0].startswith("replies: resuming after 4/6") and lines[-1].startswith("replies 6/6")
     assert len(replies) == 6 and all(reply for _, _, reply in replies)
     assert data._replies(llm, prompts, 4, lines.append, (partial[0], "another key")) == replies  # decoded again
+
+
+def test_a_losing_heads_drafter_rests_then_tries_again():
+    from types import SimpleNamespace
+
+    from kiln.runtime.draft_tree import DraftTree
+    from kiln.runtime.heads_drafter import DraftSettings, HeadsDrafter
+
+    heads = SimpleNamespace(kind="mlp", draft_tree=lambda *args: DraftTree.chain([5, 6, 7]))
+    drafter = HeadsDrafter(heads, lambda logits: logits, DraftSettings(pause_below=0.5, rest_steps=3))
+    drafter.observe(torch.zeros(4))
+    assert len(drafter.propose([1], 3)) == 3
+    drafter.feedback(3, 2)  # a good draft: the running average stays high
+    assert len(drafter.propose([1], 3)) == 3
+    for _ in range(4):
+        drafter.feedback(3, 0)
+    assert [len(drafter.propose([1], 3)) for _ in range(4)] == [0, 0, 0, 3]
