@@ -93,14 +93,18 @@ print(json.dumps([[k.domain, k.op_name, list(k.version_range), {n: list(t) for n
 """
 
 
+_CPU_BUILD = {"CPUExecutionProvider", "AzureExecutionProvider"}  # the onnxruntime wheel's providers
+
+
 @functools.cache
 def _kernels(provider: str) -> dict[tuple[str, str], list[KernelDef]] | None:
     """(domain, op) -> the provider's kernels; None when the registry cannot be read.
 
     onnxruntime-gpu's `get_all_opkernel_def` crashes the process (segfault, whichever provider is
     asked for; seen with 1.31.1 on an H100 machine), so a build with more than the CPU provider
-    reads the registry in a child process, where a crash costs only the check."""
-    if ort.get_available_providers() == ["CPUExecutionProvider"]:
+    reads the registry in a child process, where a crash costs only the check. The CPU wheel
+    (with its Azure provider) reads it here: a child costs a Python start and an ORT import."""
+    if set(ort.get_available_providers()) <= _CPU_BUILD:
         listed = [
             (k.domain, k.op_name, k.version_range, k.type_constraints)
             for k in ort_state.get_all_opkernel_def()
