@@ -80,7 +80,10 @@ def _attention_to_written_keys(ctx, q, k, v, mask, tree, scale, attrs):
         if attrs["alibi"]:
             query_pos = (Tensor.arange(seq) + start).reshape(1, 1, seq, 1)
             row_mask = _with_alibi(row_mask, attrs["alibi"], Tensor.arange(length) - query_pos, q.dtype)
-        out = grouped_attention(q[b : b + 1], keys, values, hidden, row_mask, scale, attrs["softcap"])
+        if row_mask is None and tree is None:
+            out = keys_major_attention(q[b : b + 1], keys, values, hidden, scale, attrs["softcap"])
+        else:
+            out = grouped_attention(q[b : b + 1], keys, values, hidden, row_mask, scale, attrs["softcap"])
         if tree is not None:  # a tree may hide every key from a query: it gets zeros, not NaN
             out = (~hidden).any(axis=-1, keepdim=True).where(out, 0.0)
         rows.append(out)
@@ -158,6 +161,35 @@ def grouped_attention(
         scores = _grouped(hidden, kv_heads, groups).where(float("-inf"), scores)
     out = scores.softmax(-1) @ v.unsqueeze(2)
     return out.reshape(batch, q_heads, seq, v.shape[-1])
+
+
+def keys_major_attention(
+    q: Tensor, k: Tensor, v: Tensor, hidden: Tensor | None, scale: float, softcap: float
+) -> Tensor:
+    """grouped_attention over a cache's first keys (a symbolic count), laid out keys-major.
+
+    q [batch, q_heads, seq, d]; k, v [batch, kv_heads, keys, d]; hidden [seq, keys] or None.
+    Every intermediate is [batch, seq, keys, kv_heads, groups]: the symbolic key count is never
+    an inner dimension, so each index is a constant-stride sum (a symbolic row length made
+    tinygrad divide and take remainders per element), and the heads, the constant axes,
+    are what kernel_opts.key_length_opts upcasts. The products and sums are written out as
+    multiply-and-reduce (not matmul, whose reshapes merge the symbolic axis with the heads).
+    """
+    batch, q_heads, seq, head_dim = q.shape
+    kv_heads, keys = k.shape[1], k.shape[2]
+    groups = q_heads // kv_heads
+    qg = q.reshape(batch, kv_heads, groups, seq, head_dim).permute(0, 3, 1, 2, 4)
+    qg = qg.reshape(batch, seq, 1, kv_heads, groups, head_dim).contiguous()
+    k_rows = k.permute(0, 2, 1, 3).reshape(batch, 1, keys, kv_heads, 1, head_dim)
+    scores = (qg * k_rows).sum(-1) * scale  # [batch, seq, keys, kv_heads, groups]
+    if softcap:
+        scores = (scores / softcap).tanh() * softcap
+    if hidden is not None:
+        scores = hidden.reshape(1, seq, keys, 1, 1).where(float("-inf"), scores)
+    weights = scores.softmax(2)
+    v_rows = v.permute(0, 2, 1, 3).reshape(batch, 1, keys, kv_heads, 1, head_dim)
+    out = (weights.unsqueeze(-1) * v_rows).sum(2)  # [batch, seq, kv_heads, groups, d]
+    return out.reshape(batch, seq, q_heads, head_dim).permute(0, 2, 1, 3)
 
 
 def _with_alibi(mask: Tensor | None, slopes, distance: Tensor, dtype) -> Tensor:

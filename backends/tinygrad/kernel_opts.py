@@ -161,6 +161,66 @@ def interleaved_product_opts(k):
     return k
 
 
+def key_length_opts(k):
+    """k with fixed optimizations for a kernel over a symbolic key length (cache_attention.py's
+    keys-major attention), or None for any other kernel.
+
+    tinygrad's heuristic upcasts nothing there (it cannot prove the sizes it checks), so every
+    output is one scalar chain of dependent adds. Here the constant output axes are upcast
+    instead: the head axes of the scores (each key's 64-long dot products for every head in
+    flight together), a 16-wide run of the head dimension and the query heads sharing a KV head
+    for the weighted values (the key axis the reduction), their blocks split over the threads."""
+    from tinygrad.helpers import NUM_CPU_THREADS
+    from tinygrad.uop.ops import AxisType, Ops
+
+    if k.reduceop is None or k.reduceop.arg[0] not in (Ops.ADD, Ops.MAX):
+        return None
+    if all(isinstance(d, int) for d in k.full_shape):
+        return None
+    outputs = [i for i in k.axes_of(AxisType.GLOBAL, AxisType.LOCAL, AxisType.WEAK) if isinstance(k.full_shape[i], int)]
+    if not outputs:
+        return None
+    ids = [k.rngs[i].arg[0] for i in outputs]
+    lane = _unit_stride_axis(k, outputs)
+    k = k.copy()
+    try:
+        upcast = 1
+        if lane is not None and k.full_shape[lane] % LANES == 0:
+            k.apply_opt(Opt(OptOps.UPCAST, lane, LANES))
+            upcast = LANES
+        for range_id in ids:
+            axis = _axis_of(k, range_id)
+            if k.axis_types[axis] is AxisType.UPCAST:
+                continue
+            size = k.full_shape[axis]
+            amount = next((a for a in (16, 9, 8, 6, 4, 3, 2) if size % a == 0 and upcast * a <= 48), 1)
+            if amount > 1:
+                k.apply_opt(Opt(OptOps.UPCAST, axis, amount))
+                upcast *= amount
+        if k.unrollable_dims and all(isinstance(k.full_shape[a], int) for a in k.unrollable_dims):
+            axis = k.unrollable_dims[-1]
+            if k.full_shape[axis] % 4 == 0:
+                k.apply_opt(Opt(OptOps.UNROLL, len(k.unrollable_dims) - 1, 4))
+        threads = NUM_CPU_THREADS.value
+        for axis in k.axes_of(AxisType.GLOBAL, AxisType.WEAK):
+            if threads > 1 and isinstance(k.full_shape[axis], int) and k.full_shape[axis] % threads == 0:
+                k.apply_opt(Opt(OptOps.THREAD, axis, threads))
+                break
+    except KernelOptError:
+        return None
+    return k
+
+
+def _unit_stride_axis(k, axes: list[int]) -> int | None:
+    """The first of `axes` read at stride 1 by some buffer (a vector's lanes), or None."""
+    for buf in k.bufs:
+        strides = _index_strides(buf)
+        for axis in axes:
+            if strides.get(k.rngs[axis]) == 1:
+                return axis
+    return None
+
+
 def prefill_row_tile() -> int:
     """Tokens per register tile of a prefill product: 8 with 512-bit vectors (wide_loads.py), else 4."""
     from .wide_loads import has_avx512
@@ -176,7 +236,7 @@ def _apply_opts(ast, ren, beam: int = 0):
 
     k = Scheduler(ast, ren)
     k.convert_loop_to_global()
-    chosen = interleaved_product_opts(k) or packed_product_opts(k)
+    chosen = interleaved_product_opts(k) or packed_product_opts(k) or key_length_opts(k)
     if chosen is None:
         return original(ast, ren, beam)
     return chosen.get_optimized_ast(
