@@ -54,6 +54,7 @@ class CompileSteps:
         self.checkpoint_dir: Path | None = None
         self.weight_bytes: int | None = None  # the checkpoint's size, which phase estimates scale with
         self.loaded = None
+        self.early_check = None  # the graph-break check's child, when started before the load
         directory = cache_dir()
         # IR dumps are written while compiling, so a compile asked for them is never a cache hit
         self.cache = CompileCache(directory) if cache and directory is not None and options.dump_ir is None else None
@@ -105,11 +106,27 @@ class CompileSteps:
 
         if self.checkpoint_dir is None:
             self.locate()
-        with self.step("load", f"load {self.model}"), _quiet_loading():
-            self.loaded = load_model(self.checkpoint_dir)
-        check_memory(self.loaded.model.config, self.options)
-        check_reward_options(self.loaded.model, self.options)
+        self.early_check = self.start_break_check_early()
+        try:
+            with self.step("load", f"load {self.model}"), _quiet_loading():
+                self.loaded = load_model(self.checkpoint_dir)
+            check_memory(self.loaded.model.config, self.options)
+            check_reward_options(self.loaded.model, self.options)
+        except BaseException:
+            if self.early_check is not None:
+                self.early_check.cancel()
+            raise
         return self.loaded
+
+    def start_break_check_early(self):
+        """The graph-break check's child started before the load (sized by the checkpoint's
+        safetensors files), so its own start and load overlap the parent's; None where the child
+        starts later or not at all (a calibrated compile runs steps between load and build)."""
+        from kiln.frontend.breaks.background_check import start_if_worthwhile
+
+        if self.options.needs_calibration or not self.weight_bytes:
+            return None
+        return start_if_worthwhile(self.checkpoint_dir, self.weight_bytes, str(self.model))
 
     def calibration_tokens(self):
         """(token rows, where they came from) for a data-aware scheme; (None, None) otherwise."""
@@ -127,7 +144,7 @@ class CompileSteps:
 
         model = self.loaded.model
         param_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-        background = start_if_worthwhile(self.loaded.checkpoint_dir, param_bytes, str(self.model))
+        background = self.early_check or start_if_worthwhile(self.loaded.checkpoint_dir, param_bytes, str(self.model))
         if background is None:
             breaks = self.check_breaks()
             self.summary(f"graph breaks: {breaks.summary_line()}")
