@@ -22,6 +22,8 @@ lanes x16, two blocks at once and a group's words unrolled (each word unpacked i
 blocks split over the threads from 16k words on (every SmolLM2 product; with the Python pool the
 handoff had cost more than such a product takes, cpu_graph.py's native threads take it in about
 a microsecond).
+Kernels over a symbolic key length (cache_attention.py's keys-major attention) get their constant
+axes upcast and split over the threads (`key_length_opts`).
 """
 
 from __future__ import annotations
