@@ -161,7 +161,7 @@ class TimedDrafter:
 # heads drafting in the engine (kiln.runtime.heads_drafter.DraftSettings), beside the heads' fp32 chain alone
 HEADS_SETTINGS = {
     "int8 2048 (engine chain)": {"vocab": 2048, "int8": True, "tree_nodes": 0, "alternatives": 0, "pause_below": 0.0},
-    "int8 2048 (tree top-3, 8 nodes)": {"vocab": 2048, "int8": True, "tree_nodes": 8, "pause_below": 0.0},
+    "int8 2048 (tree top-3, 8 nodes: the default)": {"vocab": 2048, "int8": True, "tree_nodes": 8, "pause_below": 0.0},
     "int8 2048 (engine chain, rests below 0.5 accepted)": {
         "vocab": 2048,
         "int8": True,
@@ -169,7 +169,7 @@ HEADS_SETTINGS = {
         "alternatives": 0,
         "pause_below": 0.5,
     },
-    "int8 2048 (tree top-3, 8 nodes, rests below 0.5 accepted: the default)": {
+    "int8 2048 (tree top-3, 8 nodes, rests below 0.5 accepted)": {
         "vocab": 2048,
         "int8": True,
         "tree_nodes": 8,

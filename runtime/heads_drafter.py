@@ -38,7 +38,7 @@ class DraftSettings:
     alternatives: int = 2  # stage 0's runners-up beside a chain
     # below this many tokens accepted per draft (a running average), drafting loses to plain
     # decoding: the drafter rests for `rest_steps` target steps, then tries again (0: never rests)
-    pause_below: float = 0.5
+    pause_below: float = 0.0
     rest_steps: int = 8
 
 
