@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from kiln.runtime.draft_tree import DraftTree
+from kiln.runtime.eagle_tree import grow_tree
 from kiln.runtime.last_hidden import HiddenFromLogits, output_head
 from kiln.runtime.speculator_heads import DraftHeads, load_heads
 
@@ -87,8 +88,6 @@ class HeadsDrafter:
             if self.hidden is None:
                 self.hidden = self.to_hidden(self.logits)
             if self.heads.kind == "eagle" and settings.tree_nodes > 0:
-                from kiln.runtime.eagle_tree import grow_tree
-
                 return grow_tree(
                     self.heads,
                     self.hidden,
