@@ -71,6 +71,22 @@ def test_queries_of_a_group_across_slot_blocks_match_the_irs_attention(int8, win
     torch.testing.assert_close(actual, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_rows_at_far_apart_positions_get_their_bits_alone():
+    """A batched decode's rows sit at different positions, and the threads split the rows by the
+    slots they read: each row's output equals its output alone, bit for bit, and the reference."""
+    generator = torch.Generator().manual_seed(5)
+    batch, heads, kv_heads, head_dim, slots = 8, 9, 3, 64, 300
+    q = torch.randn(batch, heads, 1, head_dim, generator=generator)
+    k, v = (torch.randn(batch, kv_heads, slots, head_dim, generator=generator) for _ in range(2))
+    positions = torch.tensor([[3], [290], [10], [7], [250], [0], [140], [299]])
+    together = cached_attention(q, k, v, positions)
+    for row in range(batch):
+        alone = cached_attention(q[row : row + 1], k[row : row + 1], v[row : row + 1], positions[row : row + 1])
+        assert torch.equal(together[row], alone[0]), row
+    expected = attention_reference(q, k, v, None, positions, None, scale=None, causal=False, window=0, softcap=0.0)
+    torch.testing.assert_close(together, expected, atol=1e-5, rtol=1e-5)
+
+
 def test_slots_past_the_position_are_never_read():
     """NaN in the slots a query cannot see (stale rows of the buffer) stays out of the output."""
     q = torch.randn(1, 4, 2, 16)

@@ -465,6 +465,37 @@ static void check_tree(const at::Tensor& tree, const at::Tensor& q) {
               "kiln::cached_attention: tree must be bool [batch, seq, seq]");
 }
 
+// The tasks [0, B * per_row) (row b's are b * per_row...) cut into one contiguous run per thread
+// of about equal work, the slots its queries read (and a fixed cost per task): the rows of a
+// batched decode sit at different positions, and an even count of tasks per thread left one
+// thread with most of a step's keys and values. Returns the runs' bounds. Which thread runs a task
+// changes no result: every task writes its own queries' outputs.
+static std::vector<int64_t> balanced_runs(const int64_t* pos, int64_t B, int64_t T, int64_t per_row, int64_t window,
+                                          int64_t slots, int64_t threads) {
+  constexpr int64_t kTaskSlots = 16;  // a task's own cost, in slots read
+  std::vector<int64_t> ends(B * per_row);  // work up to and including each task
+  int64_t total = 0;
+  for (int64_t b = 0; b < B; b++) {
+    int64_t lo = slots, hi = -1;
+    for (int64_t t = 0; t < T; t++) {
+      const auto [l, h] = visible(pos[b * T + t], window, slots);
+      lo = std::min(lo, l), hi = std::max(hi, h);
+    }
+    const int64_t work = kTaskSlots + std::max<int64_t>(0, hi - lo + 1);
+    for (int64_t i = 0; i < per_row; i++) ends[b * per_row + i] = (total += work);
+  }
+  const int64_t count = std::clamp<int64_t>(threads, 1, B * per_row);
+  std::vector<int64_t> runs{0};
+  for (int64_t run = 1; run < count; run++) {
+    const int64_t share = total * run / count;  // a task goes to the run holding most of its work
+    int64_t task = runs.back();
+    while (task < B * per_row && ends[task] - (ends[task] - (task ? ends[task - 1] : 0)) / 2 <= share) task++;
+    runs.push_back(task);
+  }
+  runs.push_back(B * per_row);
+  return runs;
+}
+
 static at::Tensor few_queries(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                               const at::Tensor& positions, double scale, int64_t window,
                               const std::optional<at::Tensor>& tree, const std::optional<at::Tensor>& k_scales,
@@ -487,10 +518,11 @@ static at::Tensor few_queries(const at::Tensor& q, const at::Tensor& k, const at
   // once for its queries. The queries are split only as far as keeps every thread busy.
   const int64_t pairs = groups * T, heads = B * Hkv;
   const int64_t shares = std::clamp<int64_t>((2 * at::get_num_threads() + heads - 1) / heads, 1, pairs);
-  at::parallel_for(0, heads * shares, 1, [&](int64_t first, int64_t last) {
+  const std::vector<int64_t> runs = balanced_runs(pos, B, T, Hkv * shares, window, S, at::get_num_threads());
+  at::parallel_for(0, (int64_t)runs.size() - 1, 1, [&](int64_t first_run, int64_t last_run) {
     thread_local std::vector<float> scratch;  // per thread, kept: no allocation per call
     thread_local std::vector<KilnQuery> queries;
-    for (int64_t task = first; task < last; task++) {
+    for (int64_t task = runs[first_run]; task < runs[last_run]; task++) {
       const int64_t b = task / (Hkv * shares), kv_head = task / shares % Hkv, share = task % shares;
       const int64_t head_first = (b * Hkv + kv_head) * S;  // the kv head's first slot
       KilnKvHead head{int8 ? static_cast<const void*>(kc + head_first * D) : kp + head_first * D,
