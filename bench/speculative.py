@@ -9,8 +9,10 @@ run), the acceptance rate and the tokens per target step, checks that greedy out
 to plain decoding, and writes bench/results/speculative.md. The draft is the same checkpoint
 compiled with a low-bit scheme (skipped with a note if that scheme does not compile on the
 chosen backend). Heads are benchmarked when the target artifact has them
-(`kiln train-speculator out/bench-spec-inductor.kiln [--kind medusa]`). Each row records how
-many cores other processes kept busy while it ran (the machine may be shared).
+(`kiln train-speculator out/bench-spec-inductor.kiln [--kind medusa]`); `--heads-from ARTIFACT`
+adds the eagle heads of another artifact of the same checkpoint beside them (e.g. heads trained
+with another --context), `--kinds` picks the kinds measured. Each row records how many cores
+other processes kept busy while it ran (the machine may be shared).
 """
 
 from __future__ import annotations
@@ -86,10 +88,11 @@ def run(llm, prompt: list[int], tokens: int, speculative) -> tuple[object, float
 
 class EngineHeads:
     """Heads drafting inside the engine (trees where the backend verifies them) with `settings`
-    (kiln.runtime.heads_drafter.DraftSettings), each request's drafter timed (`drafter`)."""
+    (kiln.runtime.heads_drafter.DraftSettings), each request's drafter timed (`drafter`); `stored`:
+    another artifact's heads (kiln.runtime.drafters.StoredHeads; None: the target's)."""
 
-    def __init__(self, kind: str, settings):
-        self.kind, self.settings, self.drafter = kind, settings, None
+    def __init__(self, kind: str, settings, stored=None):
+        self.kind, self.settings, self.drafter, self.stored = kind, settings, None, stored
 
 
 @contextmanager
@@ -100,7 +103,8 @@ def engine_heads(llm, speculative):
         return
     from kiln.runtime import heads_drafter
 
-    saved, stored = heads_drafter.DEFAULT_SETTINGS, llm.heads
+    saved, own = heads_drafter.DEFAULT_SETTINGS, llm.heads
+    stored = llm.heads = speculative.stored or own
     heads_drafter.DEFAULT_SETTINGS = speculative.settings
     stored._loaded.pop(speculative.kind, None)  # loaded again with these settings
     make = stored.drafter
@@ -116,6 +120,7 @@ def engine_heads(llm, speculative):
         del stored.drafter
         stored._loaded.pop(speculative.kind, None)
         heads_drafter.DEFAULT_SETTINGS = saved
+        llm.heads = own
 
 
 class TimedDrafter:
@@ -126,12 +131,13 @@ class TimedDrafter:
         self.inner, self.seconds, self.accepted = inner, 0.0, []
 
     @classmethod
-    def heads(cls, llm, kind: str) -> TimedDrafter:
-        """The stored heads as trained (fp32, their whole draft vocabulary), drafting chains."""
+    def heads(cls, llm, kind: str, stored=None) -> TimedDrafter:
+        """The stored heads (`stored`, else the target's) as trained (fp32, their whole draft
+        vocabulary), drafting chains."""
         from kiln.runtime.heads_drafter import DraftSettings, HeadsDrafter
 
         as_trained = DraftSettings(vocab=None, int8=False, tree_nodes=0, alternatives=0, pause_below=0.0)
-        stored = llm.heads
+        stored = stored or llm.heads
         return cls(HeadsDrafter.from_artifact(stored.directory, stored.manifest, stored.graph, kind, as_trained))
 
     def _timed(self, method, *args):
@@ -146,6 +152,13 @@ class TimedDrafter:
 
     def observe(self, logits):
         return self._timed("observe", logits)
+
+    def observe_rows(self, logits, first):
+        return self._timed("observe_rows", logits, first)
+
+    @property
+    def reads_prompt(self):
+        return getattr(self.inner, "reads_prompt", False)
 
     def feedback(self, drafted, accepted):
         self.accepted.append(accepted)
@@ -183,14 +196,20 @@ def fresh(speculative):
     return speculative() if callable(speculative) and not hasattr(speculative, "generate") else speculative
 
 
-def heads_notes(manifest: dict) -> str:
-    """What training made the artifact's heads, from its manifest."""
+def heads_label(kind: str, entry: dict) -> str:
+    """The heads' name in the table: eagle heads name what their layer attends over."""
+    return f"{kind} heads" + (f" ({entry.get('context', 'draft')} context)" if kind == "eagle" else "")
+
+
+def heads_notes(*manifests: dict) -> str:
+    """What training made the artifacts' heads, from their manifests."""
     lines = []
-    for kind, entry in sorted(manifest.get("speculators", {}).items()):
+    speculators = [(kind, entry) for m in manifests for kind, entry in sorted(m.get("speculators", {}).items())]
+    for kind, entry in speculators:
         training = entry.get("training", {})
         config = training.get("config", {})
         lines.append(
-            f"- {kind} heads: {entry.get('stages')} stages, head {entry.get('head')}, draft vocabulary "
+            f"- {heads_label(kind, entry)}: {entry.get('stages')} stages, head {entry.get('head')}, draft vocabulary "
             f"{entry.get('draft_vocab')}, {training.get('steps')} steps (lr {config.get('lr')}, batch "
             f"{config.get('batch')}), {training.get('cpu_minutes')} CPU minutes; on held-out replies "
             f"top-1 accuracy per stage {training.get('stage_accuracy')} against the model's greedy "
@@ -214,6 +233,8 @@ def main(argv=None) -> int:
     parser.add_argument("--draft-quantize", default="int4-g64")
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--kinds", default=None, help="the heads' kinds measured, comma-separated (default: all)")
+    parser.add_argument("--heads-from", default=None, help="another artifact whose eagle heads are measured too")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     target = compiled(Path(f"out/bench-spec-{args.backend}.kiln"), args.backend, None)
@@ -224,13 +245,24 @@ def main(argv=None) -> int:
         )
     except Exception as error:  # noqa: BLE001 - a scheme this backend cannot lower yet: report, keep going
         print(f"note: no {args.draft_quantize} draft on {args.backend}: {error}", file=sys.stderr)
+    from kiln.runtime.artifact import read_manifest
+    from kiln.runtime.drafters import StoredHeads
     from kiln.runtime.heads_drafter import DraftSettings
 
-    for kind in sorted(target.manifest.get("speculators", {})):
-        drafts[f"{kind} heads, fp32 (chain)"] = functools.partial(TimedDrafter.heads, target, kind)
-        for name, settings in HEADS_SETTINGS.items():
-            if kind == "eagle" or "tree" not in name:
-                drafts[f"{kind} heads, {name}"] = functools.partial(EngineHeads, kind, DraftSettings(**settings))
+    kinds = args.kinds.split(",") if args.kinds else None
+    sources = [(None, target.manifest)]
+    if args.heads_from:
+        other = read_manifest(Path(args.heads_from))
+        sources.append((StoredHeads(Path(args.heads_from), other, target.graph), other))
+    for stored, manifest in sources:
+        for kind, entry in sorted(manifest.get("speculators", {}).items()):
+            if (kinds and kind not in kinds) or (stored is not None and kind != "eagle"):
+                continue
+            label = heads_label(kind, entry)
+            drafts[f"{label}, fp32 (chain)"] = functools.partial(TimedDrafter.heads, target, kind, stored)
+            for name, settings in HEADS_SETTINGS.items():
+                if kind == "eagle" or "tree" not in name:
+                    drafts[f"{label}, {name}"] = functools.partial(EngineHeads, kind, DraftSettings(**settings), stored)
     lines = [
         "| prompt | method | tok/s | x plain | acceptance | tokens/target step | draft ms/step | "
         "accepted to stage 1/2/3/.. | same as plain | others' cores |",
@@ -269,7 +301,7 @@ def main(argv=None) -> int:
             "average during the run (contended). `accepted to stage i`: the share of the heads' "
             "drafts whose first i tokens the target accepted."
         )
-        + heads_notes(target.manifest)
+        + heads_notes(*(manifest for _, manifest in sources))
     )
     print(report)
     write_result(RESULTS / "speculative.md", report)

@@ -38,8 +38,19 @@ FRESH_PROMPTS = [
 ]
 
 
-def scores(heads, tokens, hidden, greedy, positions) -> tuple[list[float], float]:
-    """(accuracy per stage, chain tokens accepted per draft) at `positions` of one token stream."""
+def scores(heads, tokens, hidden, greedy, positions, spans) -> tuple[list[float], float]:
+    """(accuracy per stage, chain tokens accepted per draft) at `positions` of one token stream;
+    heads attending over the whole context read each draft's sequence before it (`spans`: the
+    sequences' (start, end, first draft start), whose drafts are `positions`)."""
+    if getattr(heads, "context", None) == "whole":
+        from types import SimpleNamespace
+
+        from kiln.eagle_sequence_trainer import draft_scores
+
+        stream = SimpleNamespace(tokens=tokens, hidden=hidden, greedy=greedy)
+        with torch.no_grad():
+            accuracy, chain, _ = draft_scores(heads, stream, spans)
+        return accuracy, chain
     after = positions[:, None] + torch.arange(1, heads.stages + 1)  # t_{p+1} .. t_{p+stages}
     fed, wanted = tokens[after], greedy[after]
     with torch.no_grad():
@@ -63,6 +74,13 @@ class CountingDrafter:
     def observe(self, logits):
         self.inner.observe(logits)
 
+    def observe_rows(self, logits, first):
+        self.inner.observe_rows(logits, first)
+
+    @property
+    def reads_prompt(self):
+        return getattr(self.inner, "reads_prompt", False)
+
     def propose(self, context, max_tokens):
         return self.inner.propose(context, max_tokens)
 
@@ -80,7 +98,8 @@ def fresh_rows(llm, heads, to_hidden, kind: str, tokens: int) -> list[str]:
         with llm.engine.exclusive() as executable:
             logits = executable.run(ids[None], torch.arange(len(ids))[None])[0].float()
         positions = torch.arange(len(prompt) - 1, len(ids) - heads.stages - 1)
-        accuracy, chain = scores(heads, ids, to_hidden(logits), logits.argmax(-1), positions)
+        spans = [(0, len(ids), len(prompt) - 1)]
+        accuracy, chain = scores(heads, ids, to_hidden(logits), logits.argmax(-1), positions, spans)
         drafter = CountingDrafter(llm.heads.drafter(kind))
         result = llm.generate(prompt, max_new_tokens=tokens, speculative=drafter)
         same = "same as plain" if result.token_ids == plain.token_ids else "DIFFERS from plain"
@@ -117,15 +136,22 @@ def main(argv=None) -> int:
     if "greedy" not in saved:  # a corpus collected before the greedy choices were kept
         saved["greedy"] = data.greedy_choices(saved["hidden"], head)
     corpus = data.Corpus(**saved)
+    ends = corpus.starts[1:] + [len(corpus.tokens)]
     for replies, name in ((False, "training: text"), (True, "training: replies")):
         positions = corpus.positions(heads.stages, replies)
+        spans = [
+            (start, end, start + first)
+            for start, end, first, reply in zip(corpus.starts, ends, corpus.learn_from, corpus.replies)
+            if reply == replies
+        ]
         if len(positions):
-            accuracy, chain = scores(heads, corpus.tokens, corpus.hidden, corpus.greedy, positions)
+            accuracy, chain = scores(heads, corpus.tokens, corpus.hidden, corpus.greedy, positions, spans)
             lines.append(row(name, len(positions), accuracy, chain))
     lines += fresh_rows(llm, heads, HiddenFromLogits(head, rows), args.kind, args.tokens)
     training = llm.manifest["speculators"][heads.kind].get("training", {})
+    context = f", {heads.context} context" if hasattr(heads, "context") else ""
     report = "\n".join(lines) + (
-        f"\n\n{heads.kind} heads of {artifact} ({heads.stages} stages, head {heads.head_choice}, draft "
+        f"\n\n{heads.kind} heads of {artifact} ({heads.stages} stages{context}, head {heads.head_choice}, draft "
         f"vocabulary {len(heads.vocab_ids)}); training: {training.get('config')}, "
         f"{training.get('cpu_minutes')} CPU minutes. Accuracy is against the model's greedy choices; "
         "`runtime`: tokens the target accepted per verified draft in generate(speculative=...).\n"

@@ -64,6 +64,10 @@ class Trainer:
         progress = (step - warmup) / max(1, self.config.steps - warmup)
         return self.config.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress)))
 
+    def draw(self, pool: torch.Tensor) -> torch.Tensor:
+        """A step's samples from `pool`: `batch` positions."""
+        return pool[torch.randint(len(pool), (self.config.batch,), generator=self.generator)]
+
     def batch(self, positions: torch.Tensor):
         """(hidden [b, hidden], fed tokens [b, stages], targets [b, stages]) at positions p; the
         targets are draft-vocabulary indices of the model's greedy choices g_{p+1} .. g_{p+stages}."""
@@ -89,10 +93,9 @@ class Trainer:
         try:
             while self.step < config.steps:
                 pool = self.pools[0] if self.step < phase_change else self.pools[1]
-                positions = pool[torch.randint(len(pool), (config.batch,), generator=self.generator)]
                 for group in self.optimizer.param_groups:
                     group["lr"] = self._lr(self.step)
-                loss, accuracy = self.loss(positions)
+                loss, accuracy = self.loss(self.draw(pool))
                 self.optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 torch.nn.utils.clip_grad_norm_(self.heads.parameters(), 1.0)

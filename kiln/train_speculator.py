@@ -38,12 +38,25 @@ class TrainConfig:
     text_fraction: float = 0.4  # the share of steps on text before the replies
     reply_tokens: int = 192  # the replies are most of the collection time: 192 prompts x 192 ~ 15 min at 40 tokens/s
     seed: int = 0
+    # eagle: what the draft layer attends over (eagle_heads.py): "whole" trains on whole sequences
+    # (`windows` stretches of at most `window` tokens per step), "draft" on sampled positions
+    context: str = "whole"
+    window: int = 256
+    windows: int = 4
+    noise: float = 0.0  # "whole": uniform noise on the real states fed in, relative to their RMS
 
     def check(self) -> None:
         if self.kind not in KINDS:
             raise OptionError(f"--kind {self.kind!r} is not one of {list(KINDS)}. Fix: --kind mlp.")
         if self.head not in HEAD_CHOICES:
             raise OptionError(f"--head {self.head!r} is not one of {list(HEAD_CHOICES)}. Fix: --head own.")
+        if self.context not in ("whole", "draft"):
+            raise OptionError(f"--context {self.context!r} is not whole or draft. Fix: --context whole.")
+        if self.window < 2 or self.windows < 1 or self.noise < 0:
+            raise OptionError(
+                f"--window must be at least 2, --windows at least 1 and --noise >= 0, got {self.window}, "
+                f"{self.windows} and {self.noise}. Fix: e.g. --window 256 --windows 4 --noise 0."
+            )
         if self.kind == "eagle" and self.head != "tied":
             raise OptionError("eagle heads read out through the model's own lm_head. Fix: --head tied.")
         for name in ("stages", "steps", "batch", "reply_tokens"):
@@ -81,6 +94,7 @@ def train_speculator(
     the same checkpoint, e.g. one compiled with a larger max_batch) runs the collection instead."""
     import torch
 
+    from kiln.eagle_sequence_trainer import SequenceTrainer
     from kiln.runtime.last_hidden import output_head
     from kiln.runtime.speculator_heads import build_heads, save_heads
     from kiln.speculator_trainer import Trainer, vocab_index
@@ -91,9 +105,10 @@ def train_speculator(
     corpus = _corpus(llm, head, artifact, config, data_files, prompts, texts, report, collect_with)
     vocab_ids = corpus.ranking[: config.draft_vocab] if config.draft_vocab else corpus.ranking
     torch.manual_seed(config.seed)
-    heads = build_heads(config.kind, head, config.stages, vocab_ids, config.head)
+    heads = build_heads(config.kind, head, config.stages, vocab_ids, config.head, config.context)
     targets = vocab_index(vocab_ids, head.weight.shape[0])
-    trainer = Trainer(heads, corpus, targets, config)
+    whole = config.kind == "eagle" and config.context == "whole"
+    trainer = (SequenceTrainer if whole else Trainer)(heads, corpus, targets, config)
     checkpoint = work_dir(artifact) / f"checkpoint.{config.kind}.pt"
     trainer.resume(checkpoint, report)
     trainer.run(report, log_every, lambda: trainer.save(checkpoint), checkpoint_every)
@@ -177,6 +192,17 @@ def add_arguments(commands) -> None:
         default=defaults.reply_tokens,
         help="tokens of each reply to the bundled chat prompts",
     )
+    parser.add_argument(
+        "--context",
+        default=defaults.context,
+        help="eagle: whole (the layer attends over every earlier position, trained on whole sequences) "
+        "or draft (over the draft's own positions)",
+    )
+    parser.add_argument("--window", type=int, default=defaults.window, help="whole context: tokens per stretch")
+    parser.add_argument("--windows", type=int, default=defaults.windows, help="whole context: stretches per step")
+    parser.add_argument(
+        "--noise", type=float, default=defaults.noise, help="whole context: noise on the states fed in (EAGLE's)"
+    )
     parser.add_argument("--data", action="append", default=[], help="more training text (a UTF-8 file; repeatable)")
     parser.add_argument(
         "--collect-with",
@@ -205,6 +231,10 @@ def run_command(args) -> int:
         text_fraction=args.text_fraction,
         reply_tokens=args.reply_tokens,
         seed=args.seed,
+        context=args.context,
+        window=args.window,
+        windows=args.windows,
+        noise=args.noise,
     )
     config.check()
     if args.log_every < 1 or (args.threads is not None and args.threads < 1):

@@ -12,15 +12,20 @@ after the final norm): the same states EAGLE-1 trains on (Hugging Face's last `h
 entry is normalized). The layer's output goes through the model's final norm, so its prediction
 has the scale of the states it regresses to, and feeds back in as one.
 
-The layer attends over the draft's own positions only (the chain being drafted, at most `stages`
-long): the target's state h_p already summarizes the context, and the draft then needs neither a
-cache of the whole context nor the states of tokens it did not see. Its keys and values depend
-on one position's input alone (a single layer), so each draft step adds one row to them.
-
-Training (kiln/speculator_trainer.py) unrolls the same autoregression over `stages` positions,
-teacher-forced on the tokens and fed its own predicted states, with EAGLE's loss: smooth L1 from
-each predicted state to the target's plus a weighted cross-entropy of its readout against the
-model's greedy token.
+What the layer attends over (`context`):
+- "whole" (EAGLE's own design): every earlier position of the sequence. Position t's input is
+  fc(h_t, emb(x_{t+1})) from the target's real state; a request's drafter keeps those keys and
+  values (one layer's: tiny) in a draft cache extended after each verification with the accepted
+  positions' states (eagle_context.py), and drafts on top of it with its own predicted states.
+  Training (kiln/eagle_sequence_trainer.py) runs whole sequences through it at once, causally,
+  teacher forced, and unrolls `stages - 1` steps on the layer's own states on top (the keys of
+  the positions a draft made itself are the draft's, as at drafting time);
+- "draft" (the first form): the draft's own positions only (the chain being drafted, at most
+  `stages` long), seeded by the target's state h_p. Training (kiln/speculator_trainer.py) unrolls
+  the same autoregression over `stages` positions from sampled positions.
+Either way the loss is EAGLE's: smooth L1 from each predicted state to the target's plus a
+weighted cross-entropy of its readout against the model's greedy token. The layer's keys and
+values depend on one position's input alone (a single layer), so each position adds one row.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ from kiln.runtime.last_hidden import OutputHead, SpeculatorError
 from kiln.runtime.speculator_heads import DraftHeads, _pick
 
 REGRESSION_WEIGHT, TOKEN_WEIGHT = 1.0, 0.1  # EAGLE's weights of the state and token losses
+CONTEXTS = ("whole", "draft")
 ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
 
 
@@ -55,12 +61,13 @@ class LayerShape:
     final_norm: torch.Tensor  # the model's, before its lm_head
     final_eps: float
     final_offset: float
-    cos: torch.Tensor | None  # the model's RoPE tables' first rows ([stages, half]; None: no RoPE)
+    cos: torch.Tensor | None  # the model's RoPE tables' first rows ([rows, half]; None: no RoPE)
     sin: torch.Tensor | None
 
 
-def layer_shape(graph, rows: int) -> LayerShape:
-    """The model's decoder layer as `graph` computes it; SpeculatorError when it is not a
+def layer_shape(graph, rows: int | None) -> LayerShape:
+    """The model's decoder layer as `graph` computes it (RoPE tables: the first `rows`, None:
+    all); SpeculatorError when it is not a
     pre-norm RMSNorm transformer whose lm_head reads an RMSNorm."""
     model = graph.meta.get("model", {})
     nodes = list(graph.nodes)
@@ -121,7 +128,13 @@ def _final_norm(graph):
 class EagleHeads(DraftHeads):
     kind = "eagle"
 
-    def __init__(self, model_head: OutputHead, stages: int, vocab_ids: torch.Tensor, head: str = "tied"):
+    def __init__(
+        self, model_head: OutputHead, stages: int, vocab_ids: torch.Tensor, head: str = "tied", context: str = "draft"
+    ):
+        if context not in CONTEXTS:
+            raise SpeculatorError(
+                f"eagle heads attend over one of {list(CONTEXTS)}, not {context!r}. Fix: --context whole."
+            )
         if head != "tied":
             raise SpeculatorError(
                 f"eagle heads read out through the model's own lm_head, not {head!r} heads. Fix: --head tied."
@@ -129,7 +142,8 @@ class EagleHeads(DraftHeads):
         if model_head.graph is None:
             raise SpeculatorError("eagle heads need the model's graph to copy its layer. Fix: pass output_head(graph).")
         super().__init__(model_head, stages, vocab_ids, head)
-        shape = self.shape = layer_shape(model_head.graph, stages)
+        self.context = context
+        shape = self.shape = layer_shape(model_head.graph, stages if context == "draft" else None)
         hidden, width, kv_width = self.hidden, shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
         self.register_buffer("embedding", model_head.embedding.detach(), persistent=False)
         self.register_buffer("final_norm", shape.final_norm, persistent=False)
@@ -145,35 +159,54 @@ class EagleHeads(DraftHeads):
         embedded = F.rms_norm(self.embedding[token], (self.hidden,))  # the model's scale differs from the state's
         return self.fc(torch.cat((state, embedded), dim=-1))
 
-    def _rope(self, x: torch.Tensor, position: int) -> torch.Tensor:
+    def _rope(self, x: torch.Tensor, positions) -> torch.Tensor:
+        """x [..., n, dim] rotated at `positions` (an int, or n of them)."""
         if self.shape.cos is None:
             return x
-        cos, sin = self.shape.cos[position], self.shape.sin[position]
+        cos, sin = self.shape.cos[positions], self.shape.sin[positions]
         half = cos.shape[-1]
         x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
         return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
 
-    def _step(self, x: torch.Tensor, cache: list[torch.Tensor]) -> torch.Tensor:
-        """The layer at the next draft position for inputs x [b, hidden], attending over the
-        earlier positions' keys and values in `cache` ([k, v], each [b, kv_heads, i, head_dim],
-        grown here); returns the predicted state after the model's final norm."""
-        shape, position = self.shape, cache[0].shape[2] if cache else 0
+    def _project(self, x: torch.Tensor, positions):
+        """Queries [b, heads, n, dim], keys and values [b, kv_heads, n, dim] of inputs x [b, n, hidden]."""
+        shape = self.shape
         q, k, v = self.qkv(x).split([shape.heads * shape.head_dim, *2 * [shape.kv_heads * shape.head_dim]], dim=-1)
-        q = self._rope(q.view(-1, shape.heads, 1, shape.head_dim), position)
-        k = self._rope(k.view(-1, shape.kv_heads, 1, shape.head_dim), position)
-        v = v.view(-1, shape.kv_heads, 1, shape.head_dim)
-        if cache:
-            k, v = torch.cat((cache[0], k), dim=2), torch.cat((cache[1], v), dim=2)
-        cache[:] = [k, v]
-        group = shape.heads // shape.kv_heads
-        attended = F.scaled_dot_product_attention(
-            q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1), scale=shape.scale
-        )
-        x = x + self.o_proj(attended.reshape(x.shape[0], -1))
+        b, n = x.shape[:2]
+        q = self._rope(q.view(b, n, shape.heads, shape.head_dim).transpose(1, 2), positions)
+        k = self._rope(k.view(b, n, shape.kv_heads, shape.head_dim).transpose(1, 2), positions)
+        return q, k, v.view(b, n, shape.kv_heads, shape.head_dim).transpose(1, 2)
+
+    def _grouped(self, kv: torch.Tensor) -> torch.Tensor:
+        return kv.repeat_interleave(self.shape.heads // self.shape.kv_heads, dim=1)
+
+    def _finish(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        """The rest of the layer after attention (attended [b, heads, n, dim]) for inputs x
+        [b, n, hidden]; returns the predicted states after the model's final norm."""
+        shape = self.shape
+        x = x + self.o_proj(attended.transpose(1, 2).reshape(*x.shape[:2], -1))
         normed = _rms_norm(x, self.post_attention_norm, shape.eps, shape.norm_offset)
         gate, up = self.gate_up(normed).chunk(2, dim=-1)
         x = x + self.down(self._activate(gate) * up)
         return _rms_norm(x, self.final_norm, shape.final_eps, shape.final_offset)
+
+    def _step(self, x: torch.Tensor, cache: list[torch.Tensor], context=None, start: int = 0) -> torch.Tensor:
+        """The layer at the next draft position for inputs x [b, hidden], attending over the
+        earlier draft positions' keys and values in `cache` ([k, v], each [b, kv_heads, i,
+        head_dim], grown here) and, for "whole" context heads, the context's (`context`: an
+        eagle_context.DraftCache; `start`: the draft's first position); returns the predicted
+        state after the model's final norm."""
+        position = start + (cache[0].shape[2] if cache else 0)
+        q, k, v = self._project(x[:, None], position)
+        if cache:
+            k, v = torch.cat((cache[0], k), dim=2), torch.cat((cache[1], v), dim=2)
+        cache[:] = [k, v]
+        if context is not None and context.length:
+            rows = x.shape[0]
+            k = torch.cat((context.keys.expand(rows, -1, -1, -1), k), dim=2)
+            v = torch.cat((context.values.expand(rows, -1, -1, -1), v), dim=2)
+        attended = F.scaled_dot_product_attention(q, self._grouped(k), self._grouped(v), scale=self.shape.scale)
+        return self._finish(x[:, None], attended)[:, 0]
 
     def _activate(self, x: torch.Tensor) -> torch.Tensor:
         if self.shape.activation == "gelu":
@@ -198,13 +231,66 @@ class EagleHeads(DraftHeads):
         regression = sum(F.smooth_l1_loss(state, next_hidden[:, i]) for i, state in enumerate(states))
         return [self.logits(0, state) for state in states], REGRESSION_WEIGHT * regression, TOKEN_WEIGHT
 
+    # -- whole sequences: teacher-forced tokens, the target's states, then own states -------------
+    def sequence_states(self, hidden: torch.Tensor, tokens: torch.Tensor, noise: float = 0.0) -> list[torch.Tensor]:
+        """The predicted states [b, n, hidden] per stage over whole sequences: hidden [b, n,
+        hidden] are the target's h_0 .. h_{n-1}, tokens [b, n] the tokens after them x_1 .. x_n.
+        Stage j's row t is what a draft started at position t - j predicts at its stage j
+        (h_{t+1}): its input carries the layer's own state from stage j-1 at t - 1, and it
+        attends over the real positions up to t - j and the draft's own ones after them.
+        `noise` (training): uniform noise of that size relative to each state's RMS on the real
+        states fed in, as EAGLE trains (it makes the layer robust to its own states' errors)."""
+        length = hidden.shape[1]
+        positions = torch.arange(length)
+        if noise > 0:
+            scale = hidden.pow(2).mean(-1, keepdim=True).sqrt()
+            hidden = hidden + noise * scale * (2 * torch.rand_like(hidden) - 1)
+        embedded = F.rms_norm(self.embedding[tokens], (self.hidden,))
+        x = self.fc(torch.cat((hidden, embedded), dim=-1))
+        q, real_k, real_v = self._project(x, positions)
+        causal = positions[None, :] <= positions[:, None]
+        state = self._finish(x, self._masked_attention(q, real_k, real_v, causal, [], []))
+        out, own_k, own_v = [state], [], []
+        for stage in range(1, self.stages):
+            previous = torch.cat((torch.zeros_like(state[:, :1]), state[:, :-1]), dim=1)
+            x = self.fc(torch.cat((previous, embedded), dim=-1))
+            q, k, v = self._project(x, positions)
+            own_k.append(k)
+            own_v.append(v)
+            real = positions[None, :] <= positions[:, None] - stage
+            # the draft's own position i (1..stage) of the draft ending at t sits at t - stage + i
+            shifts = [stage - i for i in range(1, stage + 1)]
+            state = self._finish(x, self._masked_attention(q, real_k, real_v, real, own_k, own_v, shifts))
+            out.append(state)
+        return out
+
+    def _masked_attention(self, q, keys, values, mask, own_k, own_v, shifts=()) -> torch.Tensor:
+        """Attention of queries q [b, heads, n, dim] over `keys`/`values` where `mask` [n, n]
+        allows, and over one key of each own_k[i] each: row t's at t - shifts[i] (if >= 0)."""
+        scores = (q @ self._grouped(keys).transpose(-1, -2)) * self.shape.scale
+        scores = scores.masked_fill(~mask, float("-inf"))
+        own_values = []
+        for k, v, shift in zip(own_k, own_v, shifts):
+            k, v = _shifted(self._grouped(k), shift), _shifted(self._grouped(v), shift)
+            score = (q * k).sum(-1, keepdim=True) * self.shape.scale
+            valid = torch.arange(q.shape[2]) >= shift
+            scores = torch.cat((scores, score.masked_fill(~valid[:, None], float("-inf"))), dim=-1)
+            own_values.append(v)
+        weights = torch.softmax(scores, dim=-1)
+        length = keys.shape[2]
+        attended = weights[..., :length] @ self._grouped(values)
+        for i, v in enumerate(own_values):
+            attended = attended + weights[..., length + i : length + i + 1] * v
+        return attended
+
     # -- drafting -------------------------------------------------------------------------------
-    def _chain(self, hidden, token, count, min_confidence=0.0):
-        """(greedy draft ids, stage 0's logits) for one sequence."""
+    def _chain(self, hidden, token, count, min_confidence=0.0, context=None):
+        """(greedy draft ids, stage 0's logits) for one sequence (over `context`'s cache, if any)."""
         state, cache, current = hidden[None], [], torch.tensor([token])
         drafted, confidence, first = [], 1.0, None
+        start = context.end if context is not None else 0
         for _ in range(min(count, self.stages)):
-            state = self._step(self._input(state, current), cache)
+            state = self._step(self._input(state, current), cache, context, start)
             logits = self.logits(0, state[0])
             first = logits if first is None else first
             pick, confidence = _pick(logits, confidence, min_confidence)
@@ -215,18 +301,18 @@ class EagleHeads(DraftHeads):
         return drafted, first
 
     @torch.inference_mode()
-    def draft(self, hidden, token, count, min_confidence=0.0):
-        return self._chain(hidden, token, count, min_confidence)[0]
+    def draft(self, hidden, token, count, min_confidence=0.0, context=None):
+        return self._chain(hidden, token, count, min_confidence, context)[0]
 
     @torch.inference_mode()
     def first_logits(self, hidden, token):
         return self.logits(0, self._step(self._input(hidden[None], torch.tensor([token])), [])[0])
 
     @torch.inference_mode()
-    def draft_tree(self, hidden, token, count, alternatives=2, min_confidence=0.0) -> DraftTree:
+    def draft_tree(self, hidden, token, count, alternatives=2, min_confidence=0.0, context=None) -> DraftTree:
         """The greedy chain and stage 0's runners-up as leaves (as DraftHeads.draft_tree), the
         chain's first step computed once."""
-        chain, first = self._chain(hidden, token, count, min_confidence)
+        chain, first = self._chain(hidden, token, count, min_confidence, context)
         if not chain or alternatives <= 0:
             return DraftTree.chain(chain)
         ranked = first.topk(min(alternatives + 1, len(self.vocab_ids))).indices
@@ -241,6 +327,13 @@ class EagleHeads(DraftHeads):
             current = self.vocab_ids[self.logits(0, state).argmax(-1)]
             out.append(current)
         return torch.stack(out, dim=1)
+
+
+def _shifted(x: torch.Tensor, by: int) -> torch.Tensor:
+    """x [..., n, dim] moved `by` rows later along n (row t holds row t - by; zeros first)."""
+    if by == 0:
+        return x
+    return torch.cat((torch.zeros_like(x[..., :by, :]), x[..., :-by, :]), dim=-2)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:

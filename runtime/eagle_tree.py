@@ -2,8 +2,9 @@
 
 Level by level, the `top_k` likeliest nodes so far (by the product of the draft's probabilities
 along their path) are expanded together, one row each through the draft layer: each row keeps the
-keys and values of its own ancestors, so the rows of a level cost one pass over the layer's and
-the readout's weights. Each expanded node proposes its `top_k` likeliest children; every
+keys and values of its own ancestors (all rows share the context's draft cache, for heads that
+attend over the whole context), so the rows of a level cost one pass over the layer's and the
+readout's weights. Each expanded node proposes its `top_k` likeliest children; every
 candidate is a node of the tree, and the `max_nodes` likeliest of them are kept (a child is never
 likelier than its parent, so what is kept is closed under ancestors). The tree is verified in one
 target step with its ancestor mask (kiln.backends.token_trees); children are listed likeliest
@@ -22,19 +23,28 @@ from kiln.runtime.draft_tree import DraftTree
 
 @torch.inference_mode()
 def grow_tree(
-    heads, hidden: torch.Tensor, token: int, depth: int, top_k: int, max_nodes: int, min_probability: float = 0.0
+    heads,
+    hidden: torch.Tensor,
+    token: int,
+    depth: int,
+    top_k: int,
+    max_nodes: int,
+    min_probability: float = 0.0,
+    context=None,
 ) -> DraftTree:
-    """The draft tree after `token` from the target's state `hidden` [hidden] (EagleHeads),
-    without nodes whose path the draft gives less than `min_probability` (each node verified
-    costs part of a target step; an unlikely one seldom pays it back)."""
+    """The draft tree after `token` from the target's state `hidden` [hidden] (EagleHeads;
+    "whole" context heads attend over `context`, an eagle_context.DraftCache, too), without
+    nodes whose path the draft gives less than `min_probability` (each node verified costs part
+    of a target step; an unlikely one seldom pays it back)."""
     top_k = max(1, min(top_k, len(heads.vocab_ids)))
     states, feed, cache = hidden[None], torch.tensor([token]), []
     path_scores, rows_node = torch.zeros(1), [-1]  # log-probability of each row's path, its node
     tokens: list[int] = []
     parents: list[int] = []
     scores: list[float] = []
+    start = context.end if context is not None else 0
     for _ in range(min(depth, heads.stages)):
-        states = heads._step(heads._input(states, feed), cache)
+        states = heads._step(heads._input(states, feed), cache, context, start)
         best = F.log_softmax(heads.logits(0, states).float(), dim=-1).topk(top_k, dim=-1)
         candidates = (path_scores[:, None] + best.values).flatten()
         order = candidates.argsort(descending=True)  # likeliest first: children in that order

@@ -4,7 +4,9 @@ SpeculativeGeneration tells the drafter the raw logits row that chose the newest
 (`observe`); the hidden state is solved from it (last_hidden.py) and the heads draft one chain of
 up to `stages` tokens after that token (speculator_heads.py); eagle heads grow a token tree from
 their own probabilities instead (eagle_tree.py). Before the first observation, or after a context
-the drafter did not see grow, it proposes nothing (the target decodes alone).
+the drafter did not see grow, it proposes nothing (the target decodes alone). Eagle heads that
+attend over the whole context also take the states of every position the target verified, and of
+the prompt (`observe_rows`), into a draft cache of their own (eagle_context.py).
 
 The stored heads are made cheaper to draft with once, at load (`DraftSettings`): a smaller draft
 vocabulary (its most frequent tokens) and int8 weights, chosen by
@@ -23,6 +25,7 @@ from pathlib import Path
 import torch
 
 from kiln.runtime.draft_tree import DraftTree
+from kiln.runtime.eagle_context import DraftCache
 from kiln.runtime.eagle_tree import grow_tree
 from kiln.runtime.last_hidden import HiddenFromLogits, output_head
 from kiln.runtime.speculator_heads import DraftHeads, load_heads
@@ -52,6 +55,12 @@ class HeadsDrafter:
         self.hidden: torch.Tensor | None = None
         self.logits: torch.Tensor | None = None  # solved into `hidden` when a draft needs it
         self.accepted_average, self.resting = 1.0, 0
+        self.cache = DraftCache(heads) if getattr(heads, "context", None) == "whole" else None
+
+    @property
+    def reads_prompt(self) -> bool:
+        """Whether the prompt's logits rows are wanted (observe_rows), not its last one alone."""
+        return self.cache is not None
 
     @classmethod
     def from_artifact(
@@ -74,6 +83,16 @@ class HeadsDrafter:
         when a draft is made: a resting drafter skips that product)."""
         self.logits, self.hidden = logits.detach(), None
 
+    def observe_rows(self, logits: torch.Tensor, first: int) -> None:
+        """The raw logits rows [k, vocab] at positions first .. first + k - 1 of the context (row
+        t chose token t + 1; the last chose the newest token). Whole-context heads keep their
+        states for the draft cache; the others read the last row only."""
+        if self.cache is None:
+            self.observe(logits[-1])
+            return
+        with _one_thread():
+            self.cache.observe(self.to_hidden(logits.detach()), first)
+
     def propose(self, context: Sequence[int], max_tokens: int) -> DraftTree:
         """Eagle heads' grown tree (`grow_tree`), or the heads' greedy chain after the newest
         token with runners-up for its first token (`DraftHeads.draft_tree`); a caller that
@@ -81,6 +100,8 @@ class HeadsDrafter:
         if self.resting > 0:
             self.resting -= 1
             return DraftTree.chain([])
+        if self.cache is not None:
+            return self._propose_in_context(context, max_tokens)
         if (self.hidden is None and self.logits is None) or max_tokens < 1:
             return DraftTree.chain([])
         settings, token = self.settings, int(context[-1])
@@ -98,6 +119,31 @@ class HeadsDrafter:
                     settings.tree_min_probability,
                 )
             return self.heads.draft_tree(self.hidden, token, max_tokens, settings.alternatives, settings.min_confidence)
+
+    def _propose_in_context(self, context: Sequence[int], max_tokens: int) -> DraftTree:
+        """As propose, for whole-context eagle heads: the draft cache takes the new positions'
+        states first, and the draft attends over it."""
+        if max_tokens < 1 or len(context) < 2:
+            return DraftTree.chain([])
+        settings, token = self.settings, int(context[-1])
+        with _one_thread():
+            hidden = self.cache.seed(context)
+            if hidden is None:
+                return DraftTree.chain([])
+            if settings.tree_nodes > 0:
+                return grow_tree(
+                    self.heads,
+                    hidden,
+                    token,
+                    max_tokens,
+                    settings.tree_top_k,
+                    settings.tree_nodes,
+                    settings.tree_min_probability,
+                    self.cache,
+                )
+            return self.heads.draft_tree(
+                hidden, token, max_tokens, settings.alternatives, settings.min_confidence, context=self.cache
+            )
 
     def feedback(self, drafted: int, accepted: int) -> None:
         """The next observe() carries what the heads need; this keeps the running average of

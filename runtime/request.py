@@ -139,14 +139,29 @@ class Request:
         self.model_steps += 1
         if self.drafter is not None and self.tokens:  # a decode step that had no drafts to verify
             self.target_steps += 1
-        self._observe(logits)
+        self._observe(logits[None], len(self.prompt) + len(self.tokens) - 1)
         return self._sample(logits)
 
-    def _observe(self, logits: torch.Tensor) -> None:
-        """Show a drafter that reads them (draft heads) the raw logits that choose the newest token."""
+    @property
+    def reads_prompt(self) -> bool:
+        """Whether the drafter wants every prompt position's logits (observe_prompt), not the last alone."""
+        return bool(getattr(self.drafter, "reads_prompt", False))
+
+    def observe_prompt(self, logits: torch.Tensor, first: int) -> None:
+        """Prompt positions' logits rows [k, vocab] from `first` on, for a drafter that reads_prompt."""
+        if self.reads_prompt and len(logits):
+            self.drafter.observe_rows(logits, first)
+
+    def _observe(self, logits: torch.Tensor, first: int) -> None:
+        """Show a drafter that reads them (draft heads) the raw logits rows [k, vocab] at
+        positions first .. first + k - 1, the last of which chose the newest token."""
+        observe_rows = getattr(self.drafter, "observe_rows", None)
+        if observe_rows is not None:
+            observe_rows(logits, first)
+            return
         observe = getattr(self.drafter, "observe", None)
         if observe is not None:
-            observe(logits)
+            observe(logits[-1])
 
     def _sample(self, logits: torch.Tensor) -> str:
         if self.constraint is None:
@@ -245,6 +260,7 @@ class Request:
         the text emitted and the accepted nodes, root first (their keys and values are valid)."""
         self.target_steps += 1
         self.model_steps += 1
+        newest = len(self.prompt) + len(self.tokens) - 1  # the fed newest token's position
         pieces, path, at = [], [], -1
         while True:
             children = tree.children(at)
@@ -259,7 +275,8 @@ class Request:
                 break
             path.append(hit)
             at = hit
-        self._observe(logits[at + 1])  # the row that chose the newest token
+        # the rows at the newest token and the accepted nodes: the last one chose the newest token
+        self._observe(logits[[0, *(node + 1 for node in path)]], newest)
         self.drafted_tokens += len(tree)
         self.accepted_tokens += len(path)
         self.drafter.feedback(max(tree.depths(), default=0), len(path))

@@ -44,7 +44,9 @@ class Drafter(Protocol):
 
     # Optional: `observe(logits)` is called with the raw logits [vocab] that chose each step's
     # newest token (prefill's last, then the last one a verification step emitted): what draft
-    # heads on the target's last hidden state read (heads_drafter.py).
+    # heads on the target's last hidden state read (heads_drafter.py). A drafter with
+    # `observe_rows(logits, first)` gets instead the rows [k, vocab] at positions first ..
+    # first + k - 1 of every accepted token (and, if its `reads_prompt` is true, the prompt's).
 
 
 class PromptLookupDrafter:
@@ -151,9 +153,10 @@ class SpeculativeGeneration:
             return
         start = time.perf_counter()
         tokens = torch.tensor([request.prompt])
-        logits = self.executable.run(tokens, torch.arange(len(request.prompt))[None])[0, -1]
+        logits = self.executable.run(tokens, torch.arange(len(request.prompt))[None])[0]
         request.prefill_s = request.ttft_s = time.perf_counter() - start
-        piece = request.accept(logits)  # which shows a drafter that reads them the logits
+        request.observe_prompt(logits[:-1], 0)
+        piece = request.accept(logits[-1])  # which shows a drafter that reads them the logits
         if piece:
             yield 0, piece
         while request.generating:

@@ -236,11 +236,14 @@ def _pick(logits: torch.Tensor, confidence: float, min_confidence: float) -> tup
     return pick, confidence
 
 
-def build_heads(kind: str, model_head: OutputHead, stages: int, vocab_ids: torch.Tensor, head: str) -> DraftHeads:
+def build_heads(
+    kind: str, model_head: OutputHead, stages: int, vocab_ids: torch.Tensor, head: str, context: str = "draft"
+) -> DraftHeads:
+    """Untrained heads; `context` (eagle): what the layer attends over (eagle_heads.CONTEXTS)."""
     if kind == "eagle":
         from kiln.runtime.eagle_heads import EagleHeads
 
-        return EagleHeads(model_head, stages, vocab_ids, head)
+        return EagleHeads(model_head, stages, vocab_ids, head, context)
     cls = {"mlp": MLPSpeculator, "medusa": MedusaHeads}[kind]
     return cls(model_head, stages, vocab_ids, head)
 
@@ -273,6 +276,8 @@ def _save_heads(
         "hidden": str(heads.hidden),
         "source_hash": source_hash or "",
     }
+    if hasattr(heads, "context"):
+        metadata["context"] = heads.context
     _atomic(directory / name, lambda temporary: save_file(tensors, str(temporary), metadata=metadata))
     path = directory / name
     files = {**manifest["files"], name: {"sha256": file_sha256(path), "bytes": path.stat().st_size}}
@@ -282,6 +287,7 @@ def _save_heads(
         "stages": heads.stages,
         "head": heads.head_choice,
         "draft_vocab": len(heads.vocab_ids),
+        **({"context": heads.context} if hasattr(heads, "context") else {}),
         "source_hash": source_hash,
         "training": training,
     }
@@ -332,8 +338,15 @@ def load_heads(directory: Path, manifest: dict, model_head: OutputHead, kind: st
     except (SafetensorError, OSError, ValueError) as e:
         raise ArtifactError(f"{path} is not a readable safetensors file ({e}). Fix: retrain the heads.") from None
     _check_fits(path, metadata, tensors, manifest, model_head)
+    # eagle heads stored before the whole-context form attend over the draft's own positions
+    context = metadata.get("context", "draft")
+    if context not in ("draft", "whole"):
+        raise ArtifactError(
+            f"{path} holds eagle heads attending over {context!r}, which this Kiln does not know. "
+            "Fix: retrain the heads with this Kiln."
+        )
     heads = build_heads(
-        metadata["kind"], model_head, int(metadata["stages"]), tensors.pop("vocab_ids"), metadata["head"]
+        metadata["kind"], model_head, int(metadata["stages"]), tensors.pop("vocab_ids"), metadata["head"], context
     )
     inverse_rows = tensors.pop("inverse_rows")
     try:

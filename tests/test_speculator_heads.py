@@ -1,6 +1,7 @@
 """Draft heads: the hidden state solved from logits, training, drafting, and the heads file's checks."""
 
 import json
+import os
 import shutil
 
 import pytest
@@ -124,10 +125,21 @@ def test_medusa_heads_beside_mlp_heads_keep_greedy_output(artifact, tmp_path):
         assert result.token_ids == expected and result.stats.drafted_tokens > 0
 
 
-def test_eagle_heads_learn_keep_greedy_output_beat_untrained_ones_and_check_their_file(artifact, tmp_path):
+def test_eagle_heads_learn_keep_greedy_output_beat_untrained_ones_and_check_their_file(artifact, tmp_path, monkeypatch):
     """A decoder layer over (state, next token's embedding), read out through the model's final
-    norm and lm_head: its loss falls, its drafts keep greedy output and are accepted more often
-    than an untrained layer's; a damaged file is an ArtifactError."""
+    norm and lm_head, attending over the whole context (trained on whole sequences): its loss
+    falls, its drafts keep greedy output and are accepted more often than an untrained layer's;
+    every earlier position's state is in the draft cache when a draft starts (the prompt's and
+    the accepted tokens', but for a prompt prefix the engine copied); a damaged file is an ArtifactError."""
+    from kiln.runtime.eagle_context import DraftCache
+
+    seeded = []
+    seed = DraftCache.seed
+    monkeypatch.setattr(
+        DraftCache,
+        "seed",
+        lambda self, context: (seed(self, context), seeded.append((self.length, self.end)))[0],
+    )
     plain, trained, _, _ = artifact
     llm_plain = kiln.load(plain)
     prompts = [llm_plain.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS[:3]]
@@ -155,6 +167,11 @@ def test_eagle_heads_learn_keep_greedy_output_beat_untrained_ones_and_check_thei
     losses = [float(line.split("loss ")[1].split()[0]) for line in lines if line.startswith("step ")]
     assert len(losses) == eagle.steps // 20 and losses[-1] < 0.7 * losses[0]
     assert rates["trained"] > rates["untrained"] + 0.1
+    # every position since the prompt's first computed one: the chat template's head, which the
+    # engine copies from the previous prompt's row instead of computing, is all that is missing
+    shared = max(len(os.path.commonprefix([prompts[0], other])) for other in prompts[1:])
+    assert seeded and all(0 <= end - length <= shared for length, end in seeded)
+    assert any(length == end for length, end in seeded)
     assert llm.generate(prompts[0], max_new_tokens=24, speculative="heads").token_ids == expected[0]  # the only kind
     path = copy / heads_file("eagle")
     data = bytearray(path.read_bytes())
@@ -299,20 +316,30 @@ def test_heads_learn_the_models_own_greedy_choices_also_on_text(artifact):
     assert (wanted != targets[corpus.tokens[after + 1]])[in_vocab].float().mean() > 0.5  # not the text's tokens
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
-def test_eagle_trees_keep_greedy_output_on_other_architectures(tiny_model_dirs, tmp_path, arch, monkeypatch):
+@pytest.mark.parametrize(("arch", "context"), [("qwen2", "whole"), ("mistral", "draft")])
+def test_eagle_trees_keep_greedy_output_on_other_architectures(tiny_model_dirs, tmp_path, arch, context, monkeypatch):
     """Eagle heads copy each model's layer (qkv biases, sliding windows, Gemma's offset norms and
     GELU); the trees they grow from their own probabilities, verified in one step with the
     ancestor mask (their first path, the greedy chain, where sliding windows rule trees out),
-    keep plain greedy output, with int8 weights and a cut draft vocabulary."""
+    keep plain greedy output, with int8 weights and a cut draft vocabulary, attending over the
+    whole context or the draft's own positions; heads stored before the context was recorded
+    load as the draft's own form, and an unknown context is an ArtifactError."""
     from kiln.runtime import heads_drafter
     from kiln.runtime.request import Request
+    from kiln.runtime.speculator_heads import load_heads, save_heads
 
     monkeypatch.setattr(heads_drafter, "DEFAULT_SETTINGS", heads_drafter.DraftSettings(vocab=128, tree_nodes=6))
     out = kiln.compile(str(tiny_model_dirs(arch)), out=tmp_path / "m.kiln", backend="reference", max_seq_len=96)
-    config = TrainConfig(**{**CONFIG.__dict__, "kind": "eagle", "head": "tied", "steps": 10, "reply_tokens": 8})
+    config = TrainConfig(
+        **{**CONFIG.__dict__, "kind": "eagle", "head": "tied", "steps": 10, "reply_tokens": 8, "context": context}
+    )
     train_speculator(kiln.load(out), out, config, prompts=PROMPTS[:1], texts=TEXTS, report=lambda line: None)
+    if context == "draft":  # as stored before the context was recorded
+        heads, rows = load_heads(out, kiln.load(out).manifest, output_head(kiln.load(out).graph))
+        del heads.context
+        save_heads(heads, rows, out, kiln.load(out).manifest.get("source_hash"), {})
     llm = kiln.load(out)
+    assert llm.heads.drafter("eagle").heads.context == context
     prompt = llm.encode_chat([{"role": "user", "content": PROMPTS[2]}])
     expected = llm.generate(prompt, max_new_tokens=12).token_ids
     trees = []
@@ -323,6 +350,33 @@ def test_eagle_trees_keep_greedy_output_on_other_architectures(tiny_model_dirs, 
     result = llm.generate(prompt, max_new_tokens=12, speculative="heads:eagle")
     assert result.token_ids == expected and result.stats.drafted_tokens > 0
     assert any(len(tree) == 6 and not tree.is_chain for tree in trees) == llm.engine.verifies_trees
+    if context == "draft":
+        heads.context = "sideways"
+        save_heads(heads, rows, out, llm.manifest.get("source_hash"), {})
+        with pytest.raises(ArtifactError, match="sideways"):
+            kiln.load(out).generate(prompt, max_new_tokens=4, speculative="heads:eagle")
+
+
+def test_whole_context_training_sees_what_drafting_computes(artifact):
+    """One pass over a sequence (training) gives, at each stage, the state a draft started at
+    each position computes over its draft cache (the real states before it, its own after)."""
+    from kiln.runtime.eagle_context import DraftCache
+    from kiln.runtime.speculator_heads import build_heads
+
+    torch.manual_seed(0)
+    heads = build_heads("eagle", output_head(kiln.load(artifact[0]).graph), 3, torch.arange(64), "tied", "whole")
+    hidden, tokens = torch.randn(1, 10, heads.hidden), torch.randint(0, 64, (1, 10))
+    with torch.no_grad():
+        states = heads.sequence_states(hidden, tokens)
+        for start in range(7):
+            cache = DraftCache(heads)
+            cache.observe(hidden[0, : start + 1], 0)
+            context = [1, *tokens[0, : start + 1].tolist()]
+            state, own = cache.seed(context), []
+            for stage in range(3):
+                fed = torch.tensor([context[-1] if stage == 0 else int(tokens[0, start + stage])])
+                state = heads._step(heads._input(state[None], fed), own, cache, cache.end)[0]
+                torch.testing.assert_close(state, states[stage][0, start + stage], atol=1e-5, rtol=1e-4)
 
 
 def test_compacted_heads_keep_the_most_frequent_tokens_and_int8_logits_near_fp32(artifact):
