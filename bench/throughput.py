@@ -12,7 +12,9 @@ equal to the highest level. Reported per level: total generated tokens/s (wall),
 requests/s, mean TTFT, per-request decode tokens/s, the KV cache's bytes (allocated by the
 artifact; for a paged cache also the most blocks in use at once), whether every request's tokens
 equal the first level's (run one at a time, so each request alone), and the CPU time other
-processes took (runs where they took more than a quarter core are flagged `*`).
+processes took (runs where they took more than a quarter core are flagged `*`); then where each
+level's wall time went: decode calls over all its rows, over fewer (while the rows fill and
+drain), prompt calls, and the rest (the engine's Python around the calls).
 
 `--kv-layout paged` compiles the cache as a pool of `--kv-blocks` blocks of 32 tokens; `--mix long`
 gives requests of mean 300 tokens (prompt and new), one in 16 of 2,048 (the paged cache's gate:
@@ -36,6 +38,7 @@ import random
 import statistics
 import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -88,6 +91,39 @@ def above_engine_priority() -> None:
         os.sched_setscheduler(threading.get_native_id(), policy, os.sched_param(priority + 1))
 
 
+class CallTimes:
+    """Where a level's wall time goes: the executable's calls, timed as the engine makes them, by
+    kind (prompt: a call over more than one token; decode: one token per row, over all `full`
+    rows or fewer), while installed over `executable.run`."""
+
+    def __init__(self, executable, full: int):
+        self.executable, self.full = executable, full
+        self.seconds = {"prompt": 0.0, "decode_full": 0.0, "decode_fewer": 0.0}
+        self.calls = dict.fromkeys(self.seconds, 0)
+
+    def __enter__(self):
+        run = self.executable.run
+        self._own = vars(self.executable).get("run")  # an executable may keep run per instance
+
+        def timed(tokens, positions, **keywords):
+            start = time.perf_counter()
+            out = run(tokens, positions, **keywords)
+            rows, width = tokens.shape
+            kind = "prompt" if width > 1 else "decode_full" if rows >= self.full else "decode_fewer"
+            self.seconds[kind] += time.perf_counter() - start
+            self.calls[kind] += 1
+            return out
+
+        self.executable.run = timed
+        return self
+
+    def __exit__(self, *exc):
+        if self._own is None:
+            del self.executable.run  # the class's method again
+        else:
+            self.executable.run = self._own
+
+
 def run_level(llm, requests: list[list[int]], concurrency: int, new_tokens: list[int]) -> dict:
     """Submit every request from client threads, at most `concurrency` in flight, while the
     engine runs in this (main) thread as `kiln serve` runs it; the level's measurements."""
@@ -127,7 +163,7 @@ def run_level(llm, requests: list[list[int]], concurrency: int, new_tokens: list
 
     engine.adopt_this_thread()
     preempted = engine.preemptions
-    with CpuMeter() as meter:
+    with CpuMeter() as meter, CallTimes(llm.executable, concurrency) as calls:
         for thread in workers:  # before the engine runs: a thread's start waits for the GIL
             thread.start()
         threading.Thread(target=client, daemon=True).start()
@@ -149,8 +185,32 @@ def run_level(llm, requests: list[list[int]], concurrency: int, new_tokens: list
         "peak_blocks": peak_blocks[0],
         "preemptions": engine.preemptions - preempted,
         "kv_mb": kv_bytes(llm) / 1e6,
+        "calls": calls.calls,
+        "call_s": calls.seconds,
+        "wall_s": wall,
         "outputs": [r.token_ids for r in results],  # in the requests' order (submitted so)
     }
+
+
+def where_the_time_went(rows: list[dict]) -> list[str]:
+    """Each level's wall time split into the model calls by kind and the rest (the engine's Python
+    around the calls: sampling, bookkeeping, handing text to the clients)."""
+    lines = [
+        "",
+        "Where the wall time went (s and share; decode calls over every row of the level or fewer, "
+        "while the rows fill and drain; prompt calls of a request's prompt):",
+        "",
+        "| layout | concurrent | wall s | decode, all rows | decode, fewer rows | prompt calls | outside the calls |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        wall, seconds, calls = r["wall_s"], r["call_s"], r["calls"]
+        kinds = ("decode_full", "decode_fewer", "prompt")
+        cells = [f"{seconds[k]:.1f} ({seconds[k] / wall:.0%}, {calls[k]} calls)" for k in kinds]
+        outside = wall - sum(seconds.values())
+        cells.append(f"{outside:.1f} ({outside / wall:.0%})")
+        lines.append(f"| {r['layout']} | {r['concurrency']} | {wall:.1f} | {' | '.join(cells)} |")
+    return lines
 
 
 def pool_line(paged: dict) -> str:
@@ -254,6 +314,7 @@ def main(argv=None) -> int:
             f"{r['requests_per_s']:.2f} | {r['ttft_ms']:.0f} | "
             f"{r['decode_tps']:.1f} | {same} | {r['other_cores']:.2f} |"
         )
+    lines += where_the_time_went(rows)
     text = "\n".join(lines) + "\n"
     print(text)
     suffix = ("-paged" if args.kv_layout == "paged" else "") + (f"-{args.quantize}" if args.quantize else "")
