@@ -8,6 +8,10 @@ over a row of 2,048 slots, f32 and int8 caches, M query tokens at positions STAR
 each layer's cache its own tensors, as in a model. The baseline source is built as the op
 `kiln_baseline::cached_attention` (its library name rewritten) and the two take turns call by
 call; the best of `--repeats` rounds is reported. Writes bench/results/attention_cost.md.
+
+`--rows 16 --row-positions 20-275,150-150` measures a batched decode step instead: 16 rows of one
+token each at positions spread evenly over each range (rows of 512 slots; the rows of a range
+from 20 to 275 read from 21 to 276 slots each), every layer's cache its own tensors.
 """
 
 from __future__ import annotations
@@ -50,6 +54,38 @@ def caches(int8: bool) -> list[tuple]:
     return [one() for _ in range(LAYERS)]
 
 
+def rows_table(ops: dict, rows: int, ranges: str, repeats: int, threads: int) -> list[str]:
+    """A decode step over `rows` rows at positions spread over each range LO-HI, baseline and
+    current taking turns call by call."""
+    slots = 512
+    layers = [
+        (torch.randn(rows, KV_HEADS, slots, HEAD_DIM), torch.randn(rows, KV_HEADS, slots, HEAD_DIM))
+        for _ in range(LAYERS)
+    ]
+    q = torch.randn(rows, HEADS, 1, HEAD_DIM)
+    lines = [
+        f"One decode step's attention over {rows} rows of one token, SmolLM2-135M-Instruct shapes ({LAYERS} "
+        f"layers), {threads} threads, {slots}-slot rows, host CPU {cpu_name()}; ms per step, best of {repeats}",
+        "",
+        "| positions | baseline ms | current ms | speedup |",
+        "| --- | ---: | ---: | ---: |",
+    ]
+    for span in ranges.split(","):
+        low, high = (int(p) for p in span.split("-"))
+        positions = torch.tensor([low + (high - low) * r // max(1, rows - 1) for r in range(rows)]).view(rows, 1)
+        best = dict.fromkeys(ops, float("inf"))
+        for _round in range(repeats):
+            for name, op in ops.items():
+                best[name] = min(best[name], step_seconds(op, q, positions, layers))
+        row = (
+            f"| {low}-{high} | {best['baseline'] * 1e3:.2f} | {best['current'] * 1e3:.2f} | "
+            f"{best['baseline'] / best['current']:.2f}x |"
+        )
+        print(row, flush=True)
+        lines.append(row)
+    return lines
+
+
 def step_seconds(op, q, positions, layers) -> float:
     start = time.perf_counter()
     for cache in layers:
@@ -64,6 +100,8 @@ def main(argv=None) -> int:
     parser.add_argument("--starts", default="256,1984", help="the first query token's position")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=11)
+    parser.add_argument("--rows", type=int, default=0, help="a batched decode step over this many rows instead")
+    parser.add_argument("--row-positions", default="20-275,150-150", help="with --rows: ranges the rows spread over")
     parser.add_argument("--build-dir", type=Path, default=Path("out/attention_cost"))
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results" / "attention_cost.md")
     args = parser.parse_args(argv)
@@ -71,6 +109,10 @@ def main(argv=None) -> int:
     torch.manual_seed(0)
     attention_kernel.ensure_loaded()
     ops = {"baseline": load_baseline(args.baseline_source, args.build_dir), "current": torch.ops.kiln.cached_attention}
+    if args.rows:
+        write_result(args.out, "\n".join(rows_table(ops, args.rows, args.row_positions, args.repeats, args.threads)))
+        print(f"wrote {args.out}")
+        return 0
     lines = [
         f"One step's attention, SmolLM2-135M-Instruct shapes ({LAYERS} layers), {args.threads} threads, "
         f"{SLOTS}-slot rows, host CPU {cpu_name()}; ms per step, best of {args.repeats}",
