@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
@@ -206,8 +207,9 @@ def test_real_smollm2_greedy_equals_hugging_face(smollm2_dir, tmp_path):
 
 
 def test_prompt_pieces_fixed_and_symbolic_match_hugging_face(compiled):
-    """40 tokens run as a fixed chunk of 32 and 8 at a symbolic length; 20 more at position 40 at a
-    symbolic length; last_only keeps the last row."""
+    """40 tokens run as a fixed chunk of 32 at position 0 (its own keys, fixed shapes) and 8 at a
+    symbolic length; 20 more at position 40 at a symbolic length; last_only keeps the last row.
+    Then 8 tokens, and a fixed chunk of 32 at the symbolic start 8."""
     _, llm, model = compiled("llama")
     executable = llm.executable
     tokens = torch.tensor(prompts([60], seed=5))
@@ -218,6 +220,26 @@ def test_prompt_pieces_fixed_and_symbolic_match_hugging_face(compiled):
     assert executable._chunk_plan(40) == [(32, 32), (8, None)] and executable._chunk_plan(20) == [(20, None)]
     torch.testing.assert_close(first, want[:, :40], atol=2e-4, rtol=2e-4)
     torch.testing.assert_close(last, want[:, 59:], atol=2e-4, rtol=2e-4)
+    executable.reset()
+    executable.run(tokens[:, :8], torch.arange(8)[None])
+    later = executable.run(tokens[:, 8:40], torch.arange(8, 40)[None])
+    assert {key for key in executable.jits if "fixed" in key} == {(1, "fixed", 32, "at_zero"), (1, "fixed", 32)}
+    torch.testing.assert_close(later, want[:, 8:40], atol=2e-4, rtol=2e-4)
+
+
+def test_chunk_attention_in_query_blocks_equals_grouped_attention():
+    """A chunk at position 0 attends in blocks of 128 queries over keys laid out as product
+    weights (cache_attention.chunk_attention): the same as the plain grouped form, with a sliding
+    window and soft-capping too."""
+    from tinygrad import Tensor, dtypes
+
+    from kiln.backends.tinygrad.cache_attention import chunk_attention, grouped_attention
+
+    rng = np.random.default_rng(0)
+    q, k, v = (Tensor(rng.standard_normal((1, heads, 144, 16), dtype=np.float32)) for heads in (4, 2, 2))
+    hidden = Tensor.ones(144, 144, dtype=dtypes.bool).triu(1) | Tensor.ones(144, 144, dtype=dtypes.bool).tril(-40)
+    want = grouped_attention(q, k, v, hidden, None, 0.25, 30.0).numpy()
+    np.testing.assert_allclose(chunk_attention(q, k, v, 0.25, 30.0, 40).numpy(), want, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.slow

@@ -80,7 +80,9 @@ def _attention_to_written_keys(ctx, q, k, v, mask, tree, scale, attrs):
         if attrs["alibi"]:
             query_pos = (Tensor.arange(seq) + start).reshape(1, 1, seq, 1)
             row_mask = _with_alibi(row_mask, attrs["alibi"], Tensor.arange(length) - query_pos, q.dtype)
-        if row_mask is None and tree is None:
+        if row_mask is None and tree is None and isinstance(start, int) and start == 0 and isinstance(seq, int):
+            out = chunk_attention(q[b : b + 1], keys, values, scale, attrs["softcap"], window)
+        elif row_mask is None and tree is None:
             out = keys_major_attention(q[b : b + 1], keys, values, hidden, scale, attrs["softcap"])
         else:
             out = grouped_attention(q[b : b + 1], keys, values, hidden, row_mask, scale, attrs["softcap"])
@@ -161,6 +163,54 @@ def grouped_attention(
         scores = _grouped(hidden, kv_heads, groups).where(float("-inf"), scores)
     out = scores.softmax(-1) @ v.unsqueeze(2)
     return out.reshape(batch, q_heads, seq, v.shape[-1])
+
+
+LANES = 16  # kernel_opts.LANES: keys and values are laid out as product weights
+QUERY_BLOCK = 128  # queries per block of a chunk's causal attention
+
+
+def chunk_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, softcap: float, window: int | None) -> Tensor:
+    """Causal attention of a chunk at position 0 over its own keys: every shape fixed.
+
+    q [batch, q_heads, seq, d]; k, v [batch, kv_heads, seq, d]. The queries run in blocks of
+    QUERY_BLOCK, each over the keys up to its last query only (the causal mask hides the rest),
+    so a 512-token chunk computes 10/16 of the full score matrix."""
+    batch, q_heads, seq, head_dim = q.shape
+    kv_heads = k.shape[1]
+    groups = q_heads // kv_heads
+    if seq % LANES or head_dim % LANES:
+        hidden = Tensor.ones(seq, seq, dtype=dtypes.bool).triu(1)
+        if window:
+            hidden = hidden | Tensor.ones(seq, seq, dtype=dtypes.bool).tril(-window)
+        return grouped_attention(q, k, v, hidden, None, scale, softcap)
+    qg = q.reshape(batch, kv_heads, groups, seq, head_dim).contiguous()  # RoPE computed once, not per key block
+    # keys and values 16 positions (resp. 16 of the head dimension) interleaved, as product weights
+    k_lanes = k.reshape(batch, kv_heads, seq // LANES, LANES, head_dim).permute(0, 1, 2, 4, 3).contiguous()
+    # a 17th block of values holds a column of ones: the same product sums each row's weights
+    ones = Tensor.ones(batch, kv_heads, seq, 1, dtype=v.dtype).pad(((0, 0), (0, 0), (0, 0), (0, LANES - 1)))
+    v_ext = v.cat(ones, dim=-1)
+    ext_blocks = head_dim // LANES + 1
+    v_lanes = v_ext.reshape(batch, kv_heads, seq, ext_blocks, LANES).permute(0, 1, 3, 2, 4).contiguous()
+    outs = []
+    for begin in range(0, seq, QUERY_BLOCK):
+        end = min(begin + QUERY_BLOCK, seq)
+        rows = end - begin
+        hidden = Tensor.ones(rows, end, dtype=dtypes.bool).triu(begin + 1)
+        if window:
+            hidden = hidden | Tensor.ones(rows, end, dtype=dtypes.bool).tril(begin - window)
+        x = qg[:, :, :, begin:end].reshape(batch, kv_heads, groups, rows, 1, head_dim, 1)
+        keys = k_lanes[:, :, : end // LANES].reshape(batch, kv_heads, 1, 1, end // LANES, head_dim, LANES)
+        scores = ((x * keys).sum(-2).reshape(batch, kv_heads, groups, rows, end) * scale).contiguous()
+        if softcap:
+            scores = (scores / softcap).tanh() * softcap
+        scores = hidden.where(float("-inf"), scores)
+        exps = (scores - scores.max(-1, keepdim=True)).exp().contiguous()
+        w = exps.reshape(batch, kv_heads, groups, rows, 1, end, 1)
+        values = v_lanes[:, :, :, :end].reshape(batch, kv_heads, 1, 1, ext_blocks, end, LANES)
+        summed = (w * values).sum(-2).reshape(batch, kv_heads, groups, rows, ext_blocks * LANES)
+        outs.append((summed[..., :head_dim] / summed[..., head_dim : head_dim + 1]).contiguous())
+    out = outs[0].cat(*outs[1:], dim=3) if len(outs) > 1 else outs[0]
+    return out.reshape(batch, q_heads, seq, head_dim)
 
 
 def keys_major_attention(

@@ -129,10 +129,13 @@ class TinygradExecutable(Executable):
                 bindings[dim.name] = size
         return bindings
 
-    def _step(self, batch: int, kind: str, length: int | None = None, last_only: bool = False) -> JittedStep:
+    def _step(
+        self, batch: int, kind: str, length: int | None = None, last_only: bool = False, at_zero: bool = False
+    ) -> JittedStep:
         """The step of `kind` ("decode", "prefill", "tree", or "fixed" of `length` tokens) for
         `batch` rows, made on first use; `last_only`: it returns one position's logits."""
         key = (batch, kind) + ((length,) if kind == "fixed" else ()) + (("last",) if last_only else ())
+        key += ("at_zero",) if at_zero else ()
         if key not in self.steps:
             logits = self.graph.outputs[0].type
             decode, fixed = kind == "decode", kind == "fixed"
@@ -148,6 +151,7 @@ class TinygradExecutable(Executable):
                 beam=self.decode_beam if decode else 0,
                 tree=kind == "tree",
                 last_var=self._last_var[length] if last_only else None,
+                at_zero=at_zero,
             )  # BEAM would time symbolic-length kernels at one length only
         return self.steps[key]
 
@@ -225,9 +229,9 @@ class TinygradExecutable(Executable):
         positions = starts[:, None] + np.arange(seq, dtype=np.int64)
         bound = [var.bind(int(s)) for var, s in zip(self._start_vars, starts)]
         if length is not None:
-            return torch.from_numpy(
-                self._step(batch, "fixed", length, last_only)(tokens, positions, bound, last=seq - 1)
-            )
+            at_zero = not starts.any()
+            step = self._step(batch, "fixed", length, last_only, at_zero)
+            return torch.from_numpy(step(tokens, positions, bound, last=seq - 1))
         kind = "decode" if seq == 1 else "prefill"
         step = self._step(batch, kind, last_only=last_only and kind == "prefill")
         return torch.from_numpy(step(tokens, positions, bound))

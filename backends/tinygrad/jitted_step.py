@@ -9,7 +9,9 @@ A prefill step's buffers hold `chunk` tokens; the traced function slices the fir
 them, `seq` a bound Variable, so every length up to `chunk` replays the same kernels. A token-tree
 step (`tree=True`) is a prefill step with two more buffers, the slots and the tree. A step with a
 `last_var` returns one position's logits, [batch, 1, vocab], at the bound index: the lm_head
-runs for that position alone.
+runs for that position alone. An `at_zero` step serves calls whose rows all start at position 0
+(a prompt's first chunk): its starts are the constant 0, not Variables, so attention over the
+chunk's own keys has fixed shapes (cache_attention.chunk_attention).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class JittedStep:
         beam: int = 0,
         tree: bool = False,
         last_var: UOp | None = None,
+        at_zero: bool = False,
     ):
         """`length` tokens per row (1 for decode); `seq_var` makes the used length symbolic (prefill);
         `tree` adds slots [batch, length] and tree [batch, length, length] inputs; `state` (the KV
@@ -57,15 +60,15 @@ class JittedStep:
             self.tree_inputs = [slots, Tensor.zeros(batch, length, length, dtype=dtypes.bool).contiguous().realize()]
         kept = 1 if last_var is not None else length
         self.logits = Tensor.zeros(batch, kept, vocab, dtype=logits_dtype).contiguous().realize()
-        self.seq_var, self.beam, self.last_var = seq_var, beam, last_var
+        self.seq_var, self.beam, self.last_var, self.at_zero = seq_var, beam, last_var, at_zero
         logits_buffer, tree_count = self.logits, len(self.tree_inputs)
 
         def step(tokens: Tensor, positions: Tensor, *rest) -> Tensor:
             slots, tree = rest[:tree_count] if tree_count else (None, None)
             variables = rest[tree_count:]
-            starts = list(variables[:batch])
+            starts = [0] * batch if at_zero else list(variables[:batch])
             if seq_var is not None:  # the bound length, passed after the starts
-                seq = variables[batch]
+                seq = variables[0 if at_zero else batch]
                 tokens, positions = tokens[:, :seq], positions[:, :seq]
                 if tree_count:
                     slots, tree = slots[:, :seq], tree[:, :seq, :seq]
@@ -100,7 +103,8 @@ class JittedStep:
         if self.tree_inputs:
             host_view(self.tree_inputs[0])[:, :seq] = slots
             host_view(self.tree_inputs[1])[:, :seq, :seq] = tree
-        variables = [*starts, self.seq_var.bind(seq)] if self.seq_var is not None else list(starts)
+        starts = [] if self.at_zero else list(starts)
+        variables = [*starts, self.seq_var.bind(seq)] if self.seq_var is not None else starts
         if self.last_var is not None:
             variables.append(self.last_var.bind(seq - 1 if last is None else last))
         with Context(BEAM=self.beam, PARALLEL=0):  # kernel_opts' hook lives in this process only

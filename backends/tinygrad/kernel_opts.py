@@ -56,10 +56,16 @@ def interleaved_product_axes(k) -> tuple[int, int, int, list[int]] | None:
             continue
         lanes = [r for r, s in strides.items() if s == 1 and r is not reduce_rng and r.vmax + 1 == LANES]
         blocks = [r for r, s in strides.items() if r not in (reduce_rng, *lanes) and r in k.rngs]
-        if len(lanes) != 1 or len(blocks) != 1:
+        if len(lanes) != 1 or not blocks or not all(isinstance(r.vmax, int) for r in blocks):
             continue
-        lane, block = k.rngs.index(lanes[0]), k.rngs.index(blocks[0])
-        rows = [i for i in k.axes_of(AxisType.GLOBAL, AxisType.LOCAL, AxisType.WEAK) if i not in (lane, block)]
+        # several blocks (attention's keys or values per KV head): the largest is split over the threads
+        lane, block = k.rngs.index(lanes[0]), k.rngs.index(max(blocks, key=lambda r: r.vmax))
+        weight_axes = {k.rngs.index(r) for r in blocks}
+        rows = [
+            i
+            for i in k.axes_of(AxisType.GLOBAL, AxisType.LOCAL, AxisType.WEAK)
+            if i not in (lane, block) and i not in weight_axes
+        ]
         return lane, block, reduces[0], rows
     return None
 
@@ -141,7 +147,7 @@ def interleaved_product_opts(k):
     if axes is None:
         return None
     lane, block, reduce, rows = axes
-    block_id, blocks, reduce_size = k.rngs[block].arg[0], k.full_shape[block], k.full_shape[reduce]
+    block_id, reduce_size = k.rngs[block].arg[0], k.full_shape[reduce]
     tile = prefill_row_tile()
     tiled_rows = [i for i in rows if isinstance(k.full_shape[i], int) and k.full_shape[i] % tile == 0]
     row_id = k.rngs[tiled_rows[0]].arg[0] if tiled_rows else None
@@ -156,7 +162,8 @@ def interleaved_product_opts(k):
             if isinstance(reduce_size, int) and reduce_size % 4 == 0:
                 k.apply_opt(Opt(OptOps.UNROLL, 0, 4))
         threads, left = NUM_CPU_THREADS.value, k.full_shape[_axis_of(k, block_id)]
-        if threads > 1 and left % threads == 0 and blocks * LANES * reduce_size >= THREAD_MIN_WORK:
+        work = math.prod(d for d in k.full_shape if isinstance(d, int))  # multiply-adds (one row when symbolic)
+        if threads > 1 and left % threads == 0 and work >= THREAD_MIN_WORK:
             k.apply_opt(Opt(OptOps.THREAD, _axis_of(k, block_id), threads))
     except KernelOptError:
         return None
