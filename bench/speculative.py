@@ -201,10 +201,15 @@ def heads_label(kind: str, entry: dict) -> str:
     return f"{kind} heads" + (f" ({entry.get('context', 'draft')} context)" if kind == "eagle" else "")
 
 
-def heads_notes(*manifests: dict) -> str:
-    """What training made the artifacts' heads, from their manifests."""
+def heads_notes(*sources: tuple[dict, set]) -> str:
+    """What training made the artifacts' heads, from their manifests ((manifest, kinds measured) each)."""
     lines = []
-    speculators = [(kind, entry) for m in manifests for kind, entry in sorted(m.get("speculators", {}).items())]
+    speculators = [
+        (kind, entry)
+        for manifest, measured in sources
+        for kind, entry in sorted(manifest.get("speculators", {}).items())
+        if kind in measured
+    ]
     for kind, entry in speculators:
         training = entry.get("training", {})
         config = training.get("config", {})
@@ -254,10 +259,12 @@ def main(argv=None) -> int:
     if args.heads_from:
         other = read_manifest(Path(args.heads_from))
         sources.append((StoredHeads(Path(args.heads_from), other, target.graph), other))
+    measured = {id(manifest): set() for _, manifest in sources}
     for stored, manifest in sources:
         for kind, entry in sorted(manifest.get("speculators", {}).items()):
             if (kinds and kind not in kinds) or (stored is not None and kind != "eagle"):
                 continue
+            measured[id(manifest)].add(kind)
             label = heads_label(kind, entry)
             drafts[f"{label}, fp32 (chain)"] = functools.partial(TimedDrafter.heads, target, kind, stored)
             for name, settings in HEADS_SETTINGS.items():
@@ -301,7 +308,7 @@ def main(argv=None) -> int:
             "average during the run (contended). `accepted to stage i`: the share of the heads' "
             "drafts whose first i tokens the target accepted."
         )
-        + heads_notes(*(manifest for _, manifest in sources))
+        + heads_notes(*((manifest, measured[id(manifest)]) for _, manifest in sources))
     )
     print(report)
     write_result(RESULTS / "speculative.md", report)

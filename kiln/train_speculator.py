@@ -39,8 +39,10 @@ class TrainConfig:
     reply_tokens: int = 192  # the replies are most of the collection time: 192 prompts x 192 ~ 15 min at 40 tokens/s
     seed: int = 0
     # eagle: what the draft layer attends over (eagle_heads.py): "whole" trains on whole sequences
-    # (`windows` stretches of at most `window` tokens per step), "draft" on sampled positions
-    context: str = "whole"
+    # (`windows` stretches of at most `window` tokens per step), "draft" on sampled positions;
+    # "draft" stays the default: on SmolLM2's default corpus whole-context heads guessed less
+    # often (docs/generation.md)
+    context: str = "draft"
     window: int = 256
     windows: int = 4
     noise: float = 0.0  # "whole": uniform noise on the real states fed in, relative to their RMS
@@ -195,8 +197,8 @@ def add_arguments(commands) -> None:
     parser.add_argument(
         "--context",
         default=defaults.context,
-        help="eagle: whole (the layer attends over every earlier position, trained on whole sequences) "
-        "or draft (over the draft's own positions)",
+        help="eagle: draft (the layer attends over the draft's own positions; the default) or whole (over "
+        "every earlier position, trained on whole sequences)",
     )
     parser.add_argument("--window", type=int, default=defaults.window, help="whole context: tokens per stretch")
     parser.add_argument("--windows", type=int, default=defaults.windows, help="whole context: stretches per step")

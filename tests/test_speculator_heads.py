@@ -144,7 +144,7 @@ def test_eagle_heads_learn_keep_greedy_output_beat_untrained_ones_and_check_thei
     llm_plain = kiln.load(plain)
     prompts = [llm_plain.encode_chat([{"role": "user", "content": p}]) for p in PROMPTS[:3]]
     expected = [r.token_ids for r in llm_plain.generate(prompts, max_new_tokens=24)]
-    eagle = TrainConfig(**{**CONFIG.__dict__, "kind": "eagle", "head": "tied", "steps": 160})
+    eagle = TrainConfig(**{**CONFIG.__dict__, "kind": "eagle", "head": "tied", "steps": 160, "context": "whole"})
     rates = {}
     for name, config in (("untrained", {**eagle.__dict__, "steps": 1, "lr": 1e-9}), ("trained", eagle.__dict__)):
         copy = tmp_path / f"{name}.kiln"
