@@ -167,7 +167,8 @@ def run_level(llm, requests: list[list[int]], concurrency: int, new_tokens: list
         for thread in workers:  # before the engine runs: a thread's start waits for the GIL
             thread.start()
         threading.Thread(target=client, daemon=True).start()
-        threading.Thread(target=watch, daemon=True).start()
+        if engine.paged:  # a static cache has no blocks to watch: no poller taking the GIL beside the engine
+            threading.Thread(target=watch, daemon=True).start()
         engine.run_in_this_thread(stop)
         results = [h.result() for h in handles]
     wall = meter.result.wall_s
