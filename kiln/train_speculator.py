@@ -8,7 +8,9 @@ cross-entropies, first on text, then on the replies (IBM's two phases), and writ
 the artifact (speculator.KIND.safetensors, hashed in the manifest). One progress line per
 `--log-every` steps with the loss, each stage's accuracy and an ETA. Interrupted (Ctrl-C, a
 killed process), it resumes from its last checkpoint: the collected corpus and a training
-checkpoint live in ARTIFACT.speculator/ beside the artifact until training ends.
+checkpoint live in ARTIFACT.speculator/ beside the artifact until training ends. Eagle heads
+with `--context whole` attend over every earlier position and train on whole sequences
+(kiln/eagle_sequence_trainer.py; `--window`, `--windows`, `--noise`).
 
 Then `llm.generate(prompt, speculative="heads")` drafts with them.
 """
