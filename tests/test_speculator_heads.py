@@ -264,7 +264,8 @@ def test_training_resumes_from_its_checkpoint(artifact, tmp_path):
 def test_bad_training_options_are_option_errors():
     from kiln.ir.errors import OptionError
 
-    for bad in ({"kind": "eagle2"}, {"head": "shared"}, {"stages": 0}, {"text_fraction": 2.0}, {"kind": "eagle"}):
+    bads = ({"kind": "eagle2"}, {"head": "shared"}, {"stages": 0}, {"text_fraction": 2.0}, {"kind": "eagle"})
+    for bad in (*bads, {"context": "sideways"}, {"window": 1}, {"noise": -0.1}):
         with pytest.raises(OptionError):
             TrainConfig(**bad).check()
 
