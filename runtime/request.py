@@ -139,7 +139,8 @@ class Request:
         self.model_steps += 1
         if self.drafter is not None and self.tokens:  # a decode step that had no drafts to verify
             self.target_steps += 1
-        self._observe(logits[None], len(self.prompt) + len(self.tokens) - 1)
+        if self.drafter is not None:
+            self._observe(logits[None], len(self.prompt) + len(self.tokens) - 1)
         return self._sample(logits)
 
     @property
