@@ -67,6 +67,27 @@ def to_tinygrad(tensor: torch.Tensor | np.ndarray) -> Tensor:
     return Tensor(tensor).realize()
 
 
+WEIGHT_ALIGNMENT = 64  # wide_loads.py's vector types assume 16 bytes; a cache line keeps loads in one line
+
+
+def weight_view(weight: torch.Tensor | np.ndarray, kept: list) -> Tensor:
+    """A realized CPU tensor over the weight's own memory (appended to `kept`, which must outlive
+    the tensor): copying SmolLM2's 538 MB into fresh tinygrad buffers took most of a load (page
+    faults on new memory). A misaligned array (a tensor at an odd offset of the weights file) is
+    first copied to aligned memory."""
+    from tinygrad.dtype import _from_np_dtype
+
+    array = weight.detach().cpu().contiguous().numpy() if isinstance(weight, torch.Tensor) else weight
+    if not array.flags.c_contiguous or array.ctypes.data % WEIGHT_ALIGNMENT or array.size == 0:
+        raw = np.empty(array.nbytes + WEIGHT_ALIGNMENT, np.uint8)
+        start = -raw.ctypes.data % WEIGHT_ALIGNMENT
+        aligned = raw[start : start + array.nbytes].view(array.dtype).reshape(array.shape)
+        aligned[...] = array
+        array = aligned
+    kept.append(array)
+    return Tensor.from_blob(array.ctypes.data, array.shape, dtype=_from_np_dtype(array.dtype))
+
+
 def compiled_program_count() -> int:
     """How many kernels tinygrad has compiled in this process (its compiled-program cache)."""
     from tinygrad.codegen import to_program_cache
@@ -88,7 +109,11 @@ class TinygradExecutable(Executable):
         self.graph, self.options = graph, options
         weights = graph.weights if weights is None else weights
         self.layouts = plan_weights(graph)
-        self.params = {name: to_tinygrad(stored_weight(name, weights[name], self.layouts)) for name in graph.params}
+        self._weight_memory: list[np.ndarray] = []
+        self.params = {
+            name: weight_view(stored_weight(name, weights[name], self.layouts), self._weight_memory)
+            for name in graph.params
+        }
         bounds = {name: bound.max for name, bound in graph.symbols.items()}
         caches = {
             v.name: Tensor.zeros(*[evaluate(d, bounds) for d in v.type.shape], dtype=tiny_dtype(v.type.dtype))
