@@ -35,11 +35,16 @@ def load(
     other file's sha256, so an artifact that is not the one pinned is refused (ArtifactError)
     before any of its code is loaded."""
     contents = _read_rank(Path(path), check_hashes, expected_sha256)
-    backend = get_backend(contents.backend)
-    options = backend_options(contents.options, contents.directory / "manifest.json")
-    if device is not None:
-        options = dataclasses.replace(options, device=device)
-    executable = backend.load(contents.directory, contents.graph, contents.graph.weights, options)
+    try:
+        backend = get_backend(contents.backend)
+        options = backend_options(contents.options, contents.directory / "manifest.json")
+        if device is not None:
+            options = dataclasses.replace(options, device=device)
+        executable = backend.load(contents.directory, contents.graph, contents.graph.weights, options)
+    except Exception:
+        contents.finish_checks()  # damaged weights explain a failed load better than its own error
+        raise
+    contents.finish_checks()
     tokenizer = Tokenizer.from_dir(contents.tokenizer_dir) if contents.tokenizer_dir else None
     return LLM(executable, tokenizer, contents.manifest, contents.graph, directory=contents.directory)
 
@@ -50,8 +55,8 @@ def _read_rank(path: Path, check_hashes: bool, expected_sha256: str | None = Non
     from kiln.runtime.artifact import read_manifest
 
     ranks = read_manifest(path, expected_sha256).get("tensor_parallel", 1) if path.is_dir() else 1
-    if ranks == 1:
-        return read_artifact(path, check_hashes=check_hashes, expected_sha256=expected_sha256)
+    if ranks == 1:  # the weights hashed while the backend loads (only data: code is checked first)
+        return read_artifact(path, check_hashes=check_hashes, expected_sha256=expected_sha256, defer_weights_hash=True)
     from kiln.runtime.distributed import join_process_group
 
     rank = join_process_group(ranks, read_manifest(path)["options"].get("device", "cpu"))

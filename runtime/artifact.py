@@ -30,6 +30,7 @@ import json
 import os
 import shutil
 import tempfile
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
@@ -58,6 +59,13 @@ class ArtifactContents:
     directory: Path
     manifest: dict
     graph: Graph
+    weights_check: Future | None = None  # the weights' sha256 check still running (defer_weights_hash)
+
+    def finish_checks(self) -> None:
+        """Wait for a deferred weights check; ArtifactError if the weights are damaged."""
+        check, self.weights_check = self.weights_check, None
+        if check is not None:
+            check.result()
 
     @property
     def backend(self) -> str:
@@ -235,12 +243,21 @@ def manifest_sha256(directory) -> str:
 
 # -- reading ---------------------------------------------------------------------------------
 def read_artifact(
-    directory, check_hashes: bool = True, rank: int = 0, expected_sha256: str | None = None
+    directory,
+    check_hashes: bool = True,
+    rank: int = 0,
+    expected_sha256: str | None = None,
+    defer_weights_hash: bool = False,
 ) -> ArtifactContents:
     """Open and check an artifact (with `rank`'s weights, for a tensor-parallel one); raise
     ArtifactError saying which file is wrong and how. Other ranks' shards are size-checked only.
     `expected_sha256`: the sha256 manifest.json must have (see `manifest_sha256`); it pins the
-    whole artifact, so it needs check_hashes."""
+    whole artifact, so it needs check_hashes.
+
+    `defer_weights_hash`: the weights file (data, the largest: ~0.5 s of hashing for SmolLM2) is
+    size-checked here and hashed on a thread while the caller readies the backend (hashlib and
+    file reads release the GIL); the caller must call `finish_checks()` before using the
+    weights' values. Every other file (code among them) is hashed before this returns."""
     directory = Path(directory)
     if expected_sha256 is not None and not check_hashes:
         raise ArtifactError(
@@ -255,11 +272,24 @@ def read_artifact(
             f"Fix: run it with torchrun --nproc-per-node {ranks}."
         )
     others = {weights_file(r) for r in range(ranks) if r != rank}
+    deferred = weights_file(rank) if defer_weights_hash and check_hashes else None
     for name, entry in manifest["files"].items():
-        _check_file(directory, name, entry, check_hashes and name not in others)
+        _check_file(directory, name, entry, check_hashes and name not in others and name != deferred)
+    weights_check = None
+    if deferred in manifest["files"]:
+        entry = manifest["files"][deferred]
+        weights_check = _in_background(_check_file, directory, deferred, entry, True)
     graph = _read_graph(directory, manifest)
     graph.weights = _read_weights(directory, graph, weights_file(rank))
-    return ArtifactContents(directory, manifest, graph)
+    return ArtifactContents(directory, manifest, graph, weights_check)
+
+
+def _in_background(function, *args) -> Future:
+    pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kiln-artifact-check")
+    try:
+        return pool.submit(function, *args)
+    finally:
+        pool.shutdown(wait=False)  # the thread ends with its one task
 
 
 def read_manifest(directory: Path, expected_sha256: str | None = None) -> dict:

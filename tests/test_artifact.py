@@ -167,6 +167,11 @@ def test_damaged_file(artifact):
     (artifact / "weights.safetensors").write_bytes(bytes(data))
     with pytest.raises(ArtifactError, match="weights.safetensors does not match its sha256.*damaged"):
         read_artifact(artifact)
+    deferred = read_artifact(artifact, defer_weights_hash=True)  # hashed on a thread meanwhile
+    with pytest.raises(ArtifactError, match="weights.safetensors does not match its sha256.*damaged"):
+        deferred.finish_checks()
+    with pytest.raises(ArtifactError, match="weights.safetensors does not match its sha256.*damaged"):
+        kiln.load(artifact)
 
 
 def test_graph_that_does_not_parse(artifact):
