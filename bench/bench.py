@@ -58,6 +58,8 @@ def timed(fn, retries: int = 3):
 def compiled_before_sources(artifact: Path) -> bool:
     """Whether Kiln's sources changed since `artifact` was compiled (then it is compiled again:
     a bench must not time what older code made)."""
+    if not (artifact / "manifest.json").exists():
+        return False  # not compiled yet: the caller compiles it anyway
     root = Path(__file__).resolve().parent.parent
     sources = [f for d in ("kiln", "frontend", "ir", "passes", "backends", "runtime") for f in (root / d).rglob("*.py")]
     return max(f.stat().st_mtime for f in sources) > (artifact / "manifest.json").stat().st_mtime
