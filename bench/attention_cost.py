@@ -73,10 +73,7 @@ def rows_table(ops: dict, rows: int, ranges: str, repeats: int, threads: int) ->
     for span in ranges.split(","):
         low, high = (int(p) for p in span.split("-"))
         positions = torch.tensor([low + (high - low) * r // max(1, rows - 1) for r in range(rows)]).view(rows, 1)
-        best = dict.fromkeys(ops, float("inf"))
-        for _round in range(repeats):
-            for name, op in ops.items():
-                best[name] = min(best[name], step_seconds(op, q, positions, layers))
+        best = best_seconds(ops, q, positions, layers, repeats)
         row = (
             f"| {low}-{high} | {best['baseline'] * 1e3:.2f} | {best['current'] * 1e3:.2f} | "
             f"{best['baseline'] / best['current']:.2f}x |"
@@ -84,6 +81,15 @@ def rows_table(ops: dict, rows: int, ranges: str, repeats: int, threads: int) ->
         print(row, flush=True)
         lines.append(row)
     return lines
+
+
+def best_seconds(ops, q, positions, layers, repeats: int) -> dict[str, float]:
+    """Each op's best step time over `repeats` rounds, the ops alternating within a round."""
+    best = dict.fromkeys(ops, float("inf"))
+    for _round in range(repeats):
+        for name, op in ops.items():
+            best[name] = min(best[name], step_seconds(op, q, positions, layers))
+    return best
 
 
 def step_seconds(op, q, positions, layers) -> float:
@@ -126,10 +132,7 @@ def main(argv=None) -> int:
             for m in [int(m) for m in args.m.split(",")]:
                 q = torch.randn(1, HEADS, m, HEAD_DIM)
                 positions = (start + torch.arange(m)).view(1, m)
-                best = dict.fromkeys(ops, float("inf"))
-                for _round in range(args.repeats):
-                    for name, op in ops.items():
-                        best[name] = min(best[name], step_seconds(op, q, positions, layers))
+                best = best_seconds(ops, q, positions, layers, args.repeats)
                 row = (
                     f"| {'int8' if int8 else 'f32'} | {start} | {m} | {best['baseline'] * 1e3:.2f} | "
                     f"{best['current'] * 1e3:.2f} | {best['baseline'] / best['current']:.2f}x |"
