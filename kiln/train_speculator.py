@@ -54,7 +54,9 @@ class TrainConfig:
             raise OptionError(f"--kind {self.kind!r} is not one of {list(KINDS)}. Fix: --kind mlp.")
         if self.head not in HEAD_CHOICES:
             raise OptionError(f"--head {self.head!r} is not one of {list(HEAD_CHOICES)}. Fix: --head own.")
-        if self.context not in ("whole", "draft"):
+        from kiln.runtime.eagle_heads import CONTEXTS
+
+        if self.context not in CONTEXTS:
             raise OptionError(f"--context {self.context!r} is not whole or draft. Fix: --context whole.")
         if self.window < 2 or self.windows < 1 or self.noise < 0:
             raise OptionError(

@@ -23,9 +23,13 @@ class DraftCache:
         self.heads = heads
         self.keys: torch.Tensor | None = None  # [1, kv_heads, length, head_dim]
         self.values: torch.Tensor | None = None
-        self.length = 0  # entries held
         self.end = 0  # the position after the last entry: where the next draft starts
         self.pending: dict[int, torch.Tensor] = {}  # position -> the target's state there
+
+    @property
+    def length(self) -> int:
+        """Entries held."""
+        return 0 if self.keys is None else self.keys.shape[2]
 
     def observe(self, states: torch.Tensor, first: int) -> None:
         """The target's states [k, hidden] at positions first .. first + k - 1."""
@@ -53,4 +57,4 @@ class DraftCache:
         _, keys, values = self.heads._project(inputs[None], positions)
         if self.keys is not None:
             keys, values = torch.cat((self.keys, keys), dim=2), torch.cat((self.values, values), dim=2)
-        self.keys, self.values, self.length = keys, values, keys.shape[2]
+        self.keys, self.values = keys, values

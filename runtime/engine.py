@@ -291,17 +291,14 @@ class Engine:
             return  # preempted: the pool has no block for it now
         positions = torch.arange(request.fed, request.fed + len(tokens), dtype=torch.int64)[None]
         every_row = request.reads_prompt  # a drafter with a draft cache over the prompt's states
-        logits = self.executable.run(
-            torch.tensor([tokens], dtype=torch.int64),
-            positions,
-            **self._rows([request.kv_row]),
-            **({} if every_row else self._last_only),
-        )
-        first = request.fed
+        kept = {} if every_row else self._last_only
+        feeds = torch.tensor([tokens], dtype=torch.int64), positions
+        logits = self.executable.run(*feeds, **self._rows([request.kv_row]), **kept)
         self.slots.fed(request.kv_row, tokens, request.fed)
         request.fed += len(tokens)
-        if every_row:
-            request.observe_prompt(logits[0, : len(tokens) - (0 if request.unfed else 1)].float(), first)
+        if every_row:  # all but the row that chooses the first new token (accept shows that one)
+            rows = logits[0] if request.unfed else logits[0, :-1]
+            request.observe_prompt(rows.float(), request.fed - len(tokens))
         if not request.unfed:
             self._accept(request, logits[0, -1])
         request.prefill_s += time.perf_counter() - start

@@ -85,11 +85,8 @@ class HeadsDrafter:
 
     def observe_rows(self, logits: torch.Tensor, first: int) -> None:
         """The raw logits rows [k, vocab] at positions first .. first + k - 1 of the context (row
-        t chose token t + 1; the last chose the newest token). Whole-context heads keep their
-        states for the draft cache; the others read the last row only."""
-        if self.cache is None:
-            self.observe(logits[-1])
-            return
+        t chose token t + 1; the last chose the newest token), kept as states for the draft cache
+        (called when reads_prompt: whole-context heads)."""
         with _one_thread():
             self.cache.observe(self.to_hidden(logits.detach()), first)
 

@@ -140,12 +140,13 @@ class Request:
         if self.drafter is not None and self.tokens:  # a decode step that had no drafts to verify
             self.target_steps += 1
         if self.drafter is not None:
-            self._observe(logits[None], len(self.prompt) + len(self.tokens) - 1)
+            self._observe(logits[None], [0], len(self.prompt) + len(self.tokens) - 1)
         return self._sample(logits)
 
     @property
     def reads_prompt(self) -> bool:
-        """Whether the drafter wants every prompt position's logits (observe_prompt), not the last alone."""
+        """Whether the drafter keeps every position's state (the prompt's and each accepted token's:
+        observe_rows), not the newest one alone (observe)."""
         return bool(getattr(self.drafter, "reads_prompt", False))
 
     def observe_prompt(self, logits: torch.Tensor, first: int) -> None:
@@ -153,16 +154,16 @@ class Request:
         if self.reads_prompt and len(logits):
             self.drafter.observe_rows(logits, first)
 
-    def _observe(self, logits: torch.Tensor, first: int) -> None:
-        """Show a drafter that reads them (draft heads) the raw logits rows [k, vocab] at
-        positions first .. first + k - 1, the last of which chose the newest token."""
-        observe_rows = getattr(self.drafter, "observe_rows", None)
-        if observe_rows is not None:
-            observe_rows(logits, first)
+    def _observe(self, logits: torch.Tensor, rows: list[int], first: int) -> None:
+        """Show a drafter that reads them (draft heads) the raw logits `rows` of `logits`, at
+        positions first .. first + len(rows) - 1, the last of which chose the newest token: every
+        row to a drafter that reads_prompt, the last alone to others (no gather on their steps)."""
+        if self.reads_prompt:
+            self.drafter.observe_rows(logits[rows], first)
             return
         observe = getattr(self.drafter, "observe", None)
         if observe is not None:
-            observe(logits[-1])
+            observe(logits[rows[-1]])
 
     def _sample(self, logits: torch.Tensor) -> str:
         if self.constraint is None:
@@ -277,7 +278,7 @@ class Request:
             path.append(hit)
             at = hit
         # the rows at the newest token and the accepted nodes: the last one chose the newest token
-        self._observe(logits[[0, *(node + 1 for node in path)]], newest)
+        self._observe(logits, [0, *(node + 1 for node in path)], newest)
         self.drafted_tokens += len(tree)
         self.accepted_tokens += len(path)
         self.drafter.feedback(max(tree.depths(), default=0), len(path))

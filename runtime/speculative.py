@@ -44,9 +44,9 @@ class Drafter(Protocol):
 
     # Optional: `observe(logits)` is called with the raw logits [vocab] that chose each step's
     # newest token (prefill's last, then the last one a verification step emitted): what draft
-    # heads on the target's last hidden state read (heads_drafter.py). A drafter with
-    # `observe_rows(logits, first)` gets instead the rows [k, vocab] at positions first ..
-    # first + k - 1 of every accepted token (and, if its `reads_prompt` is true, the prompt's).
+    # heads on the target's last hidden state read (heads_drafter.py). A drafter whose
+    # `reads_prompt` is true gets `observe_rows(logits, first)` instead: the rows [k, vocab] at
+    # positions first .. first + k - 1 of the prompt and of every accepted token.
 
 
 class PromptLookupDrafter:

@@ -339,8 +339,10 @@ def load_heads(directory: Path, manifest: dict, model_head: OutputHead, kind: st
         raise ArtifactError(f"{path} is not a readable safetensors file ({e}). Fix: retrain the heads.") from None
     _check_fits(path, metadata, tensors, manifest, model_head)
     # eagle heads stored before the whole-context form attend over the draft's own positions
+    from kiln.runtime.eagle_heads import CONTEXTS
+
     context = metadata.get("context", "draft")
-    if context not in ("draft", "whole"):
+    if context not in CONTEXTS:
         raise ArtifactError(
             f"{path} holds eagle heads attending over {context!r}, which this Kiln does not know. "
             "Fix: retrain the heads with this Kiln."

@@ -109,16 +109,16 @@ class TinygradExecutable(Executable):
         self.graph, self.options = graph, options
         weights = graph.weights if weights is None else weights
         self.layouts = plan_weights(graph)
-        self._weight_memory: list[np.ndarray] = []
+        self._held_memory: list[np.ndarray] = []
         self.params = {
-            name: weight_view(stored_weight(name, weights[name], self.layouts), self._weight_memory)
+            name: weight_view(stored_weight(name, weights[name], self.layouts), self._held_memory)
             for name in graph.params
         }
         bounds = {name: bound.max for name, bound in graph.symbols.items()}
         caches = {  # zeroed memory of our own, as the weights: realizing 60 zeros kernels took ~0.8 s of a load
             v.name: weight_view(
                 torch.zeros([evaluate(d, bounds) for d in v.type.shape], dtype=to_torch(v.type.dtype)),
-                self._weight_memory,
+                self._held_memory,
             )
             for v in cache_inputs(graph)
         }
