@@ -208,8 +208,9 @@ def test_real_smollm2_greedy_equals_hugging_face(smollm2_dir, tmp_path):
 
 def test_prompt_pieces_fixed_and_symbolic_match_hugging_face(compiled):
     """40 tokens run as a fixed chunk of 32 at position 0 (its own keys, fixed shapes) and 8 at a
-    symbolic length; 20 more at position 40 at a symbolic length; last_only keeps the last row.
-    Then 8 tokens, and a fixed chunk of 32 at the symbolic start 8."""
+    symbolic length; 20 more at position 40 as a short fixed chunk of 16 and 4 at a symbolic
+    length; last_only keeps the last row. Then 8 tokens, and a fixed chunk of 32 at the symbolic
+    start 8."""
     _, llm, model = compiled("llama")
     executable = llm.executable
     tokens = torch.tensor(prompts([60], seed=5))
@@ -217,13 +218,15 @@ def test_prompt_pieces_fixed_and_symbolic_match_hugging_face(compiled):
     executable.reset()
     first = executable.run(tokens[:, :40], torch.arange(40)[None])
     last = executable.run(tokens[:, 40:], torch.arange(40, 60)[None], last_only=True)
-    assert executable._chunk_plan(40) == [(32, 32), (8, None)] and executable._chunk_plan(20) == [(20, None)]
+    assert executable._chunk_plan(40, at_zero=True) == [(32, 32), (8, None)]
+    assert executable._chunk_plan(20) == [(16, 16), (4, None)] and executable._chunk_plan(20, True) == [(20, None)]
     torch.testing.assert_close(first, want[:, :40], atol=2e-4, rtol=2e-4)
     torch.testing.assert_close(last, want[:, 59:], atol=2e-4, rtol=2e-4)
     executable.reset()
     executable.run(tokens[:, :8], torch.arange(8)[None])
     later = executable.run(tokens[:, 8:40], torch.arange(8, 40)[None])
-    assert {key for key in executable.jits if "fixed" in key} == {(1, "fixed", 32, "at_zero"), (1, "fixed", 32)}
+    fixed = {key for key in executable.jits if "fixed" in key}
+    assert fixed == {(1, "fixed", 32, "at_zero"), (1, "fixed", 32), (1, "fixed", 16, "last")}
     torch.testing.assert_close(later, want[:, 8:40], atol=2e-4, rtol=2e-4)
 
 
@@ -264,3 +267,11 @@ def test_packed_codes_greedy_equals_the_reference_backend(tiny_model_dirs, tmp_p
     (prompt,) = prompts([9], seed=2)
     want = llms["reference"].generate(prompt, max_new_tokens=16, ignore_eos=True).token_ids
     assert llms["tinygrad"].generate(prompt, max_new_tokens=16, ignore_eos=True).token_ids == want
+    tokens = torch.tensor([prompt + want[:16]])
+    logits = {}
+    for backend, llm in llms.items():
+        llm.executable.reset()
+        llm.executable.run(tokens[:, :9], torch.arange(9)[None])
+        logits[backend] = llm.executable.run(tokens[:, 9:25], torch.arange(9, 25)[None])
+    assert (1, "fixed", 16) in llms["tinygrad"].executable.jits
+    torch.testing.assert_close(logits["tinygrad"], logits["reference"], atol=1e-3, rtol=1e-3)

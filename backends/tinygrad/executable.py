@@ -51,6 +51,11 @@ from .wide_loads import install_wide_loads
 
 PREFILL_CHUNK = 64
 FIXED_CHUNKS = (512, 128, 32)  # prompt pieces compiled at a fixed length, so products tile along tokens
+# Pieces of a call at a symbolic start (a verification step, a prompt's later piece) compiled at a
+# fixed length too: one pass over the weights serves their tokens (at a symbolic length, every
+# token streamed the weights again). A prompt's first piece under 32 tokens stays symbolic, one
+# step for every short prompt.
+SHORT_CHUNKS = (16, 8)
 
 
 def decode_beam() -> int:
@@ -131,7 +136,9 @@ class TinygradExecutable(Executable):
         self._batch_dim, self._seq_dim = graph.inputs[0].type.shape
         self.decode_beam = decode_beam()
         self.fixed_chunks = tuple(c for c in FIXED_CHUNKS if c <= self.max_seq_len)
-        self._last_var = {c: UOp.variable(f"last{c}", 0, c - 1) for c in (*self.fixed_chunks, self.prefill_chunk)}
+        self.short_chunks = tuple(c for c in SHORT_CHUNKS if c <= self.max_seq_len)
+        lengths = (*self.fixed_chunks, *self.short_chunks, self.prefill_chunk)
+        self._last_var = {c: UOp.variable(f"last{c}", 0, c - 1) for c in lengths}
         self.steps: dict[tuple, JittedStep] = {}
 
     # -- the jitted steps ---------------------------------------------------------------
@@ -139,12 +146,16 @@ class TinygradExecutable(Executable):
         """The graph on tinygrad Tensors for `batch` rows: what each step's TinyJit traces."""
         owned = frozenset(self.caches)
 
-        def forward(tokens: Tensor, positions: Tensor, starts: list[UOp], slots=None, tree=None) -> Tensor:
-            ctx = LoweringContext(self._bindings(batch, tokens.shape[1]), starts, owned, self.layouts)
+        def forward(tokens: Tensor, positions: Tensor, starts: list[UOp], slots=None, tree=None, last=None) -> Tensor:
+            """The logits [batch, seq, vocab]; [batch, 1, vocab] at position `last` when given."""
+            logits = self.graph.outputs[0]
+            bindings = self._bindings(batch, tokens.shape[1])
+            ctx = LoweringContext(bindings, starts, owned, self.layouts, last=last, logits=logits)
             feeds = {self.graph.inputs[0].name: tokens, self.graph.inputs[1].name: positions}
             if self.token_trees:  # a plain step: slots = positions, and no tree to apply (None)
                 feeds |= {"slots": positions if slots is None else slots, "tree": tree}
-            return graph_to_tensors(self.graph, {**feeds, **self.caches, **self.params}, ctx)[0]
+            out = graph_to_tensors(self.graph, {**feeds, **self.caches, **self.params}, ctx)[0]
+            return out[:, last : last + 1] if last is not None and not ctx.selected_last else out
 
         return forward
 
@@ -223,7 +234,7 @@ class TinygradExecutable(Executable):
             return self._run_tree(tokens, positions, slots, tree)
         tokens, starts = self._check_feeds(tokens, positions)
         pieces, begin = [], 0
-        for used, length in self._chunk_plan(tokens.shape[1]):
+        for used, length in self._chunk_plan(tokens.shape[1], at_zero=not starts.any()):
             chunk = tokens[:, begin : begin + used]
             pieces.append(self._run_chunk(chunk, starts + begin, length, last_only))
             begin += used
@@ -231,17 +242,19 @@ class TinygradExecutable(Executable):
             return pieces[-1]
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
 
-    def _chunk_plan(self, seq: int) -> list[tuple[int, int | None]]:
+    def _chunk_plan(self, seq: int, at_zero: bool = False) -> list[tuple[int, int | None]]:
         """The prompt's pieces as (tokens used, fixed length or None for the symbolic-length step).
 
-        Each piece is the longest fixed chunk that the tokens left fill; what is left under the
-        shortest one runs at a symbolic length (one token: the decode step). Padding it to a fixed
-        chunk instead wrote keys past the prompt that the engine's token-tree and batched steps
-        then read: greedy output differed from plain decoding."""
+        Each piece is the longest fixed chunk that the tokens left fill (the short chunks too
+        unless the call starts at position 0); what is left under the shortest one runs at a
+        symbolic length (one token: the decode step). Padding it to a fixed chunk instead wrote
+        keys past the prompt that the engine's token-tree and batched steps then read: greedy
+        output differed from plain decoding."""
+        chunks = self.fixed_chunks + (() if at_zero else self.short_chunks)
         plan, begin = [], 0
         while begin < seq:
             left = seq - begin
-            fitting = [c for c in self.fixed_chunks if c <= left]
+            fitting = [c for c in chunks if c <= left]
             if fitting:
                 plan.append((fitting[0], fitting[0]))
             else:

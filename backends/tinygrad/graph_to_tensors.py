@@ -28,12 +28,25 @@ class LoweringContext:
         starts: list | None = None,
         owned_caches: frozenset[str] = frozenset(),
         layouts: WeightLayouts | None = None,
+        last=None,
+        logits: Value | None = None,
     ):
         self.bindings = bindings
         self.starts = starts  # one bound Variable per batch row, or None (generic cache ops)
         self.owned_caches = owned_caches
         self.layouts = layouts or WeightLayouts({})
         self._written: set[int] = set()
+        self.last, self.logits = last, logits  # a last_only step's bound index, and the value it selects from
+        self.selected_last = False
+
+    def last_rows(self, node, x: Tensor) -> Tensor:
+        """x [batch, seq, K] at the last_only index when `node` is the product making the graph's
+        logits (the lm_head): the product then runs for that position alone, as a decode step's
+        (over packed codes, their grouped form rather than a prefill matmul over every position)."""
+        if self.last is None or node.outputs[0] is not self.logits or x.ndim != 3:
+            return x
+        self.selected_last = True
+        return x[:, self.last : self.last + 1]
 
     def owns_cache(self, value: Value) -> bool:
         """Is `value` a graph input whose buffer the executable owns (written in place)?"""
@@ -47,6 +60,7 @@ class LoweringContext:
 
     def linear(self, node, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         """x @ weight.T + bias, reading the weight in the layout prepared for it."""
+        x = self.last_rows(node, x)
         y = self.layouts.linear(node.inputs[1], x, weight, node.outputs[0].type.shape[-1])
         return y + bias if bias is not None else y
 

@@ -8,8 +8,8 @@ step fed fresh `Tensor(numpy)` inputs would pay tinygrad's scheduler for two cop
 A prefill step's buffers hold `chunk` tokens; the traced function slices the first `seq` of
 them, `seq` a bound Variable, so every length up to `chunk` replays the same kernels. A token-tree
 step (`tree=True`) is a prefill step with two more buffers, the slots and the tree. A step with a
-`last_var` returns one position's logits, [batch, 1, vocab], at the bound index: the lm_head
-runs for that position alone. An `at_zero` step serves calls whose rows all start at position 0
+`last_var` returns one position's logits, [batch, 1, vocab], at the bound index, which forward
+gets: the lm_head runs for that position alone. An `at_zero` step serves calls whose rows all start at position 0
 (a prompt's first chunk): its starts are the constant 0, not Variables, so attention over the
 chunk's own keys has fixed shapes (cache_attention.chunk_attention).
 """
@@ -72,9 +72,8 @@ class JittedStep:
                 tokens, positions = tokens[:, :seq], positions[:, :seq]
                 if tree_count:
                     slots, tree = slots[:, :seq], tree[:, :seq, :seq]
-            logits = forward(tokens, positions, starts, slots, tree)
-            if last_var is not None:  # the index, passed last
-                logits = logits[:, variables[-1] : variables[-1] + 1]
+            last = variables[-1] if last_var is not None else None  # the index, passed last
+            logits = forward(tokens, positions, starts, slots, tree, last)
             logits_buffer[:, : logits.shape[1]].assign(logits.cast(logits_buffer.dtype))
             Tensor.realize(logits_buffer, *state)
             return logits_buffer

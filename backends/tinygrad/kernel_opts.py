@@ -17,8 +17,9 @@ differs between compile and load); every other kernel keeps tinygrad's own choic
 - prefill (a fixed chunk of rows): lanes x16 and 8 rows at once on an AVX-512 host (an 8 x 16
   tile in eight 512-bit registers, so each weight load serves 8 tokens), 4 elsewhere (eight
   256-bit registers; 8 rows spill AVX2's sixteen), blocks split over the threads.
-A decode product over packed codes (packed_codes.py: uint32 words [N/16, K/per_word, 16]) gets
-lanes x16, two blocks at once and a group's words unrolled (each word unpacked into its codes in registers), the
+A product over packed codes (packed_codes.py: uint32 words [N/16, K/per_word, 16]) gets
+lanes x16, two blocks at once (a static row count of x: 4 rows at once instead, so each code
+unpacked serves 4 tokens) and a group's words unrolled (each word unpacked into its codes in registers), the
 blocks split over the threads from 16k words on (every SmolLM2 product; with the Python pool the
 handoff had cost more than such a product takes, cpu_graph.py's native threads take it in about
 a microsecond).
@@ -37,6 +38,8 @@ THREAD_MIN_WORK = 1 << 18  # multiply-adds per row under which a thread split co
 PACKED_THREAD_MIN_WORDS = (
     1 << 14
 )  # packed-code words under which a product stays on one thread (cpu_graph.py hands pieces to native threads in ~1 us)
+
+PACKED_ROW_TILE = 4  # rows of x per unpacked code: 8 rows x 16 lanes of group sums and totals spill
 
 _installed = {"original": None}
 
@@ -114,6 +117,7 @@ def packed_product_opts(k):
     lane, block, words = axes
     block_id = k.rngs[block].arg[0]
     words_id = None if words is None else k.rngs[words].arg[0]
+    row_id, row_tile = _packed_row_tile(k, (lane, block))
     work = math.prod(d for d in k.full_shape if isinstance(d, int))  # words read (one row of x)
     k = k.copy()
     try:
@@ -124,7 +128,9 @@ def packed_product_opts(k):
             unroll = size if size <= 8 else 4 if size % 4 == 0 else 1
             if unroll > 1:
                 k.apply_opt(Opt(OptOps.UNROLL, k.unrollable_dims.index(axis), unroll))
-        if k.full_shape[_axis_of(k, block_id)] % 2 == 0:  # two blocks' sums in flight: each is a chain of adds
+        if row_id is not None:  # each unpacked code serves a tile of rows (tokens) in registers
+            k.apply_opt(Opt(OptOps.UPCAST, _axis_of(k, row_id), row_tile))
+        elif k.full_shape[_axis_of(k, block_id)] % 2 == 0:  # two blocks' sums in flight: each a chain of adds
             k.apply_opt(Opt(OptOps.UPCAST, _axis_of(k, block_id), 2))
         threads, blocks = NUM_CPU_THREADS.value, k.full_shape[_axis_of(k, block_id)]
         if threads > 1 and blocks % threads == 0 and work >= PACKED_THREAD_MIN_WORDS:
@@ -132,6 +138,21 @@ def packed_product_opts(k):
     except KernelOptError:
         return None
     return k
+
+
+def _packed_row_tile(k, weight_axes: tuple[int, int]) -> tuple[int | None, int]:
+    """(range id, tile) of a fixed row axis of x over packed codes (a few tokens or batch rows),
+    upcast so that each code unpacked serves every row of the tile; (None, 1) when none."""
+    from tinygrad.uop.ops import AxisType
+
+    tile = PACKED_ROW_TILE
+    for axis in k.axes_of(AxisType.GLOBAL, AxisType.LOCAL, AxisType.WEAK):
+        size = k.full_shape[axis]
+        if axis in weight_axes or not isinstance(size, int) or size < 2:
+            continue
+        if size <= tile or size % tile == 0:
+            return k.rngs[axis].arg[0], min(size, tile)
+    return None, 1
 
 
 def _axis_of(k, range_id) -> int:
