@@ -8,6 +8,7 @@ and shared; BEAM search is left off (it belongs to the benchmarks).
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -245,11 +246,39 @@ def test_chunk_attention_in_query_blocks_equals_grouped_attention():
     np.testing.assert_allclose(chunk_attention(q, k, v, 0.25, 30.0, 40).numpy(), want, atol=1e-5, rtol=1e-5)
 
 
+def test_vector_exp_equals_tinygrads_exp2_bit_for_bit(monkeypatch):
+    """vector_exp.py: a float32 exp2 renders as one inline function, its kernel's contiguous
+    axis upcast by 16, and gives the floats of tinygrad's own decomposition (TRANSCENDENTAL=2
+    forces it), infinities, NaN and the clamped ends included."""
+    from tinygrad import Context, Tensor
+    from tinygrad.runtime.support.compiler_cpu import ClangCompiler
+
+    from kiln.backends.tinygrad.vector_exp import EXP2_FUNCTION, install_vector_exp
+
+    install_vector_exp()
+    sources = []
+    compile_cached = ClangCompiler.compile_cached
+    monkeypatch.setattr(
+        ClangCompiler, "compile_cached", lambda self, src: sources.append(src) or compile_cached(self, src)
+    )
+    specials = [np.inf, -np.inf, np.nan, 127.99, 128.0, -150.0, -150.01, -151.0, -0.5, 0.5, 0.0, 1e-40]
+    values = np.random.default_rng(0).uniform(-200, 200, 3 * 688).astype(np.float32)
+    values[: len(specials)] = specials
+    with Context(PARALLEL=0):
+        ours = (Tensor(values.reshape(3, 688)) * 1.0).exp2().numpy().ravel()
+    assert any(EXP2_FUNCTION in src and re.search(r"void E_\w+_16\(", src) for src in sources)  # 16 lanes
+    with Context(TRANSCENDENTAL=2):
+        theirs = (Tensor(values.reshape(3, 688)) * 1.0).exp2().numpy().ravel()
+    assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("scheme", ["int4-g32", "int8"])
 def test_packed_codes_greedy_equals_the_reference_backend(tiny_model_dirs, tmp_path, scheme):
     """Quantized linears and the tied, quantized embedding and lm_head stored packed into 32-bit
-    words (packed_codes.py): greedy equal to the reference backend's artifact of the same scheme."""
+    words (packed_codes.py): greedy equal to the reference backend's artifact of the same scheme
+    (the prompt's lm_head for its last position alone, in the grouped form); then 16 tokens at
+    position 9, a fixed short chunk whose products over the codes tile 4 rows at a time."""
     source = tiny_model_dirs("llama")
     llms = {}
     for backend in ("tinygrad", "reference"):

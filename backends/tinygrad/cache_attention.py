@@ -195,9 +195,11 @@ def chunk_attention(q: Tensor, k: Tensor, v: Tensor, scale: float, softcap: floa
     for begin in range(0, seq, QUERY_BLOCK):
         end = min(begin + QUERY_BLOCK, seq)
         rows = end - begin
-        hidden = Tensor.ones(rows, end, dtype=dtypes.bool).triu(begin + 1)
+        # index comparisons, not a realized mask: the exp kernel's lanes then vectorize (vector_exp.py)
+        key, query = Tensor.arange(end).reshape(1, end), (Tensor.arange(rows) + begin).reshape(rows, 1)
+        hidden = key > query
         if window:
-            hidden = hidden | Tensor.ones(rows, end, dtype=dtypes.bool).tril(begin - window)
+            hidden = hidden | (key <= query - window)
         x = qg[:, :, :, begin:end].reshape(batch, kv_heads, groups, rows, 1, head_dim, 1)
         keys = k_lanes[:, :, : end // LANES].reshape(batch, kv_heads, 1, 1, end // LANES, head_dim, LANES)
         scores = ((x * keys).sum(-2).reshape(batch, kv_heads, groups, rows, end) * scale).contiguous()

@@ -23,6 +23,8 @@ import functools
 import itertools
 from collections import defaultdict
 
+from .vector_exp import install_vector_exp
+
 WIDE_LENGTHS = [16, 8, 4, 2]
 MAX_ALIGNMENT = 16  # bytes; what tinygrad's float4 loads already assume of its buffers
 
@@ -134,11 +136,12 @@ def compile_cached(self, src: str) -> bytes:
 
 def install_wide_loads() -> None:
     """Route tinygrad's memory coalescing, clang vector typedefs and clang compiles through this
-    module (idempotent)."""
+    module, and its exp2 through vector_exp.py (idempotent)."""
     import tinygrad.codegen as codegen
     from tinygrad.renderer.cstyle import ClangRenderer
     from tinygrad.runtime.support.compiler_cpu import ClangCompiler
 
+    install_vector_exp()
     if _installed["coalescing"] is None:
         _installed["coalescing"] = codegen.memory_coalescing
         codegen.memory_coalescing = memory_coalescing
