@@ -2,6 +2,7 @@
 vs trained draft heads.
 
     .venv/bin/python bench/speculative.py [--backend inductor] [--draft-quantize int4-g64] [--tokens 96]
+        [--target ARTIFACT] [--heads-from ARTIFACT] [--kinds eagle] [--out NAME.md]
 
 Two prompts: a code-editing one (the answer repeats most of the prompt: prompt lookup's case)
 and free prose. For each, it prints decode tokens/s (and the ratio to plain greedy in the same
@@ -108,6 +109,7 @@ def engine_heads(llm, speculative):
     heads_drafter.DEFAULT_SETTINGS = speculative.settings
     stored._loaded.pop(speculative.kind, None)  # loaded again with these settings
     make = stored.drafter
+    make(speculative.kind)  # loaded (and its step compiled) before the run is timed
 
     def timed(kind):
         speculative.drafter = TimedDrafter(make(kind))
@@ -175,6 +177,13 @@ class TimedDrafter:
 HEADS_SETTINGS = {
     "int8 2048 (engine chain)": {"vocab": 2048, "int8": True, "tree_nodes": 0, "alternatives": 0, "pause_below": 0.0},
     "int8 2048 (tree top-3, 8 nodes: the default)": {"vocab": 2048, "int8": True, "tree_nodes": 8, "pause_below": 0.0},
+    "int8 2048 (tree top-3, 8 nodes, torch step)": {
+        "vocab": 2048,
+        "int8": True,
+        "tree_nodes": 8,
+        "pause_below": 0.0,
+        "compiled": False,
+    },
     "int8 2048 (engine chain, rests below 0.5 accepted)": {
         "vocab": 2048,
         "int8": True,
@@ -240,9 +249,16 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--kinds", default=None, help="the heads' kinds measured, comma-separated (default: all)")
     parser.add_argument("--heads-from", default=None, help="another artifact whose eagle heads are measured too")
+    parser.add_argument(
+        "--target",
+        default=None,
+        help="the artifact decoding (default: out/bench-spec-BACKEND.kiln, compiled if absent)",
+    )
+    parser.add_argument("--out", default="speculative.md", help="the results file's name in bench/results")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
-    target = compiled(Path(f"out/bench-spec-{args.backend}.kiln"), args.backend, None)
+    target_path = Path(args.target or f"out/bench-spec-{args.backend}.kiln")
+    target = compiled(target_path, args.backend, None)
     drafts = {"prompt lookup (chain)": CHAIN_LOOKUP, "prompt lookup (tree)": "prompt_lookup"}
     try:
         drafts[f"{args.draft_quantize} self-draft"] = compiled(
@@ -309,9 +325,11 @@ def main(argv=None) -> int:
             "drafts whose first i tokens the target accepted."
         )
         + heads_notes(*((manifest, measured[id(manifest)]) for _, manifest in sources))
+        + f"\n\nTarget: `{target_path}` ({target.manifest.get('options', {}).get('quantize') or 'f32'} weights)"
+        + (f"; heads also from `{args.heads_from}`" if args.heads_from else "")
     )
     print(report)
-    write_result(RESULTS / "speculative.md", report)
+    write_result(RESULTS / args.out, report)
     return 0
 
 

@@ -153,6 +153,18 @@ class EagleHeads(DraftHeads):
         self.post_attention_norm = nn.Parameter(torch.full((hidden,), 1.0 - shape.norm_offset))
         self.gate_up = nn.Linear(hidden, 2 * shape.intermediate, bias=False)
         self.down = nn.Linear(shape.intermediate, hidden, bias=False)
+        self.compiled_step = None  # eagle_step.CompiledEagleStep: draft positions run by a backend
+
+    def advance(self, states, tokens, cache: list, level: int, context=None, start: int = 0):
+        """(the predicted states [r, hidden], their logits over the draft vocabulary) at draft
+        position `level` from states [r, hidden] and the tokens [r] after them; `cache` (empty
+        at level 0) holds the draft's earlier keys and values and gets this position's. The
+        compiled step runs it where there is one and the draft's positions are all it attends
+        over; else the torch layer (`_step`, over `context` and from `start` for "whole" heads)."""
+        if self.compiled_step is not None and context is None:
+            return self.compiled_step.advance(states, tokens, cache, level)
+        states = self._step(self._input(states, tokens), cache, context, start)
+        return states, self.logits(0, states)
 
     # -- one draft position ------------------------------------------------------------------
     def _input(self, state: torch.Tensor, token: torch.Tensor) -> torch.Tensor:
@@ -289,9 +301,9 @@ class EagleHeads(DraftHeads):
         state, cache, current = hidden[None], [], torch.tensor([token])
         drafted, confidence, first = [], 1.0, None
         start = context.end if context is not None else 0
-        for _ in range(min(count, self.stages)):
-            state = self._step(self._input(state, current), cache, context, start)
-            logits = self.logits(0, state[0])
+        for level in range(min(count, self.stages)):
+            state, logits = self.advance(state, current, cache, level, context, start)
+            logits = logits[0]
             first = logits if first is None else first
             pick, confidence = _pick(logits, confidence, min_confidence)
             if pick is None:

@@ -43,21 +43,24 @@ def grow_tree(
     parents: list[int] = []
     scores: list[float] = []
     start = context.end if context is not None else 0
-    for _ in range(min(depth, heads.stages)):
-        states = heads._step(heads._input(states, feed), cache, context, start)
-        best = F.log_softmax(heads.logits(0, states).float(), dim=-1).topk(top_k, dim=-1)
+    levels = min(depth, heads.stages)
+    for level in range(levels):
+        states, logits = heads.advance(states, feed, cache, level, context, start)
+        best = F.log_softmax(logits.float(), dim=-1).topk(top_k, dim=-1)
         candidates = (path_scores[:, None] + best.values).flatten()
+        ids = heads.vocab_ids[best.indices.flatten()]
         order = candidates.argsort(descending=True)  # likeliest first: children in that order
-        first_node = len(tokens)
-        for index in order.tolist():
-            tokens.append(int(heads.vocab_ids[best.indices.flatten()[index]]))
+        first_node, id_list, values = len(tokens), ids.tolist(), candidates.tolist()
+        for index in order.tolist():  # plain lists: a tensor index per candidate costs more than the layer
+            tokens.append(id_list[index])
             parents.append(rows_node[index // top_k])
-            scores.append(float(candidates[index]))
+            scores.append(values[index])
+        if level == levels - 1:
+            break
         expand = order[:top_k]  # the next level's rows: the likeliest candidates
         rows = expand // top_k
         states, cache[:] = states[rows], [part[rows] for part in cache]
-        feed = heads.vocab_ids[best.indices.flatten()[expand]]
-        path_scores = candidates[expand]
+        feed, path_scores = ids[expand], candidates[expand]
         rows_node = [first_node + position for position in range(len(expand))]
     floor = math.log(min_probability) if min_probability > 0 else -math.inf
     return _likeliest(tokens, parents, scores, max_nodes, floor)

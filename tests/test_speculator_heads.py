@@ -432,3 +432,26 @@ def test_a_losing_heads_drafter_rests_then_tries_again():
     for _ in range(4):
         drafter.feedback(3, 0)
     assert [len(drafter.propose([1], 3)) for _ in range(4)] == [0, 0, 0, 3]
+
+
+@pytest.mark.slow  # an Inductor compile: 5-15 s on 2 cores
+def test_the_eagle_step_compiled_by_inductor_drafts_as_the_torch_layer(artifact):
+    """Draft-context eagle heads' step, captured into IR, through the passes and lowered by
+    Inductor (fp32 weights here; int8 ones are the quantize phase's, tested with the backend):
+    its trees and chains are the torch layer's. Backends that do not lower it keep the torch layer."""
+    from kiln.runtime.eagle_step import CompiledEagleStep
+    from kiln.runtime.eagle_tree import grow_tree
+    from kiln.runtime.heads_drafter import DraftSettings, step_compiles
+    from kiln.runtime.speculator_heads import build_heads
+
+    torch.manual_seed(0)
+    head = output_head(kiln.load(artifact[0]).graph)
+    heads = build_heads("eagle", head, 3, torch.arange(96), "tied", "draft")
+    assert step_compiles(heads, "inductor") and not step_compiles(heads, "reference")
+    compiled = build_heads("eagle", head, 3, torch.arange(96), "tied", "draft")
+    compiled.load_state_dict(heads.state_dict())
+    compiled.compiled_step = CompiledEagleStep(compiled, DraftSettings().tree_top_k, "inductor", int8=False)
+    for _ in range(4):
+        hidden, token = torch.randn(heads.hidden), int(torch.randint(0, 96, ()))
+        assert grow_tree(compiled, hidden, token, 3, 3, 6) == grow_tree(heads, hidden, token, 3, 3, 6)
+        assert compiled.draft(hidden, token, 3) == heads.draft(hidden, token, 3)
