@@ -16,7 +16,9 @@ differs between compile and load); every other kernel keeps tinygrad's own choic
   unrolled by 4, blocks split over the threads;
 - prefill (a fixed chunk of rows): lanes x16 and 8 rows at once on an AVX-512 host (an 8 x 16
   tile in eight 512-bit registers, so each weight load serves 8 tokens), 4 elsewhere (eight
-  256-bit registers; 8 rows spill AVX2's sixteen), blocks split over the threads.
+  256-bit registers; 8 rows spill AVX2's sixteen), blocks split over the threads, and the loop
+  over blocks outside the loop over token tiles (a block's 16 weight rows stay in cache while
+  every tile reads them, instead of the whole weight streamed once per tile).
 A product over packed codes (packed_codes.py: uint32 words [N/16, K/per_word, 16]) gets
 lanes x16, two blocks at once (a static row count of x: 4 rows at once instead, so each code
 unpacked serves 4 tokens) and a group's words unrolled (each word unpacked into its codes in registers), the
@@ -186,9 +188,27 @@ def interleaved_product_opts(k):
         work = math.prod(d for d in k.full_shape if isinstance(d, int))  # multiply-adds (one row when symbolic)
         if threads > 1 and left % threads == 0 and work >= THREAD_MIN_WORK:
             k.apply_opt(Opt(OptOps.THREAD, _axis_of(k, block_id), threads))
+        if row_id is not None:  # a 512-token SmolLM2 prompt 7-10% faster (Xeon, 2 threads)
+            _loop_outside(k, block_id, row_id)
     except KernelOptError:
         return None
     return k
+
+
+def _loop_outside(k, outer_id, inner_id) -> None:
+    """Swap two output loops so that `outer_id`'s runs outside `inner_id`'s when it ran inside
+    (tinygrad's SWAP, which takes GLOBAL axes only, for the CPU's WEAK ones): a block of 16
+    weight rows then stays in cache while every token tile reads it."""
+    from tinygrad.uop.ops import graph_rewrite, remove_all_tags
+
+    outer, inner = k.rngs[_axis_of(k, outer_id)], k.rngs[_axis_of(k, inner_id)]
+    if outer.arg[0] < inner.arg[0] or outer.arg[-1] != inner.arg[-1]:
+        return
+    swapped = {
+        outer: outer.replace(arg=(*inner.arg[:-1], outer.arg[-1]), tag=1),
+        inner: inner.replace(arg=(*outer.arg[:-1], inner.arg[-1]), tag=1),
+    }
+    k.ast = graph_rewrite(k.ast.substitute(swapped, name="blocks outside"), remove_all_tags, name="remove tags")
 
 
 def key_length_opts(k):
