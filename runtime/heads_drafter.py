@@ -10,7 +10,8 @@ the prompt (`observe_rows`), into a draft cache of their own (eagle_context.py).
 
 The stored heads are made cheaper to draft with once, at load (`DraftSettings`): a smaller draft
 vocabulary (its most frequent tokens) and int8 weights, chosen by
-bench/draft_readout.py's measurement of draft time against acceptance. A drafter whose drafts
+bench/draft_readout.py's measurement of draft time against acceptance; on a backend that lowers
+it, draft-context eagle heads' step is captured into Kiln's IR and compiled (eagle_step.py). A drafter whose drafts
 lose (fewer tokens accepted per draft than pay for the draft and the wider verifying step) rests
 for a few target steps at a time, so speculation costs little where the heads guess badly.
 """
