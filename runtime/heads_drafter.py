@@ -173,20 +173,23 @@ def step_compiles(heads: DraftHeads, backend: str | None) -> bool:
     draft's own positions, on a backend that lowers it; others keep the torch layer."""
     from kiln.runtime.eagle_step import COMPILING_BACKENDS
 
-    return heads.kind == "eagle" and heads.context == "draft" and backend in COMPILING_BACKENDS
+    if heads.kind != "eagle" or heads.context != "draft" or backend not in COMPILING_BACKENDS:
+        return False
+    return heads.stages >= 2 and heads.shape.cos is not None  # the step's fixed shapes assume both
 
 
 def attach_compiled_step(heads: DraftHeads, settings: DraftSettings, backend: str) -> None:
     """The compacted (fp32) heads' step captured, with int8 weights as `settings.int8` says, and
     lowered by `backend` for a tree level's rows; where that fails (no C++ compiler, say) the
     torch layer drafts, its weights int8 as the settings say, with a warning naming why."""
-    from kiln.runtime.eagle_step import CompiledEagleStep, DraftStepError
+    from kiln.ir.errors import KilnError
+    from kiln.runtime.eagle_step import CompiledEagleStep
 
     rows = min(settings.tree_top_k if settings.tree_nodes > 0 else 1, len(heads.vocab_ids))
     try:
-        with _one_thread():
+        with _one_thread():  # its elementwise kernels compiled for one thread: too small to share
             heads.compiled_step = CompiledEagleStep(heads, max(rows, 1), backend, settings.int8)
-    except (DraftStepError, RuntimeError, OSError) as error:
+    except (KilnError, RuntimeError, OSError) as error:  # e.g. no C++ compiler for Inductor
         warnings.warn(f"the eagle heads draft in torch: their step did not compile ({error})", stacklevel=3)
         heads.compact(None, settings.int8)
 
