@@ -19,6 +19,7 @@ vectorizer turns into vector instructions. Other dtypes and devices keep tinygra
 from __future__ import annotations
 
 import functools
+import math
 
 EXP2_FUNCTION = "__kiln_exp2f"
 
@@ -37,6 +38,7 @@ EXP2_SOURCE = f"""static inline __attribute__((always_inline)) float {EXP2_FUNCT
 }}"""
 
 EXP_LANES = (16, 8)  # elements of an exp kernel's contiguous output axis computed together (512 / 256 bits)
+EXP_THREAD_MIN = 1 << 15  # elements under which a kernel stays on one thread (a decode step's silu: 1536)
 
 _installed = {"patterns": None, "render_kernel": None, "apply_opts": None}
 
@@ -71,8 +73,9 @@ def render_kernel(self, function_name, kernel, bufs, uops, prefix=None) -> str:
 
 
 def exp_kernel_opts(k):
-    """k with its contiguous output axis upcast by 16 (or 8) and split over the threads, for an
-    elementwise kernel computing a float32 exp; None for any other kernel.
+    """k with its contiguous output axis upcast by 16 (or 8) and, from EXP_THREAD_MIN elements,
+    split over the threads, for an elementwise kernel computing a float32 exp; None for any other
+    kernel.
 
     tinygrad's heuristic upcasts such a kernel by 3 or 4 (whatever divides), so its lanes fill at
     most a 128-bit vector, and 3 do not vectorize at all."""
@@ -98,10 +101,10 @@ def exp_kernel_opts(k):
     try:
         k.apply_opt(Opt(OptOps.UPCAST, lane, next(n for n in EXP_LANES if k.full_shape[lane] % n == 0)))
         threads = NUM_CPU_THREADS.value
-        for axis in k.axes_of(AxisType.GLOBAL, AxisType.WEAK):
-            if threads > 1 and k.full_shape[axis] % threads == 0:
+        if threads > 1 and math.prod(k.full_shape) >= EXP_THREAD_MIN:
+            axis = next((a for a in k.axes_of(AxisType.GLOBAL, AxisType.WEAK) if k.full_shape[a] % threads == 0), None)
+            if axis is not None:
                 k.apply_opt(Opt(OptOps.THREAD, axis, threads))
-                break
     except KernelOptError:
         return None
     return k
