@@ -67,6 +67,10 @@ class Executable:
     #                         logits alone, and skips the lm_head elsewhere (the engine's prompt chunks)
     copies_rows = True  # False: cache_views cannot be had (KV buffers on a device torch cannot
     #                     address), so the engine reuses a cached prefix only in the row that holds it
+    exact_width: int | None = None  # the most tokens a row's call may feed and still compute every
+    #   position bit for bit as one-token calls do (None: any); speculative verification stays
+    #   within it, so greedy output is plain decoding's even where int8-quantized activations
+    #   turn a wider kernel's rounding into a different token
 
     def logits_buffer(self, batch: int, seq: int) -> torch.Tensor | None:
         """A tensor that `run(..., out=buffer)` writes [batch, seq, vocab] logits into instead of
@@ -109,6 +113,7 @@ class Capabilities:
 
     selects_logits: bool
     copies_rows: bool
+    exact_width: int | None
     logits_buffer: Callable[[int, int], torch.Tensor | None]
 
 
@@ -119,6 +124,7 @@ def capabilities(executable) -> Capabilities:
     return Capabilities(
         selects_logits=bool(getattr(executable, "selects_logits", Executable.selects_logits)),
         copies_rows=bool(getattr(executable, "copies_rows", Executable.copies_rows)),
+        exact_width=getattr(executable, "exact_width", Executable.exact_width),
         logits_buffer=getattr(executable, "logits_buffer", None) or (lambda batch, seq: None),
     )
 

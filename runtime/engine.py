@@ -357,12 +357,14 @@ class Engine:
         widest draft with copies of their last node (pads and rejected drafts write slots past the
         request's tokens, which the next step overwrites before any query reads them). Every row's
         slots are consecutive and inside the cache, as every backend needs: the call is no wider
-        than the room the fullest decoding row has left (drafts beyond it are cut), and a row no
+        than the room the fullest decoding row has left nor than the executable's `exact_width`
+        (drafts beyond it are cut), and a row no
         request decodes in writes its placeholders at the end of its cache.
         Each request keeps its accepted drafts, moved to the slots right after its newest token,
         and adds the target's own token after them."""
         start = time.perf_counter()
         width = min(1 + max(len(d) for d in drafts), min(self.max_seq_len - r.fed for r in requests))
+        width = min(width, self.capabilities.exact_width or width)  # greedy output stays plain's
         drafts = [d if len(d) < width else d.within(None, width - 1) for d in drafts]
         batch_rows = max(r.kv_row for r in requests) + 1
         trees = not all(d.is_chain for d in drafts)

@@ -29,7 +29,9 @@ from typing import Protocol
 
 import torch
 
+from kiln.backends.executable import capabilities
 from kiln.runtime.draft_tree import DraftTree
+from kiln.runtime.engine import PREFILL_CHUNK
 from kiln.runtime.request import GenerationSettings, Request
 from kiln.runtime.results import GenerationResult
 from kiln.runtime.token_ids import check_request_ids, known_prefix, model_vocab_size
@@ -142,6 +144,7 @@ class SpeculativeGeneration:
         self.vocab_size = vocab_size or model_vocab_size(executable)
         check_request_ids(prompt, settings, self.vocab_size)
         self.max_seq_len = executable.options.max_seq_len
+        self.exact_width = capabilities(executable).exact_width
         self.request = Request(
             list(prompt), settings, seed, self.max_seq_len, decoder_factory() if decoder_factory else None
         )
@@ -152,8 +155,7 @@ class SpeculativeGeneration:
         if not request.generating:
             return
         start = time.perf_counter()
-        tokens = torch.tensor([request.prompt])
-        logits = self.executable.run(tokens, torch.arange(len(request.prompt))[None])[0]
+        logits = self._prefill(request.prompt)
         request.prefill_s = request.ttft_s = time.perf_counter() - start
         request.observe_prompt(logits[:-1], 0)
         piece = request.accept(logits[-1])  # which shows a drafter that reads them the logits
@@ -165,12 +167,26 @@ class SpeculativeGeneration:
             request.decode_s += time.perf_counter() - start
             yield from ((0, p) for p in pieces if p)
 
+    def _prefill(self, prompt: list[int]) -> torch.Tensor:
+        """The prompt's logits [len, vocab], fed in the engine's chunks: the keys and values a
+        call writes can differ by rounding with the call's width, so the same chunks keep the
+        greedy output the engine's."""
+        if len(prompt) <= PREFILL_CHUNK:
+            return self.executable.run(torch.tensor([prompt]), torch.arange(len(prompt))[None])[0]
+        rows = []
+        for first in range(0, len(prompt), PREFILL_CHUNK):
+            chunk = prompt[first : first + PREFILL_CHUNK]
+            positions = torch.arange(first, first + len(chunk))[None]
+            rows.append(self.executable.run(torch.tensor([chunk]), positions)[0].clone())
+        return torch.cat(rows)
+
     def _step(self) -> list[str]:
         """Draft, verify in one target call, emit the accepted tokens and the target's own."""
         request = self.request
         context = request.prompt + request.tokens
         position = len(context) - 1  # the newest token's slot
         room = min(self.max_seq_len - 1 - position, request.max_new - len(request.tokens) - 1)
+        room = min(room, self.exact_width - 1) if self.exact_width else room  # greedy output stays plain's
         draft = self.drafter.propose(context, room) if room > 0 else []
         if isinstance(draft, DraftTree):  # one call verifies one chain here
             draft = draft.first_path()

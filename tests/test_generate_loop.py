@@ -246,6 +246,26 @@ def test_a_draft_model_gives_identical_greedy_output_and_reports_acceptance():
     assert poor.token_ids == plain and poor.stats.acceptance_rate < 1.0
 
 
+def test_verification_calls_stay_within_the_executables_exact_width():
+    """Wider calls may round differently (the Inductor attention kernel's few-queries limit), so
+    drafts are cut to what keeps greedy output plain decoding's bit for bit."""
+    from kiln.runtime.speculative import ModelDrafter
+
+    target_executable, widths = executable(), []
+    target_executable.exact_width = 3
+    run = target_executable.run
+    target_executable.run = lambda tokens, positions, **kw: (
+        widths.append(tokens.shape[1]) or run(tokens, positions, **kw)
+    )
+    target = LLM(target_executable)
+    for prompt, speculative in ((LONG, ModelDrafter(executable(), threshold=0.0)), (REPETITIVE, "prompt_lookup")):
+        plain = target.generate(prompt, max_new_tokens=12).token_ids
+        widths.clear()
+        spec = target.generate(prompt, max_new_tokens=12, speculative=speculative)
+        assert spec.token_ids == plain and spec.stats.drafted_tokens > 0
+        assert max(widths[1:]) == 3  # after the prompt's call, verification calls of 3 tokens at most
+
+
 def test_speculative_sampling_keeps_the_target_distribution():
     """The accept/reject rule: emitted tokens follow the target's distribution whatever the draft."""
     import collections

@@ -29,6 +29,9 @@ import torch
 from . import gemv_kernel
 
 _SRC = Path(__file__).with_name("attention_kernel.cpp")
+# kFewQueries in attention_kernel.cpp: a row of at most this many queries runs the kernel that
+# decodes, so its positions equal one-token calls bit for bit; more run ATen's SDPA (other rounding)
+FEW_QUERIES = 16
 
 
 def _register_fake() -> None:

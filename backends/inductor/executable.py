@@ -32,6 +32,7 @@ from kiln.ir import Graph, evaluate, to_torch, verify
 from kiln.ir.errors import OptionError
 from kiln.ir.ops.collectives import check_world, tensor_parallel_size
 
+from .attention_kernel import FEW_QUERIES
 from .lower_to_fx import graph_to_fx
 
 
@@ -79,6 +80,7 @@ class StatefulRunner(Executable):
 
     graph: Graph
     caches: list[torch.Tensor]
+    exact_width = FEW_QUERIES  # wider calls attend through ATen's SDPA (attention_kernel.cpp)
 
     def _init_state(self, graph: Graph, options: BackendOptions) -> dict[str, torch.Tensor]:
         if options.device != "cpu":
