@@ -87,6 +87,31 @@ def test_rows_at_far_apart_positions_get_their_bits_alone():
     torch.testing.assert_close(together, expected, atol=1e-5, rtol=1e-5)
 
 
+def test_a_tree_node_gets_the_bits_of_the_one_token_call_on_its_chain():
+    """A node sees its ancestors through slots its siblings interleave: its output equals, bit for
+    bit, a one-token call with those ancestors in consecutive slots (greedy speculative trees then
+    decode as plain decoding does, even where int8 activations would amplify a rounding)."""
+    generator = torch.Generator().manual_seed(7)
+    heads, kv_heads, head_dim, fed = 6, 2, 64, 150
+    parents = [-1, -1, *range(10)]  # two interleaved branches: even nodes and odd nodes
+    q = torch.randn(1, heads, len(parents), head_dim, generator=generator)
+    k, v = (torch.randn(1, kv_heads, fed + len(parents), head_dim, generator=generator) for _ in range(2))
+    tree = torch.eye(len(parents), dtype=torch.bool)
+    for node, parent in enumerate(parents):
+        while parent >= 0:
+            tree[node, parent], parent = True, parents[parent]
+    scale = 1 / math.sqrt(head_dim)
+    slots = torch.arange(fed, fed + len(parents))[None]
+    together = torch.ops.kiln.cached_attention(q, k, v, slots, scale, 0, tree[None])
+    for node in range(len(parents)):
+        kept = list(range(fed)) + [fed + other for other in range(node % 2, node + 1, 2)]
+        position = torch.tensor([[len(kept) - 1]])
+        alone = torch.ops.kiln.cached_attention(
+            q[:, :, node : node + 1], k[:, :, kept], v[:, :, kept], position, scale, 0
+        )
+        assert torch.equal(together[:, :, node], alone[:, :, 0]), node
+
+
 def test_slots_past_the_position_are_never_read():
     """NaN in the slots a query cannot see (stale rows of the buffer) stays out of the output."""
     q = torch.randn(1, 4, 2, 16)

@@ -213,18 +213,20 @@ void scores_q8(const float* q, const int8_t* k, const float* k_scales, int64_t D
 }
 
 // Softmax numerators of scores[0, n) (slots lo..hi) in place, a tree's hidden slots at exactly
-// zero (scored -inf first, so they cannot set the maximum); returns their sum.
+// zero; returns their sum. The visible scores are packed together first, so a tree's node sums
+// (and exponentiates) its ancestors' scores in the same SIMD lanes as the one-token call of the
+// chain it lies on: an accepted draft's output is then that call's bit for bit.
 float visible_softmax(float* scores, int64_t lo, int64_t hi, const bool* seen, int64_t own_first, int64_t own_count) {
-  const int64_t first = seen ? (lo > own_first ? lo : own_first) : 0;
-  const int64_t last = seen ? (hi < own_first + own_count - 1 ? hi : own_first + own_count - 1) : -1;
-  for (int64_t s = first; s <= last; s++)
-    if (!seen[s - own_first]) scores[s - lo] = -INFINITY;
-  float total = exponentiate(scores, hi - lo + 1);
-  for (int64_t s = first; s <= last; s++)
-    if (!seen[s - own_first]) {
-      total -= scores[s - lo];
-      scores[s - lo] = 0.f;
-    }
+  const int64_t n = hi - lo + 1;
+  if (!seen) return exponentiate(scores, n);
+  const int64_t first = lo > own_first ? lo : own_first;
+  const int64_t last = hi < own_first + own_count - 1 ? hi : own_first + own_count - 1;
+  int64_t kept = (first <= hi ? first : hi + 1) - lo;  // the slots before the call's own ones: all visible
+  for (int64_t s = first; s <= hi; s++)
+    if (s > last || seen[s - own_first]) scores[kept++] = scores[s - lo];
+  const float total = exponentiate(scores, kept);
+  for (int64_t s = hi; s >= first; s--)  // back to their slots, from the end (a packed index <= its slot's)
+    scores[s - lo] = (s > last || seen[s - own_first]) ? scores[--kept] : 0.f;
   return total;
 }
 
