@@ -175,10 +175,7 @@ class EagleHeads(DraftHeads):
         """x [..., n, dim] rotated at `positions` (an int, or n of them)."""
         if self.shape.cos is None:
             return x
-        cos, sin = self.shape.cos[positions], self.shape.sin[positions]
-        half = cos.shape[-1]
-        x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
-        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
+        return rotate(x, self.shape.cos[positions], self.shape.sin[positions])
 
     def _project(self, x: torch.Tensor, positions):
         """Queries [b, heads, n, dim], keys and values [b, kv_heads, n, dim] of inputs x [b, n, hidden]."""
@@ -190,17 +187,17 @@ class EagleHeads(DraftHeads):
         return q, k, v.view(b, n, shape.kv_heads, shape.head_dim).transpose(1, 2)
 
     def _grouped(self, kv: torch.Tensor) -> torch.Tensor:
-        return kv.repeat_interleave(self.shape.heads // self.shape.kv_heads, dim=1)
+        return grouped(kv, self.shape.heads // self.shape.kv_heads)
 
     def _finish(self, x: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
         """The rest of the layer after attention (attended [b, heads, n, dim]) for inputs x
         [b, n, hidden]; returns the predicted states after the model's final norm."""
         shape = self.shape
         x = x + self.o_proj(attended.transpose(1, 2).reshape(*x.shape[:2], -1))
-        normed = _rms_norm(x, self.post_attention_norm, shape.eps, shape.norm_offset)
+        normed = rms_norm(x, self.post_attention_norm, shape.eps, shape.norm_offset)
         gate, up = self.gate_up(normed).chunk(2, dim=-1)
         x = x + self.down(self._activate(gate) * up)
-        return _rms_norm(x, self.final_norm, shape.final_eps, shape.final_offset)
+        return rms_norm(x, self.final_norm, shape.final_eps, shape.final_offset)
 
     def _step(self, x: torch.Tensor, cache: list[torch.Tensor], context=None, start: int = 0) -> torch.Tensor:
         """The layer at the next draft position for inputs x [b, hidden], attending over the
@@ -221,9 +218,7 @@ class EagleHeads(DraftHeads):
         return self._finish(x[:, None], attended)[:, 0]
 
     def _activate(self, x: torch.Tensor) -> torch.Tensor:
-        if self.shape.activation == "gelu":
-            return F.gelu(x, approximate=self.shape.gelu_approximate)
-        return F.silu(x)
+        return activate(x, self.shape)
 
     # -- teacher-forced tokens, own states (training, evaluation) -----------------------------
     def states(self, hidden: torch.Tensor, tokens: torch.Tensor) -> list[torch.Tensor]:
@@ -348,5 +343,29 @@ def _shifted(x: torch.Tensor, by: int) -> torch.Tensor:
     return torch.cat((torch.zeros_like(x[..., :by, :]), x[..., :-by, :]), dim=-2)
 
 
-def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, offset: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * (weight + offset)
+# The layer's pieces as plain ops, shared with its compiled step (eagle_step.py), which Kiln's
+# frontend captures.
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float, offset: float) -> torch.Tensor:
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return normed if weight is None else normed * (weight + offset)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on x [..., dim] with cos and sin rows [..., half] (dims past 2 * half unrotated)."""
+    half = cos.shape[-1]
+    x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
+
+
+def grouped(kv: torch.Tensor, group: int) -> torch.Tensor:
+    """kv [b, kv_heads, n, dim] with each kv head repeated for its `group` query heads."""
+    if group == 1:
+        return kv
+    rows, heads, length, dim = kv.shape
+    return kv[:, :, None].expand(rows, heads, group, length, dim).reshape(rows, heads * group, length, dim)
+
+
+def activate(x: torch.Tensor, shape: LayerShape) -> torch.Tensor:
+    if shape.activation == "gelu":
+        return F.gelu(x, approximate=shape.gelu_approximate)
+    return F.silu(x)

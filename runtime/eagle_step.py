@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from kiln.ir.errors import KilnError
+from kiln.runtime.eagle_heads import activate, grouped, rms_norm, rotate
 
 # backends whose lowering runs the step; others draft with the torch heads
 COMPILING_BACKENDS = ("inductor",)
@@ -68,49 +69,25 @@ class EagleStepModule(nn.Module):
     def forward(self, states, embedded, keys, values, cos, sin, mask):
         shape = self.shape
         rows = states.shape[0]
-        embedded = _rms_norm(embedded, None, torch.finfo(torch.float32).eps, 0.0)
+        embedded = rms_norm(embedded, None, torch.finfo(torch.float32).eps, 0.0)
         x = self.fc(torch.cat((states, embedded), dim=-1))
         width, kv_width = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
         qkv = self.qkv(x)
         q = qkv[:, :width].reshape(rows, shape.heads, 1, shape.head_dim)
         k = qkv[:, width : width + kv_width].reshape(rows, shape.kv_heads, 1, shape.head_dim)
         v = qkv[:, width + kv_width :].reshape(rows, shape.kv_heads, 1, shape.head_dim)
-        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         all_k, all_v = torch.cat((keys, k), dim=2), torch.cat((values, v), dim=2)
         group = shape.heads // shape.kv_heads
-        all_k, all_v = _grouped(all_k, group), _grouped(all_v, group)
+        all_k, all_v = grouped(all_k, group), grouped(all_v, group)
         scores = torch.matmul(q, all_k.transpose(-1, -2)) * shape.scale + mask
         attended = torch.matmul(torch.softmax(scores, dim=-1), all_v)
         x = x + self.o_proj(attended.reshape(rows, width))
-        normed = _rms_norm(x, self.post_attention_norm, shape.eps, shape.norm_offset)
+        normed = rms_norm(x, self.post_attention_norm, shape.eps, shape.norm_offset)
         gate, up = self.gate_up(normed).chunk(2, dim=-1)
-        x = x + self.down(_activate(gate, shape) * up)
-        state = _rms_norm(x, self.final_norm, shape.final_eps, shape.final_offset)
+        x = x + self.down(activate(gate, shape) * up)
+        state = rms_norm(x, self.final_norm, shape.final_eps, shape.final_offset)
         return state, self.readout(state), k, v
-
-
-def _rms_norm(x, weight, eps: float, offset: float):
-    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return normed if weight is None else normed * (weight + offset)
-
-
-def _rope(x, cos, sin):
-    half = cos.shape[-1]
-    x1, x2, rest = x[..., :half], x[..., half : 2 * half], x[..., 2 * half :]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, rest), dim=-1)
-
-
-def _grouped(kv, group: int):
-    if group == 1:
-        return kv
-    rows, heads, length, dim = kv.shape
-    return kv[:, :, None].expand(rows, heads, group, length, dim).reshape(rows, heads * group, length, dim)
-
-
-def _activate(x, shape):
-    if shape.activation == "gelu":
-        return torch.nn.functional.gelu(x, approximate=shape.gelu_approximate)
-    return torch.nn.functional.silu(x)
 
 
 @dataclass(frozen=True)
