@@ -47,9 +47,10 @@ def add_arguments(commands) -> None:
     )
     serve.add_argument(
         "--speculative",
-        choices=["prompt_lookup", "heads"],
+        choices=["prompt_lookup", "heads", "heads+lookup"],
         help="draft every request's tokens inside the engine, by prompt lookup (n-grams of its own "
-        "context) or by the artifact's draft heads (`kiln train-speculator`), verified in the decode "
+        "context), by the artifact's draft heads (`kiln train-speculator`) or by both merged into one "
+        "tree (heads+lookup), verified in the decode "
         "step: greedy output unchanged",
     )
     serve.add_argument(
@@ -100,8 +101,8 @@ def run_command(args: argparse.Namespace) -> int:
     llm = kiln.load(args.artifact, expected_sha256=args.expect_sha256)
     reward_model = kiln.load(args.reward_model) if args.reward_model else None
     check_served_models(llm, reward_model)
-    if args.speculative == "heads":
-        llm.engine_drafter("heads")  # an artifact without heads: one line now, not an error per request
+    if args.speculative in ("heads", "heads+lookup"):
+        llm.engine_drafter(args.speculative)  # an artifact without heads: one line now, not an error per request
     llm.engine.max_queue = args.max_queue
     name = args.model_name or Path(args.artifact).resolve().name.removesuffix(".kiln")
     print(

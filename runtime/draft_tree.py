@@ -42,6 +42,33 @@ class DraftTree:
                 at = child[key]
         return cls(tuple(tokens), tuple(parents))
 
+    @classmethod
+    def merged(cls, trees: Sequence[DraftTree], max_nodes: int) -> tuple[DraftTree, list[int]]:
+        """One tree holding the nodes of `trees` (the first ones first, each in its own order) with
+        their shared prefixes stored once, at most `max_nodes` nodes (a node past the budget drops
+        with its descendants), and for each node a bit mask of the trees it came from (bit i: the
+        i-th tree)."""
+        tokens: list[int] = []
+        parents: list[int] = []
+        sources: list[int] = []
+        child: dict[tuple[int, int], int] = {}
+        for bit, tree in enumerate(trees):
+            placed: dict[int, int] = {-1: -1}  # the tree's node -> the merged node
+            for node, (token, parent) in enumerate(zip(tree.tokens, tree.parents)):
+                if parent not in placed:
+                    continue
+                key = (placed[parent], token)
+                if key not in child:
+                    if len(tokens) == max_nodes:
+                        continue
+                    child[key] = len(tokens)
+                    tokens.append(token)
+                    parents.append(placed[parent])
+                    sources.append(0)
+                placed[node] = child[key]
+                sources[child[key]] |= 1 << bit
+        return cls(tuple(tokens), tuple(parents)), sources
+
     def __len__(self) -> int:
         return len(self.tokens)
 

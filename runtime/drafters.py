@@ -1,8 +1,9 @@
 """Which drafter a `speculative=` setting names, for the engine (per request) or run alone.
 
-Inside the engine: "prompt_lookup" (each request drafts from its own context) and "heads" /
+Inside the engine: "prompt_lookup" (each request drafts from its own context), "heads" /
 "heads:KIND" (the draft heads `kiln train-speculator` stored in the artifact, loaded once per
-kind and shared by every request's drafter). Run alone, one prompt at a time: a draft LLM or any
+kind and shared by every request's drafter) and "heads+lookup" / "heads:KIND+lookup" (both,
+merged into one tree a step: lookup_heads_drafter.py). Run alone, one prompt at a time: a draft LLM or any
 object with propose() and feedback() (kiln.runtime.speculative.Drafter).
 """
 
@@ -41,11 +42,34 @@ def engine_drafter(speculative, heads: StoredHeads):
     fail at the call); None for the drafters that run alone."""
     if speculative == "prompt_lookup":
         return PromptLookupDrafter
+    if isinstance(speculative, str) and speculative.endswith(LOOKUP_SUFFIX):
+        return _lookup_and_heads(speculative.removesuffix(LOOKUP_SUFFIX), heads)
     if isinstance(speculative, str) and speculative.split(":")[0] == "heads":
         kind = speculative.partition(":")[2] or None
         heads.drafter(kind)
         return functools.partial(heads.drafter, kind)
     return None
+
+
+LOOKUP_SUFFIX = "+lookup"  # "heads+lookup", "heads:KIND+lookup": the heads' tree and prompt lookup's, merged
+
+
+def _lookup_and_heads(named: str, heads: StoredHeads):
+    """Per-request LookupHeadsDrafters over the stored heads `named` ("heads" or "heads:KIND")."""
+    from kiln.ir.errors import ArtifactError
+    from kiln.runtime.lookup_heads_drafter import LookupHeadsDrafter
+
+    if named.split(":")[0] != "heads":
+        raise GenerationError(
+            f"speculative={named + LOOKUP_SUFFIX!r:.60} names no heads to merge prompt lookup with. "
+            "Fix: speculative='heads+lookup' (or 'heads:KIND+lookup')."
+        )
+    kind = named.partition(":")[2] or None
+    try:
+        heads.drafter(kind)
+    except ArtifactError as error:
+        raise ArtifactError(f"{error} (speculative='heads+lookup' without heads: use 'prompt_lookup')") from None
+    return lambda: LookupHeadsDrafter(heads.drafter(kind))
 
 
 def lone_drafter(speculative, draft_llm_class):

@@ -126,8 +126,9 @@ class LLM:
         speculates side by side and drafts are token trees where the backend verifies them,
         "prompt_lookup" (n-gram drafts from each request's context) or "heads" (the draft heads
         `kiln train-speculator` stored in the artifact; "heads:mlp" or "heads:medusa" picks a
-        kind); or, one prompt at a time holding the executable alone, another `LLM` compiled from
-        a model with the same tokenizer (it drafts), or any `kiln.runtime.speculative.Drafter`.
+        kind) or "heads+lookup" (both, merged into one tree a step); or, one prompt at a time
+        holding the executable alone, another `LLM` compiled from a model with the same tokenizer
+        (it drafts), or any `kiln.runtime.speculative.Drafter`.
         Greedy output is identical to plain decoding; the stats report acceptance and tokens per
         target step.
 
@@ -229,8 +230,8 @@ class LLM:
         """Queue one prompt on the engine and return at once: iterate the handle (or `async for`)
         for its text, `handle.result()` (or `await handle.wait()`) for its GenerationResult,
         `handle.cancel()` to stop it. Same keywords as `generate`; `speculative` takes
-        "prompt_lookup" only (drafted inside the engine). Bad arguments raise here; a full queue
-        raises QueueFullError."""
+        the drafters that run inside the engine ("prompt_lookup", "heads", "heads+lookup"). Bad
+        arguments raise here; a full queue raises QueueFullError."""
         speculative = sampling.pop("speculative", None)
         resolve_bad_words(self.tokenizer, sampling)
         constraint = pop_constraint(self.tokenizer, sampling)
@@ -245,7 +246,7 @@ class LLM:
             if engine_drafter is None:
                 raise GenerationError(
                     f"submit drafts by prompt lookup or heads only, got speculative={speculative!r:.60}. "
-                    "Fix: pass 'prompt_lookup' or 'heads', or use generate for the other drafters."
+                    "Fix: pass 'prompt_lookup', 'heads' or 'heads+lookup', or use generate for the other drafters."
                 )
             if constraint is not None:
                 raise GenerationError(
@@ -406,7 +407,8 @@ class LLM:
         ]
 
     def engine_drafter(self, speculative):
-        """A factory of per-request drafters for the engine ("prompt_lookup", "heads[:KIND]"), or
+        """A factory of per-request drafters for the engine ("prompt_lookup", "heads[:KIND]",
+        "heads[:KIND]+lookup"), or
         None for the drafters that run alone (runtime/drafters.py)."""
         return engine_drafter(speculative, self.heads)
 
