@@ -42,6 +42,7 @@ bool kiln_gemv_use_avx512(bool wanted);
 #include <cstring>
 #include <memory>
 #include <type_traits>
+#include <vector>
 
 namespace kiln_gemv {
 

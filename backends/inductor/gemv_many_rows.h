@@ -1,4 +1,4 @@
-// Kiln CPU linear kernels for many rows of x (M = 9..64, and int8 from 4): included by
+// Kiln CPU linear kernels for many rows of x (M = 9..128, and int8 from 4): included by
 // gemv_kernel.cpp inside its SIMD translation unit (namespace kiln_gemv; needs its Load*, tail_mask,
 // line_start and prefetch_row). Split out to keep each file readable; hashed with it for the build.
 #pragma once
@@ -190,6 +190,127 @@ static void many_rows_step512(const float* xt, int64_t xrs, const int* blocks, i
     }
   }
 }
+
+// ---- AVX-512, f32 weights: blocks computed from L2 while the next one streams in ----
+//
+// The rows of Wt are taken in the kernel's order (kernel_order: step by step, slab by slab, then
+// the rows left over) and cut, with the columns, into blocks of about kBlockBytes. Within a block
+// each 64-column tile runs the rows of x in blocks of up to six, 24 accumulators held in
+// registers over all the block's rows (y read and written once per block, so each element still
+// takes one FMA per k in the kernel's order). Meanwhile the next block's lines are asked for into
+// L2 row by row in address order: runs of up to 4 KB, which memory streams far better than the
+// 16 slab streams of 64-byte pieces many_rows_step512 reads (bench/many_rows_probe.py on AMD EPYC,
+// 16 rows of x: 30.7 ms for SmolLM2's linears against 47.9).
+constexpr int kTileVectors = 4;  // 64 columns
+constexpr int kTileRows = 6;     // rows of x per register tile: 24 accumulators
+constexpr int64_t kBlockBytes = 256 * 1024;
+constexpr int64_t kBlockCols = 1024;
+
+// The next block's lines, a few asked for at each of this block's row steps.
+struct BlockPrefetch {
+  const float* base = nullptr;    // Wt + the block's first column
+  const int64_t* rows = nullptr;  // its rows' offsets in Wt (floats), in address order
+  int64_t nrows = 0, lines = 0, per_step = 0, r = 0, l = 0;
+  inline void step() {
+    for (int64_t t = 0; t < per_step && r < nrows; t++) {
+      _mm_prefetch(reinterpret_cast<const char*>(base + rows[r]) + l * 64, _MM_HINT_T1);
+      if (++l == lines) l = 0, r++;
+    }
+  }
+};
+
+// y[0:MB, 0:16 NV] += sum_i x(m, i) * w[rows[i], 0:16 NV]; x(m, i) at xo[i * M + m]; the last
+// vector's columns masked by `last` where Masked.
+template <int MB, int NV, bool Masked>
+static inline void block_tile(const float* xo, int64_t M, const float* w, const int64_t* rows, int64_t nk,
+                              float* y, int64_t ldy, __mmask16 last, BlockPrefetch& next) {
+  __m512 a[MB][NV];
+  for (int m = 0; m < MB; m++)
+    for (int v = 0; v < NV; v++)
+      a[m][v] = Masked && v == NV - 1 ? _mm512_maskz_loadu_ps(last, y + m * ldy + 16 * v)
+                                      : _mm512_loadu_ps(y + m * ldy + 16 * v);
+  for (int64_t i = 0; i < nk; i++) {
+    next.step();
+    const float* wr = w + rows[i];
+    __m512 wv[NV];
+    for (int v = 0; v < NV; v++)
+      wv[v] = Masked && v == NV - 1 ? _mm512_maskz_loadu_ps(last, wr + 16 * v) : _mm512_loadu_ps(wr + 16 * v);
+    const float* xi = xo + i * M;
+    for (int m = 0; m < MB; m++) {
+      const __m512 b = _mm512_set1_ps(xi[m]);
+      for (int v = 0; v < NV; v++) a[m][v] = _mm512_fmadd_ps(wv[v], b, a[m][v]);
+    }
+  }
+  for (int m = 0; m < MB; m++)
+    for (int v = 0; v < NV; v++) {
+      if (Masked && v == NV - 1) _mm512_mask_storeu_ps(y + m * ldy + 16 * v, last, a[m][v]);
+      else _mm512_storeu_ps(y + m * ldy + 16 * v, a[m][v]);
+    }
+}
+
+// One tile's columns for every row of x, in register tiles of up to kTileRows rows.
+template <int NV, bool Masked>
+static void block_tile_rows(const float* xo, int64_t M, const float* w, const int64_t* rows, int64_t nk, float* y,
+                            int64_t ldy, __mmask16 last, BlockPrefetch& next) {
+  const int nb = (int)((M + kTileRows - 1) / kTileRows);
+  for (int b = 0, m0 = 0; b < nb; b++) {
+    const int mb = (int)(M / nb + (b < M % nb ? 1 : 0));
+    const float* xb = xo + m0;
+    float* yb = y + m0 * ldy;
+    switch (mb) {
+      case 1: block_tile<1, NV, Masked>(xb, M, w, rows, nk, yb, ldy, last, next); break;
+      case 2: block_tile<2, NV, Masked>(xb, M, w, rows, nk, yb, ldy, last, next); break;
+      case 3: block_tile<3, NV, Masked>(xb, M, w, rows, nk, yb, ldy, last, next); break;
+      case 4: block_tile<4, NV, Masked>(xb, M, w, rows, nk, yb, ldy, last, next); break;
+      case 5: block_tile<5, NV, Masked>(xb, M, w, rows, nk, yb, ldy, last, next); break;
+      default: block_tile<kTileRows, NV, Masked>(xb, M, w, rows, nk, yb, ldy, last, next);
+    }
+    m0 += mb;
+  }
+}
+
+// y[0:M, c0:c1] (holding init_row or 0) += x[0:M, k0:k1] @ Wt[k0:k1, c0:c1], f32 weights.
+static void panel_blocks(const float* x, int64_t ldx, int64_t M, const float* Wt, int64_t N, int64_t k0, int64_t k1,
+                         int64_t c0, int64_t c1, float* y, int64_t ldy) {
+  constexpr int TW = 16 * kTileVectors;
+  const int64_t slab = (k1 - k0) / kRowStep, nk = k1 - k0;
+  std::vector<int64_t> rows;  // Wt's rows in the kernel's order, as offsets
+  rows.reserve(nk);
+  for (int64_t j = 0; j < slab; j++)
+    for (int r = 0; r < kRowStep; r++) rows.push_back((k0 + j + r * slab) * N);
+  for (int64_t k = k0 + slab * kRowStep; k < k1; k++) rows.push_back(k * N);
+  std::unique_ptr<float[]> xo(new float[nk * M]);  // x in that order: M floats per row of Wt
+  for (int64_t i = 0; i < nk; i++)
+    for (int64_t m = 0; m < M; m++) xo[i * M + m] = x[m * ldx + rows[i] / N];
+  const int64_t width = std::min<int64_t>((c1 - c0 + TW - 1) / TW * TW, kBlockCols);
+  const int64_t depth = std::min<int64_t>(nk, std::max<int64_t>(kRowStep, kBlockBytes / (width * 4) / kRowStep * kRowStep));
+  struct Block { int64_t cs, ce, i0, i1; };
+  std::vector<Block> blocks;
+  for (int64_t cs = c0; cs < c1; cs += width)
+    for (int64_t i0 = 0; i0 < nk; i0 += depth) blocks.push_back({cs, std::min(c1, cs + width), i0, std::min(nk, i0 + depth)});
+  std::vector<int64_t> by_address;
+  const int64_t row_tiles = (M + kTileRows - 1) / kTileRows;
+  for (size_t b = 0; b < blocks.size(); b++) {
+    const Block& B = blocks[b];
+    BlockPrefetch next;
+    if (b + 1 < blocks.size()) {
+      const Block& F = blocks[b + 1];
+      by_address.assign(rows.begin() + F.i0, rows.begin() + F.i1);
+      std::sort(by_address.begin(), by_address.end());
+      const int64_t steps = (B.ce - B.cs + TW - 1) / TW * row_tiles * (B.i1 - B.i0);
+      next = BlockPrefetch{Wt + F.cs, by_address.data(), F.i1 - F.i0, (F.ce - F.cs + 15) / 16};
+      next.per_step = (next.nrows * next.lines + steps - 1) / steps;
+    }
+    const float* xb = xo.get() + B.i0 * M;
+    const int64_t* rb = rows.data() + B.i0;
+    int64_t c = B.cs;
+    for (; c + TW <= B.ce; c += TW) block_tile_rows<kTileVectors, false>(xb, M, Wt + c, rb, B.i1 - B.i0, y + c, ldy, 0, next);
+    for (; c < B.ce; c += 16) {
+      const __mmask16 last = (__mmask16)((1u << std::min<int64_t>(16, B.ce - c)) - 1);
+      block_tile_rows<1, true>(xb, M, Wt + c, rb, B.i1 - B.i0, y + c, ldy, last, next);
+    }
+  }
+}
 #pragma GCC pop_options
 
 static bool use_avx512 = __builtin_cpu_supports("avx512f");
@@ -210,6 +331,8 @@ static void panel_many(const float* x, int64_t ldx, int64_t M, const typename L:
   for (int64_t m = 0; m < M; m++)
     for (int64_t c = c0; c < c1; c++) y[m * ldy + c] = init_row ? init_row[c] : 0.f;
   if (k0 == k1) return;
+  if constexpr (std::is_same_v<typename L::T, float>)
+    if (use_avx512) return panel_blocks(x, ldx, M, Wt, N, k0, k1, c0, c1, y, ldy);
   std::unique_ptr<float[]> xt(new float[(k1 - k0) * M]);  // x^T: a step's broadcasts are base + m
   for (int64_t m = 0; m < M; m++)
     for (int64_t k = k0; k < k1; k++) xt[(k - k0) * M + m] = x[m * ldx + k];
