@@ -5,6 +5,7 @@
 // Built and run by bench/many_rows_probe.py; usage: many_rows_probe M ROUNDS VARIANT... (M = 0: the
 // FMA peak of 2 threads instead)
 //   variants: kernel     the project's kernel (kiln_gemv_panel_f32; AVX-512: panel_blocks)
+//             blocks     panel_blocks at any M (the kernel takes it from M = many_rows_from on)
 //             slab-steps the kernel before panel_blocks: each step 16 rows of Wt (one per slab) x
 //                        32 columns x up to 8 rows of x, y in and out of L2 every step
 //             one-stream each thread's weight tiles copied in the order the kernel reads them
@@ -171,7 +172,10 @@ static void run_one(const std::string& v, const Linear& L, int t, const float* x
   if (v == "kernel") kiln_gemv_panel_f32(x, K, M, L.w, N, L.k0[t], L.k1[t], L.c0[t], L.c1[t], y, N, nullptr);
   else if (v == "one-stream") probe::panel_one_stream(x, K, M, L.copy[t].data(), L.k0[t], L.k1[t], L.c0[t], L.c1[t], y, N);
   else if (v == "tile48x8") probe::panel_tiles<3, 8>(x, K, M, L.w, N, L.k0[t], L.k1[t], L.c0[t], L.c1[t], y, N);
-  else if (v == "slab-steps") probe::panel_tiles<2, 8>(x, K, M, L.w, N, L.k0[t], L.k1[t], L.c0[t], L.c1[t], y, N);
+  else if (v == "blocks") {
+    for (int64_t m = 0; m < M; m++) std::fill(y + m * N + L.c0[t], y + m * N + L.c1[t], 0.f);
+    if (L.k0[t] < L.k1[t]) panel_blocks(x, K, M, L.w, N, L.k0[t], L.k1[t], L.c0[t], L.c1[t], y, N);
+  } else if (v == "slab-steps") probe::panel_tiles<2, 8>(x, K, M, L.w, N, L.k0[t], L.k1[t], L.c0[t], L.c1[t], y, N);
   else if (v == "tile64x6") probe::panel_tiles<4, 6>(x, K, M, L.w, N, L.k0[t], L.k1[t], L.c0[t], L.c1[t], y, N);
   else { fprintf(stderr, "unknown variant %s\n", v.c_str()); exit(2); }
 }

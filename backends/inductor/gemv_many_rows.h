@@ -203,7 +203,7 @@ static void many_rows_step512(const float* xt, int64_t xrs, const int* blocks, i
 // 16 rows of x: 30.7 ms for SmolLM2's linears against 47.9).
 constexpr int kTileVectors = 4;  // 64 columns
 constexpr int kTileRows = 6;     // rows of x per register tile: 24 accumulators
-constexpr int64_t kBlockBytes = 256 * 1024;
+constexpr int64_t kBlockBytes = 256 * 1024;  // 128 KB and a first block asked for up front: no faster
 constexpr int64_t kBlockCols = 1024;
 
 // The next block's lines, a few asked for at each of this block's row steps.
@@ -317,11 +317,12 @@ static bool use_avx512 = __builtin_cpu_supports("avx512f");
 
 // Rows of x from which panel_many beats the slab kernels in gemv_kernel.cpp (whole SmolLM2 steps,
 // 2 threads): f32 streams better through `panel` up to 8 rows (from 2 rows, panel_many made
-// steps of 2-8 tokens 14-18% slower, though the linears alone measured 5-10% faster); int8
-// gains from widening each tile once from 4 rows.
+// steps of 2-8 tokens 14-18% slower, though the linears alone measured 5-10% faster), and with
+// AVX-512 up to 6 (panel_blocks from 7 rows: 30.5 ms against 35.2 at 8 rows, 25.1 against 22.8
+// at 6, bench/many_rows_probe.py on AMD EPYC); int8 gains from widening each tile once from 4 rows.
 template <class T>
 static inline int64_t many_rows_from() {
-  return std::is_same_v<T, float> ? 9 : 4;
+  return std::is_same_v<T, float> ? (use_avx512 ? 7 : 9) : 4;
 }
 
 // y[0:M, c0:c1] = init_row (or 0) + x[0:M, k0:k1] @ Wt[k0:k1, c0:c1] for any M.
