@@ -1,8 +1,8 @@
 """Speculative decoding on SmolLM2-135M: plain greedy vs prompt lookup vs a quantized self-draft
-vs trained draft heads.
+vs trained draft heads vs the heads and prompt lookup merged into one tree (heads+lookup).
 
     .venv/bin/python bench/speculative.py [--backend inductor] [--draft-quantize int4-g64] [--tokens 96]
-        [--target ARTIFACT] [--heads-from ARTIFACT] [--kinds eagle] [--out NAME.md]
+        [--target ARTIFACT] [--heads-from ARTIFACT] [--kinds eagle] [--methods WORD,..] [--out NAME.md]
 
 Two prompts: a code-editing one (the answer repeats most of the prompt: prompt lookup's case)
 and free prose. For each, it prints decode tokens/s (and the ratio to plain greedy in the same
@@ -92,13 +92,15 @@ class EngineHeads:
     (kiln.runtime.heads_drafter.DraftSettings), each request's drafter timed (`drafter`); `stored`:
     another artifact's heads (kiln.runtime.drafters.StoredHeads; None: the target's)."""
 
-    def __init__(self, kind: str, settings, stored=None):
+    def __init__(self, kind: str, settings, stored=None, lookup: bool = False):
         self.kind, self.settings, self.drafter, self.stored = kind, settings, None, stored
+        self.lookup = lookup  # merged with prompt lookup's drafts ("heads:KIND+lookup")
 
 
 @contextmanager
 def engine_heads(llm, speculative):
-    """For an EngineHeads: speculative="heads:KIND" with its settings, its drafters timed."""
+    """For an EngineHeads: speculative="heads:KIND" (or "heads:KIND+lookup") with its settings,
+    its heads' drafters timed."""
     if not isinstance(speculative, EngineHeads):
         yield speculative
         return
@@ -117,7 +119,7 @@ def engine_heads(llm, speculative):
 
     stored.drafter = timed
     try:
-        yield f"heads:{speculative.kind}"
+        yield f"heads:{speculative.kind}" + ("+lookup" if speculative.lookup else "")
     finally:
         del stored.drafter
         stored._loaded.pop(speculative.kind, None)
@@ -250,6 +252,11 @@ def main(argv=None) -> int:
     parser.add_argument("--kinds", default=None, help="the heads' kinds measured, comma-separated (default: all)")
     parser.add_argument("--heads-from", default=None, help="another artifact whose eagle heads are measured too")
     parser.add_argument(
+        "--methods",
+        default=None,
+        help="measure only the methods whose name contains one of these comma-separated words (plain always)",
+    )
+    parser.add_argument(
         "--target",
         default=None,
         help="the artifact decoding (default: out/bench-spec-BACKEND.kiln, compiled if absent)",
@@ -261,14 +268,17 @@ def main(argv=None) -> int:
     target = compiled(target_path, args.backend, None)
     drafts = {"prompt lookup (chain)": CHAIN_LOOKUP, "prompt lookup (tree)": "prompt_lookup"}
     try:
-        drafts[f"{args.draft_quantize} self-draft"] = compiled(
-            Path(f"out/bench-spec-{args.backend}-{args.draft_quantize}.kiln"), args.backend, args.draft_quantize
-        )
+        self_draft = f"{args.draft_quantize} self-draft"
+        if not args.methods or any(word in self_draft for word in args.methods.split(",")):
+            drafts[self_draft] = compiled(
+                Path(f"out/bench-spec-{args.backend}-{args.draft_quantize}.kiln"), args.backend, args.draft_quantize
+            )
     except Exception as error:  # noqa: BLE001 - a scheme this backend cannot lower yet: report, keep going
         print(f"note: no {args.draft_quantize} draft on {args.backend}: {error}", file=sys.stderr)
     from kiln.runtime.artifact import read_manifest
     from kiln.runtime.drafters import StoredHeads
     from kiln.runtime.heads_drafter import DraftSettings
+    from kiln.runtime.lookup_heads_drafter import MAX_NODES
 
     kinds = args.kinds.split(",") if args.kinds else None
     sources = [(None, target.manifest)]
@@ -286,6 +296,13 @@ def main(argv=None) -> int:
             for name, settings in HEADS_SETTINGS.items():
                 if kind == "eagle" or "tree" not in name:
                     drafts[f"{label}, {name}"] = functools.partial(EngineHeads, kind, DraftSettings(**settings), stored)
+            default = DraftSettings(pause_below=0.0)
+            drafts[f"{label} + prompt lookup, one tree ({MAX_NODES} nodes: heads+lookup)"] = functools.partial(
+                EngineHeads, kind, default, stored, lookup=True
+            )
+    if args.methods:
+        words = args.methods.split(",")
+        drafts = {method: draft for method, draft in drafts.items() if any(word in method for word in words)}
     lines = [
         "| prompt | method | tok/s | x plain | acceptance | tokens/target step | draft ms/step | "
         "accepted to stage 1/2/3/.. | same as plain | others' cores |",
