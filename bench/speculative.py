@@ -92,9 +92,10 @@ class EngineHeads:
     (kiln.runtime.heads_drafter.DraftSettings), each request's drafter timed (`drafter`); `stored`:
     another artifact's heads (kiln.runtime.drafters.StoredHeads; None: the target's)."""
 
-    def __init__(self, kind: str, settings, stored=None, lookup: bool = False):
+    def __init__(self, kind: str, settings, stored=None, lookup: dict | None = None):
         self.kind, self.settings, self.drafter, self.stored = kind, settings, None, stored
-        self.lookup = lookup  # merged with prompt lookup's drafts ("heads:KIND+lookup")
+        # merged with prompt lookup's drafts ("heads:KIND+lookup"), its PromptLookupDrafter's arguments
+        self.lookup = lookup
 
 
 @contextmanager
@@ -104,9 +105,11 @@ def engine_heads(llm, speculative):
     if not isinstance(speculative, EngineHeads):
         yield speculative
         return
-    from kiln.runtime import heads_drafter
+    from kiln.runtime import heads_drafter, lookup_heads_drafter
 
-    saved, own = heads_drafter.DEFAULT_SETTINGS, llm.heads
+    saved, own, lookup = heads_drafter.DEFAULT_SETTINGS, llm.heads, lookup_heads_drafter.PromptLookupDrafter
+    if speculative.lookup:
+        lookup_heads_drafter.PromptLookupDrafter = functools.partial(lookup, **speculative.lookup)
     stored = llm.heads = speculative.stored or own
     heads_drafter.DEFAULT_SETTINGS = speculative.settings
     stored._loaded.pop(speculative.kind, None)  # loaded again with these settings
@@ -119,8 +122,9 @@ def engine_heads(llm, speculative):
 
     stored.drafter = timed
     try:
-        yield f"heads:{speculative.kind}" + ("+lookup" if speculative.lookup else "")
+        yield f"heads:{speculative.kind}" + ("+lookup" if speculative.lookup is not None else "")
     finally:
+        lookup_heads_drafter.PromptLookupDrafter = lookup
         del stored.drafter
         stored._loaded.pop(speculative.kind, None)
         heads_drafter.DEFAULT_SETTINGS = saved
@@ -200,6 +204,10 @@ HEADS_SETTINGS = {
         "pause_below": 0.5,
     },
 }
+
+
+# heads+lookup: the default tree of the heads merged with prompt lookup's (PromptLookupDrafter's arguments)
+LOOKUP_SETTINGS = {": heads+lookup": {}, ", lookup up to 12 tokens": {"max_draft": 12}}
 
 
 def fresh(speculative):
@@ -297,9 +305,10 @@ def main(argv=None) -> int:
                 if kind == "eagle" or "tree" not in name:
                     drafts[f"{label}, {name}"] = functools.partial(EngineHeads, kind, DraftSettings(**settings), stored)
             default = DraftSettings(pause_below=0.0)
-            drafts[f"{label} + prompt lookup, one tree ({MAX_NODES} nodes: heads+lookup)"] = functools.partial(
-                EngineHeads, kind, default, stored, lookup=True
-            )
+            for name, lookup in LOOKUP_SETTINGS.items():
+                drafts[f"{label} + prompt lookup, one tree ({MAX_NODES} nodes{name})"] = functools.partial(
+                    EngineHeads, kind, default, stored, lookup=lookup
+                )
     if args.methods:
         words = args.methods.split(",")
         drafts = {method: draft for method, draft in drafts.items() if any(word in method for word in words)}
