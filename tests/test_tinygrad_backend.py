@@ -209,8 +209,8 @@ def test_real_smollm2_greedy_equals_hugging_face(smollm2_dir, tmp_path):
 
 def test_prompt_pieces_fixed_and_symbolic_match_hugging_face(compiled):
     """40 tokens run as a fixed chunk of 32 at position 0 (its own keys, fixed shapes) and 8 at a
-    symbolic length; 20 more at position 40 as a short fixed chunk of 16 and 4 at a symbolic
-    length; last_only keeps the last row. Then 8 tokens, and a fixed chunk of 32 at the symbolic
+    symbolic length; 20 more at position 40 as a short fixed chunk of 16 and 4 in the chunk of 8
+    padded; last_only keeps the last row. Then 8 tokens, and a fixed chunk of 32 at the symbolic
     start 8."""
     _, llm, model = compiled("llama")
     executable = llm.executable
@@ -220,15 +220,47 @@ def test_prompt_pieces_fixed_and_symbolic_match_hugging_face(compiled):
     first = executable.run(tokens[:, :40], torch.arange(40)[None])
     last = executable.run(tokens[:, 40:], torch.arange(40, 60)[None], last_only=True)
     assert executable._chunk_plan(40, at_zero=True) == [(32, 32), (8, None)]
-    assert executable._chunk_plan(20) == [(16, 16), (4, None)] and executable._chunk_plan(20, True) == [(20, None)]
+    assert executable._chunk_plan(20) == [(16, 16), (4, 8)] and executable._chunk_plan(20, True) == [(20, None)]
+    assert executable._chunk_plan(20, room=23) == [(16, 16), (4, None)]  # no 8 slots left after the 16
     torch.testing.assert_close(first, want[:, :40], atol=2e-4, rtol=2e-4)
     torch.testing.assert_close(last, want[:, 59:], atol=2e-4, rtol=2e-4)
     executable.reset()
     executable.run(tokens[:, :8], torch.arange(8)[None])
     later = executable.run(tokens[:, 8:40], torch.arange(8, 40)[None])
     fixed = {key for key in executable.jits if "fixed" in key}
-    assert fixed == {(1, "fixed", 32, "at_zero"), (1, "fixed", 32), (1, "fixed", 16, "last")}
+    assert fixed == {(1, "fixed", 32, "at_zero"), (1, "fixed", 32), (1, "fixed", 16, "last"), (1, "fixed", 8, "last")}
     torch.testing.assert_close(later, want[:, 8:40], atol=2e-4, rtol=2e-4)
+
+
+def test_every_step_length_at_a_symbolic_start_matches_hugging_face(compiled):
+    """M = 1..16 tokens after a 9-token prompt (decode; 2-3 at a symbolic length, 4-7 in the chunk
+    of 8 padded; 8; 9-15 in the chunk of 16 padded; 16): every position's logits are Hugging Face's. A
+    padded call at row 1 leaves row 0's keys past its tokens as they were (the padding's slots
+    are put back), and near the end of the cache, where 8 slots do not fit, the tail runs at a
+    symbolic length."""
+    _, llm, model = compiled("llama")
+    executable = llm.executable
+    tokens = torch.tensor(prompts([64], seed=7))
+    want = model(input_ids=tokens).logits.float()
+    for m in range(1, 17):
+        executable.reset()
+        executable.run(tokens[:, :9], torch.arange(9)[None])
+        got = executable.run(tokens[:, 9 : 9 + m], torch.arange(9, 9 + m)[None])
+        torch.testing.assert_close(got, want[:, 9 : 9 + m], atol=2e-4, rtol=2e-4, msg=f"M = {m}")
+    assert {(1, "fixed", 8), (1, "fixed", 16)} <= set(executable.jits)
+    executable.reset()
+    executable.run(tokens[:, :40], torch.arange(40)[None])  # row 0: keys in slots 0..39
+    row0 = [view[0, :, :40].clone() for view in executable.cache_views()]
+    executable.run(tokens[:, :9], torch.arange(9)[None], first_row=1)
+    got = executable.run(tokens[:, 9:13], torch.arange(9, 13)[None], first_row=1)  # pads slots 13..16
+    torch.testing.assert_close(got, want[:, 9:13], atol=2e-4, rtol=2e-4)
+    assert all(torch.equal(view[0, :, :40], kept) for view, kept in zip(executable.cache_views(), row0))
+    assert executable.pad_from == 4 and executable._chunk_plan(3) == [(3, None)]
+    assert executable._chunk_plan(5) == [(5, 8)] and executable._chunk_plan(5, room=64 - 58) == [(5, None)]
+    assert executable._chunk_plan(12) == [(12, 16)] and executable._chunk_plan(12, room=14) == [(8, 8), (4, None)]
+    executable.run(tokens[:, :58], torch.arange(58)[None])
+    got = executable.run(tokens[:, 58:63], torch.arange(58, 63)[None])
+    torch.testing.assert_close(got, want[:, 58:63], atol=2e-4, rtol=2e-4)
 
 
 def test_chunk_attention_in_query_blocks_equals_grouped_attention():
@@ -304,3 +336,10 @@ def test_packed_codes_greedy_equals_the_reference_backend(tiny_model_dirs, tmp_p
         logits[backend] = llm.executable.run(tokens[:, 9:25], torch.arange(9, 25)[None])
     assert (1, "fixed", 16) in llms["tinygrad"].executable.jits
     torch.testing.assert_close(logits["tinygrad"], logits["reference"], atol=1e-3, rtol=1e-3)
+    assert llms["tinygrad"].executable.pad_from == 2
+    for m in (3, 5, 8, 11):  # the chunks of 8 and 16, padded
+        for backend, llm in llms.items():
+            llm.executable.reset()
+            llm.executable.run(tokens[:, :9], torch.arange(9)[None])
+            logits[backend] = llm.executable.run(tokens[:, 9 : 9 + m], torch.arange(9, 9 + m)[None])
+        torch.testing.assert_close(logits["tinygrad"], logits["reference"], atol=1e-3, rtol=1e-3, msg=f"M = {m}")

@@ -56,6 +56,7 @@ FIXED_CHUNKS = (512, 128, 32)  # prompt pieces compiled at a fixed length, so pr
 # token streamed the weights again). A prompt's first piece under 32 tokens stays symbolic, one
 # step for every short prompt.
 SHORT_CHUNKS = (16, 8)
+PAD_F32_FROM = 4  # f32 weights: tokens from which a call's rest runs the shortest short chunk padded
 
 
 def decode_beam() -> int:
@@ -139,6 +140,11 @@ class TinygradExecutable(Executable):
         self.short_chunks = tuple(c for c in SHORT_CHUNKS if c <= self.max_seq_len)
         lengths = (*self.fixed_chunks, *self.short_chunks, self.prefill_chunk)
         self._last_var = {c: UOp.variable(f"last{c}", 0, c - 1) for c in lengths}
+        # Tokens from which a call's rest runs the chunk of 8 padded: at a symbolic length, products
+        # over packed codes dequantize them inside an untiled matmul (SmolLM2 int4-g32, EPYC: 2 tokens
+        # 37.7 ms against the padded chunk's 26.4); f32 ones stream the weights once per token, which
+        # costs less than the chunk below 4 tokens (26.6 ms for 2 against ~40).
+        self.pad_from = 2 if any(s.packed for s in self.layouts.stored.values()) else PAD_F32_FROM
         self.steps: dict[tuple, JittedStep] = {}
 
     # -- the jitted steps ---------------------------------------------------------------
@@ -234,46 +240,78 @@ class TinygradExecutable(Executable):
             return self._run_tree(tokens, positions, slots, tree)
         tokens, starts = self._check_feeds(tokens, positions)
         pieces, begin = [], 0
-        for used, length in self._chunk_plan(tokens.shape[1], at_zero=not starts.any()):
+        room = self.max_seq_len - int(starts.max())
+        for used, length in self._chunk_plan(tokens.shape[1], at_zero=not starts.any(), room=room):
             chunk = tokens[:, begin : begin + used]
-            pieces.append(self._run_chunk(chunk, starts + begin, length, last_only))
+            if length is not None and used < length:
+                pieces.append(self._run_padded(chunk, starts + begin, length, last_only))
+            else:
+                pieces.append(self._run_chunk(chunk, starts + begin, length, last_only))
             begin += used
         if last_only:
             return pieces[-1]
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)
 
-    def _chunk_plan(self, seq: int, at_zero: bool = False) -> list[tuple[int, int | None]]:
-        """The prompt's pieces as (tokens used, fixed length or None for the symbolic-length step).
+    def _chunk_plan(self, seq: int, at_zero: bool = False, room: int | None = None) -> list[tuple[int, int | None]]:
+        """The call's pieces as (tokens used, fixed length or None for the symbolic-length step).
 
         Each piece is the longest fixed chunk that the tokens left fill (the short chunks too
-        unless the call starts at position 0); what is left under the shortest one runs at a
-        symbolic length (one token: the decode step). Padding it to a fixed chunk instead wrote
-        keys past the prompt that the engine's token-tree and batched steps then read: greedy
-        output differed from plain decoding."""
+        unless the call starts at position 0). At a symbolic start, `pad_from` to 15 tokens left
+        that are not a short chunk run the shortest short chunk that holds them, padded
+        (`_run_padded`: 4-7 tokens in the chunk of 8, 9-15 in the chunk of 16, which costs less
+        than 8 and a padded 8), when its slots fit in the `room` the call has (max_seq_len - its
+        largest start); otherwise what is left runs at a symbolic length (one token: the decode
+        step), where every token streams the weights again."""
         chunks = self.fixed_chunks + (() if at_zero else self.short_chunks)
+        short = () if at_zero else self.short_chunks
         plan, begin = [], 0
         while begin < seq:
             left = seq - begin
+            holding = [c for c in short if c > left >= self.pad_from and (room is None or begin + c <= room)]
             fitting = [c for c in chunks if c <= left]
-            if fitting:
+            if holding and left not in chunks and left < max(short):
+                plan.append((left, min(holding)))
+            elif fitting:
                 plan.append((fitting[0], fitting[0]))
             else:
                 plan.append((min(left, self.prefill_chunk), None))
             begin += plan[-1][0]
         return plan
 
-    def _run_chunk(self, tokens: np.ndarray, starts: np.ndarray, length: int | None, last_only: bool) -> torch.Tensor:
-        """One piece of `_chunk_plan`: `length` set, the fixed step of that many tokens (= seq)."""
+    def _run_chunk(
+        self, tokens: np.ndarray, starts: np.ndarray, length: int | None, last_only: bool, last: int | None = None
+    ) -> torch.Tensor:
+        """One piece of `_chunk_plan`: `length` set, the fixed step of that many tokens (= seq);
+        `last`: the token whose logits a `last_only` fixed step returns (default: the last)."""
         batch, seq = tokens.shape
         positions = starts[:, None] + np.arange(seq, dtype=np.int64)
         bound = [var.bind(int(s)) for var, s in zip(self._start_vars, starts)]
         if length is not None:
             at_zero = not starts.any()
             step = self._step(batch, "fixed", length, last_only, at_zero)
-            return torch.from_numpy(step(tokens, positions, bound, last=seq - 1))
+            return torch.from_numpy(step(tokens, positions, bound, last=seq - 1 if last is None else last))
         kind = "decode" if seq == 1 else "prefill"
         step = self._step(batch, kind, last_only=last_only and kind == "prefill")
         return torch.from_numpy(step(tokens, positions, bound))
+
+    def _run_padded(self, tokens: np.ndarray, starts: np.ndarray, length: int, last_only: bool) -> torch.Tensor:
+        """`used` < `length` tokens through the fixed step of `length`, the tail padded (the last
+        token repeated at the next positions). The padding writes cache slots past the call's
+        tokens, which hold other keys: the run_at_rows swap moves only the slots the call uses, so
+        row 0's own keys sit there. They are copied out first and back after; the padding's
+        logits are dropped. Causal masking keeps the padding from the real tokens' logits."""
+        used = tokens.shape[1]
+        padding = np.repeat(tokens[:, -1:], length - used, axis=1)
+        rows = [(b, int(s) + used, int(s) + length) for b, s in enumerate(starts)]
+        views = self.cache_views()
+        saved = [[view[b, :, begin:end].clone() for b, begin, end in rows] for view in views]
+        try:
+            logits = self._run_chunk(np.concatenate([tokens, padding], axis=1), starts, length, last_only, used - 1)
+        finally:
+            for view, kept in zip(views, saved):
+                for (b, begin, end), slots in zip(rows, kept):
+                    view[b, :, begin:end].copy_(slots)
+        return logits if last_only else logits[:, :used]
 
     def _run_tree(self, tokens, positions, slots, tree) -> torch.Tensor:
         """A token tree: the tree step over chunks of at most prefill_chunk tokens, each at the

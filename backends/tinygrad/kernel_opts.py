@@ -26,7 +26,9 @@ blocks split over the threads from 16k words on (every SmolLM2 product; with the
 handoff had cost more than such a product takes, cpu_graph.py's native threads take it in about
 a microsecond).
 Kernels over a symbolic key length (cache_attention.py's keys-major attention) get their constant
-axes upcast and split over the threads (`key_length_opts`).
+axes upcast and split over the threads (`key_length_opts`; an axis of a few pieces per thread is
+split first, so that the upcasts do not take it whole), and elementwise ones over the keys at a
+symbolic start are split over the threads (`key_length_elementwise_opts`).
 """
 
 from __future__ import annotations
@@ -238,10 +240,12 @@ def key_length_opts(k):
         return None
     ids = [k.rngs[i].arg[0] for i in outputs]
     lane = _unit_stride_axis(k, outputs)
+    lanes = lane is not None and k.full_shape[lane] % LANES == 0
     k = k.copy()
+    threaded = not lanes and _thread_first(k, outputs)  # the scores (the weighted values keep their lanes)
     try:
         upcast = 1
-        if lane is not None and k.full_shape[lane] % LANES == 0:
+        if lanes:
             k.apply_opt(Opt(OptOps.UPCAST, lane, LANES))
             upcast = LANES
         for range_id in ids:
@@ -258,13 +262,44 @@ def key_length_opts(k):
             if k.full_shape[axis] % 4 == 0:
                 k.apply_opt(Opt(OptOps.UNROLL, len(k.unrollable_dims) - 1, 4))
         threads = NUM_CPU_THREADS.value
-        for axis in k.axes_of(AxisType.GLOBAL, AxisType.WEAK):
+        for axis in k.axes_of(AxisType.GLOBAL, AxisType.WEAK) if not threaded else ():
             if threads > 1 and isinstance(k.full_shape[axis], int) and k.full_shape[axis] % threads == 0:
                 k.apply_opt(Opt(OptOps.THREAD, axis, threads))
                 break
     except KernelOptError:
         return None
     return k
+
+
+def key_length_elementwise_opts(k):
+    """k with its first constant output axis split over the threads, for an elementwise kernel
+    over the keys at a symbolic start (the softmax's exponentials of 8 or 16 queries' scores,
+    which tinygrad's heuristic leaves on one core); None for any other kernel."""
+    if k.reduceop is not None or not any("start" in str(d) for d in k.full_shape if not isinstance(d, int)):
+        return None
+    from tinygrad.uop.ops import AxisType
+
+    outputs = [i for i in k.axes_of(AxisType.GLOBAL, AxisType.LOCAL, AxisType.WEAK) if isinstance(k.full_shape[i], int)]
+    k = k.copy()
+    return k if _thread_first(k, outputs) else None
+
+
+def _thread_first(k, outputs: list[int]) -> bool:
+    """Split the first constant output axis that holds a few pieces per thread over the threads
+    before the upcasts take every such axis whole: the scores of 8 or 16 queries at a symbolic
+    start (8 queries x 3 KV heads upcast, 3 KV heads left) ran on one core."""
+    from tinygrad.helpers import NUM_CPU_THREADS
+
+    threads = NUM_CPU_THREADS.value
+    for axis in outputs:
+        size = k.full_shape[axis]
+        if threads > 1 and size % threads == 0 and size >= 4 * threads:
+            try:
+                k.apply_opt(Opt(OptOps.THREAD, axis, threads))
+                return True
+            except KernelOptError:
+                continue
+    return False
 
 
 def _unit_stride_axis(k, axes: list[int]) -> int | None:
@@ -292,7 +327,9 @@ def _apply_opts(ast, ren, beam: int = 0):
 
     k = Scheduler(ast, ren)
     k.convert_loop_to_global()
-    chosen = interleaved_product_opts(k) or packed_product_opts(k) or key_length_opts(k)
+    chosen = (
+        interleaved_product_opts(k) or packed_product_opts(k) or key_length_opts(k) or key_length_elementwise_opts(k)
+    )
     if chosen is None:
         return original(ast, ren, beam)
     return chosen.get_optimized_ast(
