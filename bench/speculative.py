@@ -206,8 +206,14 @@ HEADS_SETTINGS = {
 }
 
 
-# heads+lookup: the default tree of the heads merged with prompt lookup's (PromptLookupDrafter's arguments)
-LOOKUP_SETTINGS = {": heads+lookup": {}, ", lookup up to 12 tokens": {"max_draft": 12}}
+# heads+lookup: the heads' tree (DraftSettings beside the default's) merged with prompt lookup's
+# (PromptLookupDrafter's arguments)
+LOOKUP_SETTINGS = {
+    ": heads+lookup": ({}, {}),
+    ", lookup up to 12 tokens": ({}, {"max_draft": 12}),
+    ", heads' tree of 4 nodes": ({"tree_nodes": 4}, {}),
+    ", heads' chain": ({"tree_nodes": 0, "alternatives": 0}, {}),
+}
 
 
 def fresh(speculative):
@@ -304,10 +310,10 @@ def main(argv=None) -> int:
             for name, settings in HEADS_SETTINGS.items():
                 if kind == "eagle" or "tree" not in name:
                     drafts[f"{label}, {name}"] = functools.partial(EngineHeads, kind, DraftSettings(**settings), stored)
-            default = DraftSettings(pause_below=0.0)
-            for name, lookup in LOOKUP_SETTINGS.items():
+            for name, (settings, lookup) in LOOKUP_SETTINGS.items():
+                settings = DraftSettings(**{"pause_below": 0.0, **settings})
                 drafts[f"{label} + prompt lookup, one tree ({MAX_NODES} nodes{name})"] = functools.partial(
-                    EngineHeads, kind, default, stored, lookup=lookup
+                    EngineHeads, kind, settings, stored, lookup=lookup
                 )
     if args.methods:
         words = args.methods.split(",")
