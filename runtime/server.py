@@ -1,7 +1,7 @@
 """An OpenAI-compatible HTTP server over the continuous-batching engine.
 
-    kiln serve model.kiln [--host 127.0.0.1] [--port 8000] [--api-key KEY] [--speculative prompt_lookup|heads]
-                          [--reward-model reward.kiln]
+    kiln serve model.kiln [--host 127.0.0.1] [--port 8000] [--api-key KEY]
+        [--speculative prompt_lookup|heads|heads+lookup] [--reward-model reward.kiln]
     app = create_app(kiln.load("model.kiln"))          # any ASGI server can run it
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (the model's chat template), GET
