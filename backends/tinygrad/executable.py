@@ -225,8 +225,9 @@ class TinygradExecutable(Executable):
         check_rows(first_row, tokens.size(0), self.max_batch)
         given = slots is not None or tree is not None
         extra = tree_feeds(positions, slots, tree) if self.token_trees and given else refuse_trees(slots, tree)
-        front = functools.partial(self._run_front, last_only=last_only)
-        logits = run_at_rows(front, self.cache_views(), tokens, positions, first_row, extra)
+        views = self.cache_views()  # ~0.8 ms for SmolLM2's 60 caches: made once per call
+        front = functools.partial(self._run_front, last_only=last_only, views=views)
+        logits = run_at_rows(front, views, tokens, positions, first_row, extra)
         return logits[:, -1:] if last_only and logits.shape[1] > 1 else logits
 
     def cache_views(self) -> list[torch.Tensor]:
@@ -234,7 +235,7 @@ class TinygradExecutable(Executable):
         return [_torch_view(cache) for cache in self.caches.values()]
 
     def _run_front(
-        self, tokens: torch.Tensor, positions: torch.Tensor, slots=None, tree=None, last_only: bool = False
+        self, tokens: torch.Tensor, positions: torch.Tensor, slots=None, tree=None, last_only: bool = False, views=()
     ) -> torch.Tensor:
         if tree is not None and not _is_plain(positions, slots, tree):
             return self._run_tree(tokens, positions, slots, tree)
@@ -244,7 +245,7 @@ class TinygradExecutable(Executable):
         for used, length in self._chunk_plan(tokens.shape[1], at_zero=not starts.any(), room=room):
             chunk = tokens[:, begin : begin + used]
             if length is not None and used < length:
-                pieces.append(self._run_padded(chunk, starts + begin, length, last_only))
+                pieces.append(self._run_padded(chunk, starts + begin, length, last_only, views))
             else:
                 pieces.append(self._run_chunk(chunk, starts + begin, length, last_only))
             begin += used
@@ -294,7 +295,9 @@ class TinygradExecutable(Executable):
         step = self._step(batch, kind, last_only=last_only and kind == "prefill")
         return torch.from_numpy(step(tokens, positions, bound))
 
-    def _run_padded(self, tokens: np.ndarray, starts: np.ndarray, length: int, last_only: bool) -> torch.Tensor:
+    def _run_padded(
+        self, tokens: np.ndarray, starts: np.ndarray, length: int, last_only: bool, views: list[torch.Tensor]
+    ) -> torch.Tensor:
         """`used` < `length` tokens through the fixed step of `length`, the tail padded (the last
         token repeated at the next positions). The padding writes cache slots past the call's
         tokens, which hold other keys: the run_at_rows swap moves only the slots the call uses, so
@@ -303,7 +306,6 @@ class TinygradExecutable(Executable):
         used = tokens.shape[1]
         padding = np.repeat(tokens[:, -1:], length - used, axis=1)
         rows = [(b, int(s) + used, int(s) + length) for b, s in enumerate(starts)]
-        views = self.cache_views()
         saved = [[view[b, :, begin:end].clone() for b, begin, end in rows] for view in views]
         try:
             logits = self._run_chunk(np.concatenate([tokens, padding], axis=1), starts, length, last_only, used - 1)
