@@ -53,8 +53,8 @@ PREFILL_CHUNK = 64
 FIXED_CHUNKS = (512, 128, 32)  # prompt pieces compiled at a fixed length, so products tile along tokens
 # Pieces of a call at a symbolic start (a verification step, a prompt's later piece) compiled at a
 # fixed length too: one pass over the weights serves their tokens (at a symbolic length, every
-# token streamed the weights again). A prompt's first piece under 32 tokens stays symbolic, one
-# step for every short prompt.
+# token streamed the weights again). A shorter rest runs one of them padded (`_chunk_plan`). A
+# prompt's first piece under 32 tokens stays symbolic, one step for every short prompt.
 SHORT_CHUNKS = (16, 8)
 PAD_F32_FROM = 4  # f32 weights: tokens from which a call's rest runs the shortest short chunk padded
 
