@@ -42,7 +42,7 @@ from kiln.runtime.draft_tree import DraftTree
 from kiln.runtime.engine_paging import block_copier, decode_table_feed, make_room, table_feed
 from kiln.runtime.errors import QueueFullError
 from kiln.runtime.kv_blocks import KvBlocks
-from kiln.runtime.kv_slots import KvSlots, common_prefix_length
+from kiln.runtime.kv_slots import KvSlots
 from kiln.runtime.request import GenerationSettings, Request, RequestStatus
 from kiln.runtime.request_handle import RequestHandle
 from kiln.runtime.row_moves import move_top_row_down
@@ -83,7 +83,7 @@ class Engine:
             self.verifies_trees = False  # drafts are not verified in the engine over a paged cache yet
             self.slots = KvBlocks(self.max_batch, self.paged, block_copier(executable), prefix_caching)
         else:
-            self.slots = KvSlots(self.max_batch, prefix_caching, self.capabilities.copies_rows)
+            self.slots = KvSlots.serving(self.max_batch, prefix_caching, self.capabilities)
         # a prompt chunk needs its last position's logits only, where the executable can skip the rest
         self._last_only = {"last_only": True} if self.capabilities.selects_logits else {}
         self.waiting: deque[Request] = deque()
@@ -244,7 +244,7 @@ class Engine:
         if self._prefill_to_share(request):
             return False
         tokens = request.prompt + request.tokens  # a preempted request resumes with what it generated
-        placement = self.slots.place(tokens)
+        placement = self.slots.place(tokens, self.prefill_chunk)
         if placement is None:
             return False
         with self._lock:
@@ -259,7 +259,7 @@ class Engine:
         if self.paged:
             self.slots.occupy(request.kv_row, request, tokens, placement.reused)
         else:
-            self.slots.occupy(request.kv_row, request, tokens[: placement.reused])
+            self.slots.occupy(request.kv_row, request, tokens[: placement.reused], placement.labels)
         self.running.append(request)
         if placement.copy_from is not None:
             copy_prefix(self.executable.cache_views(), placement.copy_from, placement.row, placement.reused)
@@ -272,10 +272,9 @@ class Engine:
         burst of requests behind one system prompt, prefill their common part once."""
         if not (self.slots.prefix_caching and self.slots.row_copies):
             return False
-        usable = len(request.prompt) - 1  # its last prompt token is always fed again
         for other in self.running:
             if other.fed < len(other.prompt):
-                shared = min(common_prefix_length(other.prompt, request.prompt), usable)
+                shared = self.slots.shareable(other.prompt, request.prompt, self.prefill_chunk)
                 if shared >= SHARED_PREFILL and shared > other.fed:
                     return True
         return False
@@ -380,7 +379,7 @@ class Engine:
             fed, newest = request.fed, int(tokens[request.kv_row, 0])
             piece, path = request.verify_tree(logits[request.kv_row, : 1 + len(draft)].float().cpu(), draft)
             self._keep_path(request.kv_row, fed, path)
-            self.slots.fed(request.kv_row, [newest, *(draft.tokens[node] for node in path)], fed)
+            self.slots.fed(request.kv_row, [newest, *(draft.tokens[node] for node in path)], fed, width)
             request.fed += 1 + len(path)
             self._emitted(request, piece)
         elapsed = time.perf_counter() - start

@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kiln.runtime.kv_slots import Placement
+from kiln.runtime.kv_slots import Placement, common_prefix_length
 
 SCRATCH = 0  # the block no request owns
 
@@ -82,9 +82,14 @@ class KvBlocks:
         return -(-slots // self.block_size)
 
     # -- admission ---------------------------------------------------------------------------
-    def place(self, tokens: list[int]) -> Placement | None:
+    def shareable(self, prefilled: list[int], tokens: list[int], chunk: int | None = None) -> int:
+        """How many of `tokens` a request could share once another request has fed `prefilled`."""
+        return min(common_prefix_length(prefilled, tokens), len(tokens) - 1)
+
+    def place(self, tokens: list[int], chunk: int | None = None) -> Placement | None:
         """A free lane for a request that will feed `tokens`, reusing the registered blocks its
-        tokens start with; None when no lane is free or too few blocks are (it waits)."""
+        tokens start with; None when no lane is free or too few blocks are (it waits). Unlike
+        `KvSlots`, any registered block is reused, whatever call computed it (`chunk` is unused)."""
         lane = next((i for i, o in enumerate(self.occupant) if o is None), None)
         if lane is None:
             return None

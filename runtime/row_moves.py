@@ -25,6 +25,6 @@ def move_top_row_down(slots: KvSlots, executable, running: list) -> None:
         return
     source, target = top.kv_row, free[0]
     copy_prefix(executable.cache_views(), source, target, top.fed)
-    slots.occupy(target, top, slots.contents[source][: top.fed])
+    slots.occupy(target, top, slots.contents[source][: top.fed], slots.labels[source])
     slots.release(source)  # its contents stay cached for a prompt that starts with them
     top.kv_row = target

@@ -45,8 +45,10 @@ def executable(max_batch: int = ROWS):
     )
 
 
-def alone(prompt, **kwargs):
-    return LLM(executable(1)).generate(prompt, **kwargs)
+def alone(prompt, prefill_chunk: int | None = None, **kwargs):
+    llm = LLM(executable(1))
+    llm.engine.prefill_chunk = prefill_chunk or llm.engine.prefill_chunk
+    return llm.generate(prompt, **kwargs)
 
 
 def mixed_prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -125,9 +127,12 @@ def test_a_request_left_in_a_high_row_moves_down_so_decode_calls_narrow():
 
 
 def test_a_repeated_prompt_reuses_its_cached_prefix():
+    """The reference backend declares no exact_width: a prefix is reused up to a chunk boundary
+    (runtime/exact_reuse.py), here all but the last token, which a fresh prefill feeds alone too."""
     log = CallLog(executable())
     llm = LLM(log)
-    prompt = [11, 12, 13, 14, 15, 16, 17, 18]
+    llm.engine.prefill_chunk = 4
+    prompt = [11, 12, 13, 14, 15, 16, 17, 18, 19]
     first = llm.generate(prompt, max_new_tokens=5)
     fed_before = sum(seq for _, seq, _ in log.calls)
     second = llm.generate(prompt, max_new_tokens=5)
@@ -138,6 +143,7 @@ def test_a_repeated_prompt_reuses_its_cached_prefix():
 
 def test_a_shared_system_prefix_is_copied_from_a_busy_row():
     llm = LLM(executable())
+    llm.engine.prefill_chunk = 3  # the system prompt ends at a chunk boundary: exactly reusable
     system = [40, 41, 42, 43, 44, 45, 46, 47, 48]
     with llm.engine.exclusive():
         busy = llm.submit(system + [1], max_new_tokens=8)
@@ -148,7 +154,7 @@ def test_a_shared_system_prefix_is_copied_from_a_busy_row():
     finally:
         llm.engine.slots.release(0)
     assert other.stats.cached_tokens == len(system)
-    assert other.token_ids == alone(system + [2, 3], max_new_tokens=5).token_ids
+    assert other.token_ids == alone(system + [2, 3], prefill_chunk=3, max_new_tokens=5).token_ids
 
 
 class NoRowCopies(CallLog):
@@ -164,17 +170,18 @@ def test_requests_behind_a_prompt_in_prefill_wait_and_copy_it_instead_of_prefill
     log = CallLog(executable())
     llm = LLM(log)
     llm.engine.prefill_chunk = 8
-    prompt = list(range(10, 30))  # 20 tokens: three chunks
+    prompt = list(range(10, 27))  # 17 tokens: two chunks, then the last token alone
     samples = llm.generate([prompt] * 3, max_new_tokens=4, temperature=0.9, seed=[1, 2, 3])
-    assert sum(seq for batch, seq, row in log.calls if seq > 1) == len(prompt)  # prefilled once, not 3 times
+    assert sum(seq for batch, seq, row in log.calls if seq > 1) == len(prompt) - 1  # prefilled once, not 3 times
     assert [s.stats.cached_tokens for s in samples] == [0, len(prompt) - 1, len(prompt) - 1]
     assert [s.token_ids for s in samples] == [
-        alone(prompt, max_new_tokens=4, temperature=0.9, seed=seed).token_ids for seed in (1, 2, 3)
+        alone(prompt, prefill_chunk=8, max_new_tokens=4, temperature=0.9, seed=seed).token_ids for seed in (1, 2, 3)
     ]
 
 
 def test_without_row_copies_a_shared_prefix_is_fed_again_and_the_output_is_unchanged():
     llm = LLM(NoRowCopies(executable()))
+    llm.engine.prefill_chunk = 3
     system = [40, 41, 42, 43, 44, 45, 46, 47, 48]
     with llm.engine.exclusive():
         busy = llm.submit(system + [1], max_new_tokens=8)
@@ -185,7 +192,7 @@ def test_without_row_copies_a_shared_prefix_is_fed_again_and_the_output_is_uncha
     finally:
         llm.engine.slots.release(0)
     assert other.stats.cached_tokens == 0
-    assert other.token_ids == alone(system + [2, 3], max_new_tokens=5).token_ids
+    assert other.token_ids == alone(system + [2, 3], prefill_chunk=3, max_new_tokens=5).token_ids
     again = llm.generate(system + [1], max_new_tokens=8)  # row 0 holds it: reused in place
     assert again.stats.cached_tokens == len(system) and again.token_ids == busy.result().token_ids  # all but the last
 
@@ -348,10 +355,10 @@ def test_a_failure_while_admitting_a_request_fails_it_alone_and_the_engine_threa
     llm = LLM(executable(1))
     place = llm.engine.slots.place
 
-    def place_or_fail(prompt):
+    def place_or_fail(prompt, chunk):
         if prompt[0] == 13:
             raise RuntimeError("admission failed")
-        return place(prompt)
+        return place(prompt, chunk)
 
     llm.engine.slots.place = place_or_fail
     failing = llm.submit([13, 14], max_new_tokens=3)  # the engine thread steps these
