@@ -68,9 +68,10 @@ class Executable:
     copies_rows = True  # False: cache_views cannot be had (KV buffers on a device torch cannot
     #                     address), so the engine reuses a cached prefix only in the row that holds it
     exact_width: int | None = None  # the most tokens a row's call may feed and still compute every
-    #   position bit for bit as one-token calls do (None: any); speculative verification stays
-    #   within it, so greedy output is plain decoding's even where int8-quantized activations
-    #   turn a wider kernel's rounding into a different token
+    #   position bit for bit as one-token calls do; speculative verification stays within it, so
+    #   greedy output is plain decoding's even where int8-quantized activations turn a wider
+    #   kernel's rounding into a different token (None: undeclared; verification is not cut, and
+    #   prefix caching counts only one-token calls as exact: runtime/exact_reuse.py)
 
     def logits_buffer(self, batch: int, seq: int) -> torch.Tensor | None:
         """A tensor that `run(..., out=buffer)` writes [batch, seq, vocab] logits into instead of
