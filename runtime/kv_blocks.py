@@ -30,7 +30,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kiln.runtime.kv_slots import Placement, common_prefix_length
+from kiln.runtime.kv_slots import Placement, shared_prefix
 
 SCRATCH = 0  # the block no request owns
 
@@ -84,7 +84,7 @@ class KvBlocks:
     # -- admission ---------------------------------------------------------------------------
     def shareable(self, prefilled: list[int], tokens: list[int], chunk: int | None = None) -> int:
         """How many of `tokens` a request could share once another request has fed `prefilled`."""
-        return min(common_prefix_length(prefilled, tokens), len(tokens) - 1)
+        return shared_prefix(prefilled, tokens)
 
     def place(self, tokens: list[int], chunk: int | None = None) -> Placement | None:
         """A free lane for a request that will feed `tokens`, reusing the registered blocks its

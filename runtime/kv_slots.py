@@ -27,6 +27,12 @@ def common_prefix_length(a: list[int], b: list[int]) -> int:
     return n
 
 
+def shared_prefix(cached: list[int], prompt: list[int]) -> int:
+    """How many of `prompt`'s tokens `cached` starts with, short of its last: the last prompt
+    token is always fed again, for the logits that choose the first new token."""
+    return min(common_prefix_length(cached, prompt), len(prompt) - 1)
+
+
 @dataclass
 class Placement:
     """Where a new request goes: its row, how many prompt tokens it reuses, the row to copy
@@ -78,13 +84,12 @@ class KvSlots:
 
     def reusable(self, row: int, prompt: list[int], chunk: int) -> int:
         """How many of `prompt`'s tokens `row` holds with the bits a fresh prefill would compute."""
-        usable = len(prompt) - 1  # the last prompt token is fed again for its logits
-        shared = min(common_prefix_length(self.contents[row], prompt), usable)
+        shared = shared_prefix(self.contents[row], prompt)
         return exact_reuse(self.labels[row], shared, len(prompt), chunk, self.exact_width) if shared else 0
 
     def shareable(self, prefilled: list[int], prompt: list[int], chunk: int) -> int:
         """How many of `prompt`'s tokens it could reuse from a row that prefills `prefilled`."""
-        shared = min(common_prefix_length(prefilled, prompt), len(prompt) - 1)
+        shared = shared_prefix(prefilled, prompt)
         labels = prefill_labels(0, len(prefilled), chunk, self.exact_width)
         return exact_reuse(labels, shared, len(prompt), chunk, self.exact_width)
 

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+import torch
 
 from kiln.frontend.default_model import default_gguf_path, default_model_dir
 from kiln.frontend.errors import ModelNotFoundError
@@ -63,3 +64,13 @@ def exact_activations(monkeypatch):
     from kiln.backends.onnxruntime import quantized_lowerings
 
     monkeypatch.setattr(quantized_lowerings, "ACCURACY_LEVEL", 0)
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """Small matrices: one thread (several only wait on each other when the cores are shared).
+    A module asks for it with `pytestmark = pytest.mark.usefixtures("one_torch_thread")`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

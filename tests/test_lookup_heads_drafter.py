@@ -5,7 +5,6 @@ import shutil
 
 import openai
 import pytest
-import torch
 
 import kiln
 from kiln.ir.errors import ArtifactError
@@ -17,6 +16,8 @@ from kiln.runtime.speculative import PromptLookupDrafter
 from kiln.train_speculator import TrainConfig, train_speculator
 from served import served
 from tiny_models import TRAINING_TEXT
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 PROMPTS = ["Tell me about the village.", "Count from one to ten.", "Describe the seasons."]
 # a span the answer can copy: prompt lookup drafts from it
@@ -32,14 +33,6 @@ EAGLE = TrainConfig(
     text_fraction=0.2,
     reply_tokens=24,
 )
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -15,6 +15,8 @@ from kiln.speculator_data import frequency_ranking
 from kiln.train_speculator import TrainConfig, train_speculator, work_dir
 from tiny_models import TRAINING_TEXT
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 PROMPTS = [
     "Tell me about the village.",
     "What is the capital of France?",
@@ -23,15 +25,6 @@ PROMPTS = [
 ]
 TEXTS = [TRAINING_TEXT[:600]]
 CONFIG = TrainConfig(stages=3, draft_vocab=256, steps=240, batch=32, lr=3e-3, text_fraction=0.2, reply_tokens=32)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Small matrices: one thread (several only wait on each other when the cores are shared)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

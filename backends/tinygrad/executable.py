@@ -263,8 +263,8 @@ class TinygradExecutable(Executable):
         than 8 and a padded 8), when its slots fit in the `room` the call has (max_seq_len - its
         largest start); otherwise what is left runs at a symbolic length (one token: the decode
         step), where every token streams the weights again."""
-        chunks = self.fixed_chunks + (() if at_zero else self.short_chunks)
         short = () if at_zero else self.short_chunks
+        chunks = self.fixed_chunks + short
         plan, begin = [], 0
         while begin < seq:
             left = seq - begin
