@@ -3,6 +3,8 @@
 - `lower(graph, options)` compiles just in time with torch.compile (executable.py);
 - `executable.save(directory)` writes an AOTInductor package, and `load(directory, graph, weights,
   options)` runs it without tracing or compiling (aoti_package.py);
+- a graph for a CUDA device is saved without a package and compiled where it is loaded, decode
+  steps replayed as CUDA graphs (cuda_executable.py);
 - a tensor-parallel graph (collectives.py) is saved without a package and compiled with
   torch.compile when loaded in each rank. A package can carry the collectives (traced under a
   fake process group it builds, and runs right), but under gloo it intermittently deadlocks
@@ -24,7 +26,9 @@ from kiln.ir.ops.collectives import tensor_parallel_size
 from . import fast_attention, fast_linear, gathered_matmul, gathered_matmul_q  # noqa: F401
 from .aoti_package import AOTIExecutable, PackageError
 from .aoti_package import load as load_package
-from .executable import InductorExecutable, lower
+from .cuda_executable import CudaInductorExecutable, lower_for_cuda
+from .executable import InductorExecutable
+from .executable import lower as lower_for_cpu
 from .lower_to_fx import (
     FX_LOWERINGS,
     check_lowering_table,
@@ -41,9 +45,21 @@ def backend_version() -> str:
     return torch.__version__
 
 
+def on_cuda(options) -> bool:
+    return options.device.split(":")[0] == "cuda"
+
+
+def lower(graph, options):
+    """The executable of a graph with its weights: for the CPU compiled now, for CUDA where a GPU is."""
+    return lower_for_cuda(graph, options) if on_cuda(options) else lower_for_cpu(graph, options)
+
+
 def load(directory, graph, weights, options):
-    """The executable of an artifact: its AOTInductor package, or for a tensor-parallel graph a
-    just-in-time compile of this rank's shard (the package path cannot carry all_gather)."""
+    """The executable of an artifact: its AOTInductor package; for a tensor-parallel graph a
+    just-in-time compile of this rank's shard (the package path cannot carry all_gather); for a
+    CUDA device a compile on that device."""
+    if on_cuda(options):
+        return CudaInductorExecutable(graph, options, weights)
     if tensor_parallel_size(graph) > 1:
         return InductorExecutable(graph, options, weights)
     return load_package(directory, graph, weights, options)
@@ -53,6 +69,7 @@ __all__ = [
     "FX_LOWERINGS",
     "NAME",
     "AOTIExecutable",
+    "CudaInductorExecutable",
     "FeedError",
     "InductorExecutable",
     "LoweringError",

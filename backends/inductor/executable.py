@@ -55,11 +55,11 @@ def without_stack_traces():
         torch.fx.config.do_not_emit_stack_traces = saved
 
 
-def allocate_caches(graph: Graph) -> dict[str, torch.Tensor]:
+def allocate_caches(graph: Graph, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
     """Zero KV buffers for the graph's cache inputs, by input name (symbols at their upper bound)."""
     bounds = {name: bound.max for name, bound in graph.symbols.items()}
     return {
-        v.name: torch.zeros([evaluate(d, bounds) for d in v.type.shape], dtype=to_torch(v.type.dtype))
+        v.name: torch.zeros([evaluate(d, bounds) for d in v.type.shape], dtype=to_torch(v.type.dtype), device=device)
         for v in cache_inputs(graph)
     }
 
@@ -82,12 +82,10 @@ class StatefulRunner(Executable):
     caches: list[torch.Tensor]
     exact_width = FEW_QUERIES  # wider calls attend through ATen's SDPA (attention_kernel.cpp)
 
+    device = torch.device("cpu")  # where the KV buffers and weights live
+
     def _init_state(self, graph: Graph, options: BackendOptions) -> dict[str, torch.Tensor]:
-        if options.device != "cpu":
-            raise OptionError(
-                f"the inductor backend runs on the CPU only so far, not {options.device!r}. "
-                "Fix: device='cpu', or backend='onnxruntime' for CUDA."
-            )
+        self._check_device(options)
         verify(graph)
         if tensor_parallel_size(graph) > 1:  # fail here, not inside a compiled collective
             check_world(tensor_parallel_size(graph))
@@ -95,9 +93,16 @@ class StatefulRunner(Executable):
         self.graph, self.options = graph, options
         self.token_trees = has_token_trees(graph)  # read once: run() asks every step
         self.paged = paged_layout(graph)
-        named = allocate_caches(graph)
+        named = allocate_caches(graph, self.device)
         self.hold_caches(list(named.values()), [c.shape for c in named.values()])
         return named
+
+    def _check_device(self, options: BackendOptions) -> None:
+        if options.device != "cpu":
+            raise OptionError(
+                f"this executable runs on the CPU, not {options.device!r}. Fix: device='cpu', or "
+                "load the artifact with its CUDA device (kiln.load(path, device='cuda'))."
+            )
 
     def check_feeds(self, tokens: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """int64 tokens/positions of equal shape [batch, seq], batch and positions within the buffers."""

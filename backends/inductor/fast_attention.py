@@ -41,7 +41,7 @@ def lower_cached_attention(b, node, args, attrs):
     positions, scale, window, tree, k_scales, v_scales); over `kv_pages` of a paged cache's pools,
     the pools and their block table (the gather is then dead code)."""
     q, k, v, mask, positions, tree, k_scales, _ = node.inputs
-    if mask is not None or positions is None or attrs["softcap"] or attrs["alibi"]:
+    if not b.on_cpu or mask is not None or positions is None or attrs["softcap"] or attrs["alibi"]:
         return None
     cache_dtype = "i8" if k_scales is not None else "f32"
     if q.type.dtype != "f32" or k.type.dtype != cache_dtype or v.type.dtype != cache_dtype:

@@ -41,7 +41,7 @@ def lower_linear_f32(b, node, args, attrs):
     """`linear(x, W, bias?)` -> `kiln.linear_f32(x, packed W, bias)` for an fp32 weight parameter."""
     weight = b.constant(args[1])
     x_type = node.inputs[0].type
-    if weight is None or weight.dim() != 2 or weight.dtype != torch.float32 or x_type.dtype != "f32":
+    if not b.on_cpu or weight is None or weight.dim() != 2 or weight.dtype != torch.float32 or x_type.dtype != "f32":
         return None
     if not wanted() or not kernel_available():
         return None

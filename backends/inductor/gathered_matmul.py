@@ -54,7 +54,7 @@ def _composite(weights: torch.Tensor, ids: torch.Tensor, x: torch.Tensor) -> tor
 def lower_gathered_matmul(b, node, args, attrs):
     """Experts packed for Kiln's GEMV kernel where they are an fp32 parameter, else Kiln's
     BLAS-backed op, else the composite gather."""
-    if node.inputs[0].type.dtype != "f32" or not op_available():
+    if not b.on_cpu or node.inputs[0].type.dtype != "f32" or not op_available():
         return b.call(_composite, *args)
     weights = b.constant(args[0])
     if weights is not None and weights.dim() == 3 and weights.dtype == torch.float32:

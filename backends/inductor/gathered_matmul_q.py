@@ -48,7 +48,7 @@ def _int4_experts(b, node, args, group_size):
 def lower_gathered_matmul_q(b, node, args, attrs):
     """Kiln's int8 / int4 kernel per routed expert where it applies, else gather + dequantize."""
     bits, group_size = attrs["bits"], attrs["group_size"]
-    if _kernels_wanted() and gathered_matmul.op_available():
+    if b.on_cpu and _kernels_wanted() and gathered_matmul.op_available():
         result = (_int8_experts if bits == 8 else _int4_experts)(b, node, args, group_size)
         if result is not None:
             return result

@@ -189,8 +189,15 @@ def _int4_kernel(b, node, args, attrs):
 
 
 def lower_linear_q(b, node, args, attrs):
-    """`linear_q` -> Kiln's int8/int4 kernel where it applies, else dequantize + F.linear."""
-    if _kernels_wanted():
+    """`linear_q` -> Kiln's int8/int4 kernel where it applies (on a GPU, its CUDA form:
+    cuda_lowerings.py), else dequantize + F.linear."""
+    if not b.on_cpu:
+        from .cuda_lowerings import lower_linear_q_cuda
+
+        result = lower_linear_q_cuda(b, node, args, attrs)
+        if result is not None:
+            return result
+    elif _kernels_wanted():
         result = (_int8_kernel if attrs["bits"] == 8 else _int4_kernel)(b, node, args, attrs)
         if result is not None:
             return result

@@ -1,0 +1,443 @@
+"""Kiln-Inductor on CUDA: greedy equality with Hugging Face, and decode speed against the GPU's
+copy bandwidth and Hugging Face's static cache + torch.compile, in one run.
+
+    python bench/gpu.py prepare DIR            # here (CPU): artifacts for device="cuda"
+    python bench/gpu.py check DIR              # there: everything below, a table at the end
+    python bench/gpu.py real DIR --gguf FILE   # there: the real SmolLM2, f16 and bf16, against HF
+
+Artifacts compile where Kiln's pinned torch runs (`prepare`: an artifact for CUDA holds the IR
+and weights; the GPU compiles it when it loads). Speed depends on shapes, not weight values, so
+the large models travel as skeletons (the weights file's header alone) and `check` fills them
+with random values of the recorded dtypes and shapes before loading them unhashed.
+
+`check`:
+1. the device-to-device copy bandwidth (bytes read + written per second), the ceiling;
+2. greedy: each tiny random-weight architecture (tests/tiny_models.py) compiled f32, 48 new
+   tokens at batch 1 and 2 against Hugging Face eager on the GPU in f32 with TF32 off, token for
+   token, and the largest logit difference, teacher-forced (one process per architecture);
+3. speed: a Llama-3.2-1B-shaped model in bf16, int8 and int4-g32 (tied embedding quantized too)
+   and SmolLM2-135M's shape in f16: tg128 decode tokens/s through `llm.generate` after a
+   one-token prompt, the weight bytes read per token over that time as GB/s and as a fraction of
+   the copy bandwidth, pp512 tokens/s; beside Hugging Face's static cache + torch.compile
+   (`generate(cache_implementation="static")`, which compiles the forward with CUDA graphs) on
+   the same shapes, random weights. Each row runs in its own process; they compile side by
+   side, then time one at a time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fcntl
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "bench"))
+
+ARCHES = ("gpt2", "llama", "qwen2", "mistral", "gemma3")
+PROMPTS = [[5, 17, 33, 8, 91, 2, 40], [7, 7, 12, 60, 3, 19, 25, 44, 11, 80, 4, 9, 31]]
+TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+LLAMA_1B = {  # Llama-3.2-1B's shape
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "vocab_size": 128256,
+    "hidden_size": 2048,
+    "intermediate_size": 8192,
+    "num_hidden_layers": 16,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+    "max_position_embeddings": 131072,
+    "rms_norm_eps": 1e-5,
+    "rope_theta": 500000.0,
+    "rope_scaling": {
+        "factor": 32.0,
+        "high_freq_factor": 4.0,
+        "low_freq_factor": 1.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
+    "tie_word_embeddings": True,
+    "bos_token_id": 128000,
+    "eos_token_id": 128001,
+}
+SPEED_ROWS = {  # name: (model, dtype, quantize)
+    "llama1b-bf16": ("llama1b", "bf16", None),
+    "llama1b-int8": ("llama1b", "bf16", "int8"),
+    "llama1b-int4": ("llama1b", "bf16", "int4-g32"),
+    "smollm2-f16": ("smollm2", "f16", None),
+}
+WEIGHTS, HEADER = "weights.safetensors", "weights.header"
+
+
+# -- here: artifacts --------------------------------------------------------------------------
+def prepare(directory: Path, rows: list[str]) -> None:
+    import kiln
+    from tiny_models import save_tiny_checkpoint
+
+    directory.mkdir(parents=True, exist_ok=True)
+    for arch in ARCHES:
+        checkpoint = save_tiny_checkpoint(arch, directory / arch, seed=0)
+        compile_for_cuda(kiln, checkpoint, directory / f"{arch}.kiln", "f32", None, max_batch=2, max_seq_len=128)
+    for name in rows:
+        model, dtype, quantize = SPEED_ROWS[name]
+        checkpoint = shaped_checkpoint(model, directory / "checkpoints")
+        artifact = directory / f"{name}.kiln"
+        compile_for_cuda(kiln, checkpoint, artifact, dtype, quantize, max_batch=1, max_seq_len=1024)
+        to_skeleton(artifact)
+        (directory / f"{model}.config.json").write_text((checkpoint / "config.json").read_text())
+
+
+def compile_for_cuda(kiln, checkpoint, out, dtype, quantize, max_batch, max_seq_len) -> None:
+    kiln.compile(
+        str(checkpoint),
+        out=out,
+        backend="inductor",
+        device="cuda",
+        dtype=dtype,
+        quantize=quantize,
+        quantize_embeddings=quantize is not None,
+        max_batch=max_batch,
+        max_seq_len=max_seq_len,
+    )
+    print(f"prepared {out.name}", flush=True)
+
+
+def shaped_checkpoint(model: str, directory: Path) -> Path:
+    """A random-weight checkpoint of the model's shape (the real SmolLM2's, the Llama 1B above)."""
+    out = directory / model
+    if (out / "config.json").is_file():
+        return out
+    import transformers
+
+    if model == "smollm2":
+        from kiln.frontend.default_model import default_model_dir
+
+        config = transformers.AutoConfig.from_pretrained(default_model_dir())
+    else:
+        config = transformers.LlamaConfig(**{k: v for k, v in LLAMA_1B.items() if k != "architectures"})
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    hf.save_pretrained(out)
+    if model == "smollm2":  # the real tokenizer, so the skeleton generates text
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+            source = default_model_dir() / name
+            if source.is_file():
+                (out / name).write_bytes(source.read_bytes())
+    return out
+
+
+def to_skeleton(artifact: Path) -> None:
+    """Keep the weights file's header (dtypes, shapes, offsets) and drop its data."""
+    path = artifact / WEIGHTS
+    with open(path, "rb") as f:
+        length = int.from_bytes(f.read(8), "little")
+        header = f.read(length)
+    (artifact / HEADER).write_bytes(len(header).to_bytes(8, "little") + header)
+    path.unlink()
+
+
+# -- there: random weights into a skeleton ----------------------------------------------------
+def fill(artifact: Path) -> None:
+    """weights.safetensors from the header: floats N(0, 0.02), integers random bytes."""
+    if (artifact / WEIGHTS).is_file():
+        return
+    raw = (artifact / HEADER).read_bytes()
+    header = json.loads(raw[8:])
+    generator = torch.Generator().manual_seed(0)
+    tile = {  # values repeat every 16M elements: speed does not depend on them
+        torch.float32: torch.randn(1 << 24, generator=generator) * 0.02,
+        "bytes": torch.randint(0, 256, (1 << 24,), dtype=torch.uint8, generator=generator),
+    }
+    with open(artifact / WEIGHTS, "wb") as out:
+        out.write(raw)
+        start = out.tell()
+        for _name, info in sorted(
+            ((k, v) for k, v in header.items() if k != "__metadata__"), key=lambda kv: kv[1]["data_offsets"][0]
+        ):
+            begin, end = info["data_offsets"]
+            out.seek(start + begin)
+            out.write(tile_bytes(tile, info["dtype"], end - begin))
+    print(f"filled {artifact.name} ({(artifact / WEIGHTS).stat().st_size / 1e9:.2f} GB)", flush=True)
+
+
+FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+
+
+def tile_bytes(tile: dict, dtype: str, length: int) -> bytes:
+    if dtype in FLOATS:
+        values = tile[torch.float32].to(FLOATS[dtype])
+        if dtype != "F32":  # scales, norms: positive and small keeps activations finite
+            values = values.abs() + 0.01 if length < (1 << 20) else values
+        source = values.view(torch.uint8)
+    else:
+        source = tile["bytes"]
+    reps = -(-length // source.numel())
+    return (source.repeat(reps)[:length]).numpy().tobytes() if reps > 1 else source[:length].numpy().tobytes()
+
+
+# -- there: measurements ----------------------------------------------------------------------
+def copy_bandwidth() -> float:
+    """Bytes read + written per second by a 2 GiB device-to-device copy (median of 20)."""
+    a = torch.empty(1 << 29, dtype=torch.float32, device="cuda").normal_()
+    b = torch.empty_like(a)
+    times = []
+    for _ in range(23):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        b.copy_(a)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1000)
+    return 2 * a.numel() * 4 / statistics.median(times[3:])
+
+
+def greedy_one(directory: Path, arch: str) -> dict:
+    import transformers
+
+    import kiln
+    from cuda_onnxruntime import first_difference
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    hf = transformers.AutoModelForCausalLM.from_pretrained(directory / arch, dtype=torch.float32).cuda().eval()
+    expected = hf_greedy(hf, PROMPTS, 48)
+    llm = kiln.load(directory / f"{arch}.kiln", device="cuda")
+    single = [llm.generate(p, max_new_tokens=48, temperature=0, ignore_eos=True).token_ids for p in PROMPTS]
+    batch = [r.token_ids for r in llm.generate(PROMPTS, max_new_tokens=48, temperature=0, ignore_eos=True)]
+    return {
+        "logit_gap": logit_gap(llm, hf, expected[0]),
+        "batch1_equal": single == expected,
+        "batch2_equal": batch == expected,
+        "first_difference": [first_difference(single, expected), first_difference(batch, expected)],
+        "decode_graphs": llm.executable.captured_batches,
+    }
+
+
+def hf_greedy(hf, prompts, new_tokens: int) -> list[list[int]]:
+    out = []
+    for prompt in prompts:
+        ids, past, tokens = torch.tensor([prompt], device="cuda"), None, []
+        with torch.no_grad():
+            for _ in range(new_tokens):
+                step = hf(ids, past_key_values=past, use_cache=True)
+                past, token = step.past_key_values, int(step.logits[0, -1].argmax())
+                tokens.append(token)
+                ids = torch.tensor([[token]], device="cuda")
+        out.append(tokens)
+    return out
+
+
+def logit_gap(llm, hf, continuation: list[int]) -> list[float]:
+    """max |Kiln - HF| logits for the prompt, then 4 teacher-forced decode steps."""
+    prompt = PROMPTS[0]
+    with torch.no_grad():
+        expected = hf(torch.tensor([prompt + continuation[:4]], device="cuda")).logits[0].float().cpu()
+    llm.executable.reset()
+    feeds = [(torch.tensor([prompt]), torch.arange(len(prompt))[None])]
+    feeds += [(torch.tensor([[t]]), torch.tensor([[len(prompt) + i]])) for i, t in enumerate(continuation[:4])]
+    gaps, end = [], 0
+    for tokens, positions in feeds:
+        got = llm.executable.run(tokens, positions)[0]
+        end += tokens.size(1)
+        gaps.append(float((got - expected[end - tokens.size(1) : end]).abs().max()))
+    return gaps
+
+
+def weight_bytes(artifact: Path) -> int:
+    """Bytes of weights a decode step reads: all but the tables only gathered from (an untied
+    embedding reads one row a token; a tied one is read whole by the lm_head, so it counts)."""
+    from kiln.ir import parse_graph
+
+    graph = parse_graph((artifact / "graph.kir").read_text())
+    gathered = {
+        name
+        for name, value in graph.params.items()
+        if value.users and all(n.op in ("embedding", "embedding_q") for n in value.users)
+    }
+    header = json.loads((artifact / HEADER).read_bytes()[8:])
+    return sum(
+        info["data_offsets"][1] - info["data_offsets"][0]
+        for name, info in header.items()
+        if name != "__metadata__" and name not in gathered
+    )
+
+
+def kiln_row(directory: Path, name: str, turn) -> dict:
+    import kiln
+
+    artifact = directory / f"{name}.kiln"
+    fill(artifact)
+    started = time.perf_counter()
+    llm = kiln.load(artifact, device="cuda", check_hashes=False)
+    prompt = [1]
+    llm.generate(prompt, max_new_tokens=16, temperature=0, ignore_eos=True)  # compiles decode
+    long_prompt = torch.randint(100, 1000, (1, 512))
+    llm.executable.run(long_prompt, torch.arange(512)[None], last_only=True)  # compiles prefill
+    ready_s = time.perf_counter() - started
+    with turn():
+        stats = [llm.generate(prompt, max_new_tokens=128, temperature=0, ignore_eos=True).stats for _ in range(5)]
+        pp = []
+        for _ in range(5):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            llm.executable.run(long_prompt, torch.arange(512)[None], last_only=True)
+            pp.append(512 / (time.perf_counter() - start))
+    tok_s = statistics.median(s.decode_tokens_per_s for s in stats)
+    return {"tg128": tok_s, "pp512": statistics.median(pp), "load_compile_s": ready_s, "bytes": weight_bytes(artifact)}
+
+
+def hf_row(directory: Path, model: str, dtype: str, turn) -> dict:
+    """Hugging Face's static cache + torch.compile, random weights of the same shape."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(directory / f"{model}.config.json")
+    torch.manual_seed(0)
+    hf = transformers.AutoModelForCausalLM.from_config(config, dtype=TORCH_DTYPES[dtype]).cuda().eval()
+    ids = torch.tensor([[1]], device="cuda")
+
+    def generate(n: int) -> float:
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        hf.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=n,
+            min_new_tokens=n,
+            do_sample=False,
+            cache_implementation="static",
+        )
+        torch.cuda.synchronize()
+        return time.perf_counter() - start
+
+    started = time.perf_counter()
+    for _ in range(2):  # compiles, records its CUDA graphs (a static cache per length)
+        generate(129), generate(1)
+    ready_s = time.perf_counter() - started
+    with turn():
+        rates = [128 / (generate(129) - generate(1)) for _ in range(5)]
+    return {"tg128": statistics.median(rates), "load_compile_s": ready_s}
+
+
+def one_at_a_time(directory: Path, count: int, name: str):
+    """A context in which this row alone times: after every row is ready (or 600 s), one by one."""
+    from contextlib import contextmanager
+
+    @contextmanager
+    def turn():
+        (directory / f"ready.{name}").touch()
+        deadline = time.time() + 600
+        while len(list(directory.glob("ready.*"))) < count and time.time() < deadline:
+            time.sleep(0.5)
+        with open(directory / "timing.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
+
+    return turn
+
+
+def in_parallel(directory: Path, jobs: list[tuple[str, list[str]]]) -> dict:
+    """Run `gpu.py job ...` for each (name, args) side by side; each prints its JSON last."""
+    for stale in directory.glob("ready.*"):
+        stale.unlink()
+    env = {**os.environ, "KILN_GPU_JOBS": str(len(jobs))}
+    processes = {
+        name: subprocess.Popen(
+            [sys.executable, __file__, "job", str(directory), *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        for name, args in jobs
+    }
+    results = {}
+    for name, process in processes.items():
+        output, _ = process.communicate()
+        lines = output.strip().splitlines()
+        try:
+            results[name] = json.loads(lines[-1])
+        except (ValueError, IndexError):
+            results[name] = {"error": "\n".join(lines[-15:])}
+        print(f"{name}: {results[name]}", flush=True)
+    return results
+
+
+def job(directory: Path, kind: str, name: str) -> dict:
+    count = int(os.environ.get("KILN_GPU_JOBS", "1"))
+    turn = one_at_a_time(directory, count, name)
+    if kind == "greedy":
+        return greedy_one(directory, name)
+    if kind == "kiln":
+        return kiln_row(directory, name, turn)
+    model, dtype = name.split(":")
+    return hf_row(directory, model, dtype, turn)
+
+
+def check(directory: Path, out: Path | None) -> None:
+    bandwidth = copy_bandwidth()
+    print(f"copy bandwidth: {bandwidth / 1e9:.0f} GB/s (read + write)", flush=True)
+    greedy = in_parallel(directory, [(a, ["greedy", a]) for a in ARCHES if (directory / f"{a}.kiln").is_dir()])
+    rows = [n for n in SPEED_ROWS if (directory / f"{n}.kiln").is_dir()]
+    baselines = sorted({(SPEED_ROWS[n][0], "bf16" if SPEED_ROWS[n][1] == "bf16" else SPEED_ROWS[n][1]) for n in rows})
+    jobs = [(n, ["kiln", n]) for n in rows] + [(f"hf:{m}:{d}", ["hf", f"{m}:{d}"]) for m, d in baselines]
+    speed = in_parallel(directory, jobs)
+    report = {
+        "device": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "copy_GBps": bandwidth / 1e9,
+        "greedy": greedy,
+        "speed": speed,
+    }
+    table = speed_table(report)
+    print(table)
+    if out is not None:
+        out.write_text(json.dumps(report, indent=1) + "\n\n" + table)
+
+
+def speed_table(report: dict) -> str:
+    bandwidth, speed = report["copy_GBps"], report["speed"]
+    lines = [
+        f"{report['device']}, torch {report['torch']}, copy bandwidth {bandwidth:.0f} GB/s (read + write)",
+        "| row | weights GB | tg128 tok/s | GB/s | of copy bw | pp512 tok/s | HF static+compile tok/s | vs HF |",
+        "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+    ]
+    for name, (model, dtype, _) in SPEED_ROWS.items():
+        row = speed.get(name)
+        if row is None or "error" in row:
+            continue
+        hf = speed.get(f"hf:{model}:{dtype}", {}).get("tg128")
+        gbps = row["bytes"] * row["tg128"] / 1e9
+        lines.append(
+            f"| {name} | {row['bytes'] / 1e9:.2f} | {row['tg128']:.0f} | {gbps:.0f} | {gbps / bandwidth:.0%} | "
+            f"{row['pp512']:.0f} | {hf or float('nan'):.0f} | {row['tg128'] / hf if hf else float('nan'):.2f}x |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("action", choices=["prepare", "check", "job"])
+    parser.add_argument("directory", type=Path)
+    parser.add_argument("rest", nargs="*")
+    parser.add_argument("--rows", nargs="*", default=list(SPEED_ROWS), help="speed rows to prepare")
+    parser.add_argument("--out", type=Path, help="check: write the report (JSON, then the table) here")
+    args = parser.parse_args(argv)
+    if args.action == "prepare":
+        prepare(args.directory, args.rows)
+    elif args.action == "check":
+        check(args.directory, args.out)
+    else:
+        print(json.dumps(job(args.directory, *args.rest)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

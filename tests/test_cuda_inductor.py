@@ -1,0 +1,157 @@
+"""The Inductor backend's CUDA path (backends/inductor/cuda_executable.py, cuda_lowerings.py).
+
+What a machine without a GPU can check runs everywhere: the CUDA lowering emits torch ops only
+(no Kiln CPU kernel) and computes what the interpreter does, the last-position lm_head, tinygemm's
+rewriting of Kiln's int4 groups, and the clear refusals. Tests marked `gpu` need a CUDA device
+and are skipped without one (CI has none; bench/gpu.py runs them on a GPU machine).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kiln.backends.executable import BackendOptions
+from kiln.backends.inductor import graph_to_fx, lower
+from kiln.backends.inductor.cuda_executable import CompiledWhereLoaded, last_position_module
+from kiln.backends.inductor.cuda_lowerings import dequantized_tinygemm_weight, linear_int8_channels
+from kiln.backends.inductor.executable import allocate_caches
+from kiln.ir.errors import OptionError
+from kiln.ir.ops.quantized import dequantize, pack_int4
+from kiln.passes.quant_schemes import SCHEMES
+from kiln.passes.quantize_weights import quantize_weights
+from test_inductor_backend import PREFILL, InterpreterOracle, build_toy_transformer, decode_feeds
+
+MAX_BATCH, MAX_SEQ = 2, 32
+CUDA = torch.cuda.is_available()
+gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA device (none here; bench/gpu.py runs these on one)")
+
+
+def lowered_for_cuda(graph):
+    """The graph lowered as for a GPU, run here on the CPU with caches of its own."""
+    return graph_to_fx(graph, state=allocate_caches(graph), device="cuda")
+
+
+def kiln_kernel_calls(module) -> list[str]:
+    return [str(n.target) for n in module.graph.nodes if "kiln." in str(n.target)]
+
+
+def test_the_cuda_lowering_emits_no_cpu_kernel_and_matches_the_interpreter():
+    graph = build_toy_transformer()
+    module = lowered_for_cuda(graph)
+    assert kiln_kernel_calls(module) == []
+    oracle = InterpreterOracle(graph)
+    for feeds in [PREFILL, decode_feeds(0), decode_feeds(1)]:
+        torch.testing.assert_close(module(*feeds)[0], oracle.run(*feeds), atol=1e-4, rtol=1e-4)
+
+
+def test_int8_channels_lower_to_the_fused_form_and_match_the_interpreter():
+    graph = build_toy_transformer()
+    quantize_weights(graph, SCHEMES["int8"])
+    module = lowered_for_cuda(graph)
+    assert kiln_kernel_calls(module) == []
+    assert any(n.target is linear_int8_channels for n in module.graph.nodes)
+    oracle = InterpreterOracle(graph)
+    torch.testing.assert_close(module(*PREFILL)[0], oracle.run(*PREFILL), atol=1e-4, rtol=1e-4)
+
+
+def test_the_last_position_module_gives_the_last_logits_alone():
+    graph = build_toy_transformer()
+    full, last = lowered_for_cuda(graph), lowered_for_cuda(graph)
+    last = last_position_module(last)
+    assert last is not None
+    every = full(*PREFILL)[0]
+    torch.testing.assert_close(last(*PREFILL)[0], every[:, -1:], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("asymmetric", [False, True])
+def test_tinygemm_groups_stand_for_kilns_within_bf16_rounding(asymmetric):
+    torch.manual_seed(0)
+    n, k, group = 16, 128, 32
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    scales = torch.rand(n, k // group) * 0.1 + 0.01
+    zeros = torch.randint(0, 16, (n, k // group), dtype=torch.uint8) if asymmetric else None
+    exact = dequantize(pack_int4(codes), scales, zeros, 4, group)
+    rewritten = dequantized_tinygemm_weight(pack_int4(codes), scales, zeros, group)
+    assert (rewritten - exact).norm() / exact.norm() < 4e-3  # bf16 scales and offsets: 2^-9 each
+
+
+@pytest.mark.skipif(CUDA, reason="checks what a machine without a GPU does")
+def test_lowering_for_cuda_without_a_gpu_saves_the_ir_for_the_gpu_to_compile(tmp_path):
+    graph = build_toy_transformer()
+    placeholder = lower(graph, BackendOptions(max_batch=MAX_BATCH, max_seq_len=MAX_SEQ, device="cuda"))
+    assert isinstance(placeholder, CompiledWhereLoaded)
+    assert placeholder.save(tmp_path) == []
+    with pytest.raises(OptionError, match="sees no CUDA device"):
+        placeholder.run(*PREFILL)
+
+
+# -- on a GPU ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def on_gpu():
+    torch.backends.cuda.matmul.allow_tf32 = False  # f32 against the interpreter, bit for bit nearly
+    graph = build_toy_transformer()
+    return graph, lower(graph, BackendOptions(max_batch=MAX_BATCH, max_seq_len=MAX_SEQ, device="cuda"))
+
+
+@gpu
+def test_prefill_then_captured_decode_matches_the_interpreter(on_gpu):
+    graph, executable = on_gpu
+    executable.reset()
+    oracle = InterpreterOracle(graph)
+    for feeds in [PREFILL] + [decode_feeds(step) for step in range(6)]:
+        torch.testing.assert_close(executable.run(*feeds), oracle.run(*feeds), atol=1e-4, rtol=1e-4)
+    assert executable.captured_batches == [2]  # one CUDA graph for batch 2, replayed
+    for mine, expected in zip(executable.caches, oracle.caches):
+        torch.testing.assert_close(mine.cpu(), expected, atol=1e-4, rtol=1e-4)
+
+
+@gpu
+def test_capturing_another_batch_size_keeps_the_rows_it_warms_up_on(on_gpu):
+    graph, executable = on_gpu
+    executable.reset()
+    oracle = InterpreterOracle(graph)
+    for feeds in [PREFILL, decode_feeds(0)]:
+        executable.run(*feeds), oracle.run(*feeds)
+    one_row = (decode_feeds(1)[0][:1], decode_feeds(1)[1][:1])  # batch 1: a new graph, captured now
+    expected = run_rows_of_oracle(oracle, one_row)
+    torch.testing.assert_close(executable.run(*one_row), expected, atol=1e-4, rtol=1e-4)
+
+
+def run_rows_of_oracle(oracle, feeds):
+    """The oracle over row 0 alone (its graph takes any batch up to MAX_BATCH)."""
+    saved = oracle.caches
+    oracle.caches = [c[:1].clone() for c in saved]
+    logits = oracle.run(*feeds)
+    oracle.caches = [torch.cat([mine, rest[1:]]) for mine, rest in zip(oracle.caches, saved)]
+    return logits
+
+
+@gpu
+def test_last_only_and_a_later_row_on_the_gpu(on_gpu):
+    _, executable = on_gpu
+    executable.reset()
+    tokens, positions = PREFILL[0][:1], PREFILL[1][:1]
+    every = executable.run(tokens, positions)
+    executable.reset()
+    torch.testing.assert_close(executable.run(tokens, positions, last_only=True), every[:, -1:])
+    executable.reset()
+    torch.testing.assert_close(executable.run(tokens, positions, first_row=1), every, atol=1e-5, rtol=1e-5)
+
+
+@gpu
+@pytest.mark.parametrize("asymmetric", [False, True])
+def test_tinygemm_linear_on_the_gpu_computes_the_rewritten_weight(asymmetric):
+    from kiln.backends.inductor.cuda_lowerings import linear_int4_tinygemm, tinygemm_weight
+
+    torch.manual_seed(1)
+    n, k, group = 64, 256, 32
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
+    scales = torch.rand(n, k // group) * 0.05 + 0.01
+    zeros = torch.randint(0, 16, (n, k // group), dtype=torch.uint8) if asymmetric else None
+    packed, scales_and_zeros = tinygemm_weight(pack_int4(codes), scales, zeros, group, "cuda")
+    x = torch.randn(3, k, device="cuda", dtype=torch.bfloat16)
+    out = linear_int4_tinygemm(x, packed, scales_and_zeros, None, group).float()
+    weight = dequantized_tinygemm_weight(pack_int4(codes), scales, zeros, group).cuda()
+    expected = x.float() @ weight.T
+    assert (out - expected).norm() / expected.norm() < 1e-2
