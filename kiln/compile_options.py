@@ -26,7 +26,11 @@ from kiln.backends.executable import BackendOptions
 from kiln.ir.errors import OptionError
 from kiln.passes.insert_kv_cache import KV_CACHE_KINDS, KV_LAYOUTS
 
-COMPUTE_DTYPES = {"f32": torch.float32, "f16": torch.float16}
+COMPUTE_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+# The backends that target device='cuda' and the dtypes each computes in there (onnxruntime: no bf16,
+# its CUDA kernels cover bf16 only in part).
+CUDA_DTYPES = {"inductor": ("f32", "f16", "bf16"), "onnxruntime": ("f32", "f16")}
+HALF_QUANTIZED_BACKENDS = ("inductor",)  # whose linear_q / embedding_q compute in f16 and bf16
 DEVICE = re.compile(r"(cpu|cuda)(:\d+)?")
 BACKENDS_WITH_TENSOR_PARALLEL = ("inductor", "reference")
 
@@ -148,22 +152,29 @@ def _check_target(options: CompileOptions) -> None:
             f"device {device!r} is not one Kiln targets. Fix: device='cpu', or 'cuda' / 'cuda:N' "
             "(--device cpu|cuda[:N])."
         )
-    if dtype != "f32" and (backend != "onnxruntime" or device.split(":")[0] == "cpu"):
+    on_cpu = device.split(":")[0] == "cpu"
+    if dtype != "f32" and on_cpu:
         raise OptionError(
-            f"dtype {dtype!r} is for GPUs: Kiln lowers it with backend='onnxruntime' for "
-            f"device='cuda' (got backend={backend!r}, device={device!r}); CPUs without native half "
-            "precision run f16 matmuls far slower than f32. Fix: dtype='f32' on the CPU (with "
-            "quantize='int8' or 'int4-g32' for smaller weights), or backend='onnxruntime', device='cuda'."
+            f"dtype {dtype!r} is for GPUs: Kiln lowers it for device='cuda' with backend='inductor' "
+            f"or 'onnxruntime' (got backend={backend!r}, device={device!r}); CPUs without native half "
+            "precision run half-precision matmuls far slower than f32. Fix: dtype='f32' on the CPU (with "
+            "quantize='int8' or 'int4-g32' for smaller weights), or device='cuda' with backend='inductor'."
         )
-    if device.split(":")[0] != "cpu" and backend != "onnxruntime":
+    if not on_cpu and backend not in CUDA_DTYPES:
         raise OptionError(
             f"device {device!r}: the {backend} backend runs on the CPU only so far. Fix: "
-            "device='cpu', or backend='onnxruntime' (CUDA through onnxruntime-gpu)."
+            "device='cpu', or backend='inductor' or 'onnxruntime' (CUDA)."
         )
-    if dtype != "f32" and quantize is not None:  # the quantizer reads f32 weights only
+    if not on_cpu and dtype not in CUDA_DTYPES[backend]:
         raise OptionError(
-            f"quantize={quantize!r} with dtype {dtype!r} is not supported yet: Kiln quantizes f32 "
-            "weights. Fix: dtype='f32' with quantize, or dtype='f16' without it."
+            f"dtype {dtype!r} is not supported by the {backend} backend: ONNX Runtime's CUDA kernels "
+            f"cover bf16 only in part. Fix: dtype='f16' for {backend}, or backend='inductor' for {dtype}."
+        )
+    if dtype != "f32" and quantize is not None and backend not in HALF_QUANTIZED_BACKENDS:
+        raise OptionError(
+            f"quantize={quantize!r} with dtype {dtype!r} is not supported yet by the {backend} backend: it "
+            "lowers quantized weights for f32 graphs only. Fix: dtype='f32' with quantize, dtype="
+            f"{dtype!r} without it, or backend='inductor' for quantize with dtype {dtype!r}."
         )
 
 
@@ -176,6 +187,13 @@ def _check_quantize(options: CompileOptions) -> None:
             "quantize_embeddings quantizes the lm_head and embedding with the quantize scheme, "
             "and no scheme is given. Fix: add --quantize SCHEME (e.g. int8), or drop "
             "--quantize-embeddings."
+        )
+    if scheme is not None and scheme.needs_calibration and options.dtype != "f32":
+        raise OptionError(
+            f"quantize={options.quantize!r} measures activations on calibration text, which Kiln does "
+            f"in f32 graphs only so far, not dtype {options.dtype!r}. Fix: a round-to-nearest or fitted "
+            f"scheme with dtype {options.dtype!r} (e.g. int8, int4-g32, int4-g32-asym, int4-g32-fit), "
+            f"or dtype='f32' for {options.quantize!r}."
         )
     if options.calibration is not None and not options.needs_calibration:
         raise OptionError(

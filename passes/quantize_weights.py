@@ -2,12 +2,15 @@
 round-to-nearest or fitted, as a named scheme says (passes/quant_schemes.py, scheme_rounding.py),
 and each `gathered_matmul` of stacked experts by `gathered_matmul_q` (every expert on the same grid).
 
-Eligible: a `linear` whose weight is a 2-D f32 parameter, or a `gathered_matmul` whose experts are a
-3-D f32 parameter [experts, out, in], that the grid fits (4-bit needs an even K). The output
-projection (lm_head, the linear that makes the logits) and the token embedding share one table in
-tied models; both stay f32 unless `include_embeddings`, which quantizes the lm_head and turns
-`embedding` into `embedding_q` (tied: both read one quantized table). A parameter read by several
-linears is quantized once. The f32 weights nothing reads any more are dropped.
+Eligible: a `linear` whose weight is a 2-D f32, f16 or bf16 parameter, or a `gathered_matmul` whose
+experts are a 3-D f32 parameter [experts, out, in], that the grid fits (4-bit needs an even K).
+Half-precision weights (a model captured in f16 or bf16) are rounded from their f32 values, so the
+codes and scales are the ones the same weights in f32 would get; `linear_q` then computes in its
+input's dtype, and `embedding_q` gets `dtype`, the table's. The output projection (lm_head, the
+linear that makes the logits) and the token embedding share one table in tied models; both stay
+unquantized unless `include_embeddings`, which quantizes the lm_head and turns `embedding` into
+`embedding_q` (tied: both read one quantized table). A parameter read by several linears is
+quantized once. The float weights nothing reads any more are dropped.
 `graph.meta["quantization"]` records the scheme and what was quantized.
 """
 
@@ -43,13 +46,16 @@ def embedding_tables(graph: Graph) -> set[str]:
     return {n.inputs[0].name for n in graph.nodes if n.op == "embedding" and n.inputs[0].name in graph.params}
 
 
+QUANTIZABLE_DTYPES = ("f32", "f16", "bf16")  # rounded from their f32 values alike
+
+
 def eligible_weight(graph: Graph, value: Value, scheme: QuantScheme) -> bool:
-    """A 2-D f32 parameter (a linear's weight, an embedding table) or a 3-D one (stacked experts)
+    """A 2-D float parameter (a linear's weight, an embedding table) or a 3-D one (stacked experts)
     whose in-features (last dim) the scheme's grid fits."""
     t = value.type
     return (
         value.name in graph.params
-        and t.dtype == "f32"
+        and t.dtype in QUANTIZABLE_DTYPES
         and t.rank in (2, 3)
         and isinstance(t.shape[-1], int)
         and fits(t.shape[-1], scheme.bits, scheme.group_size_for(t.shape[-1]))
@@ -74,7 +80,7 @@ class WeightQuantizer:
     def params_for(self, weight: Value) -> tuple[Value, Value, Value | None]:
         if weight.name not in self.done:
             tensor, scheme = self.graph.weights[weight.name], self.scheme_of(weight)
-            q = round_weight(tensor, scheme, self.importance.get(weight.name))
+            q = round_weight(tensor.float(), scheme, self.importance.get(weight.name))
             self.done[weight.name] = self._add(weight.name, q)
             self.bytes_before += tensor.numel() * tensor.element_size()
             self.bytes_after += q.nbytes
@@ -121,16 +127,19 @@ def quantize_weights(
             replacement = graph.create(
                 "linear_q", [node.inputs[0], qweight, scales, zeros, node.inputs[2]], quantizer.attrs(node.inputs[1])
             )
-        elif node.op == "gathered_matmul" and eligible_weight(graph, node.inputs[0], scheme):
+        elif (
+            node.op == "gathered_matmul"
+            and node.inputs[0].type.dtype == "f32"  # gathered_matmul_q multiplies f32 rows only
+            and eligible_weight(graph, node.inputs[0], scheme)
+        ):
             qweight, scales, zeros = quantizer.params_for(node.inputs[0])
             replacement = graph.create(
                 "gathered_matmul_q", [qweight, scales, *node.inputs[1:], zeros], quantizer.attrs(node.inputs[0])
             )
         elif node.op == "embedding" and include_embeddings and eligible_weight(graph, node.inputs[0], scheme):
             qweight, scales, zeros = quantizer.params_for(node.inputs[0])
-            replacement = graph.create(
-                "embedding_q", [qweight, scales, node.inputs[1], zeros], quantizer.attrs(node.inputs[0])
-            )
+            attrs = {**quantizer.attrs(node.inputs[0]), "dtype": node.inputs[0].type.dtype}
+            replacement = graph.create("embedding_q", [qweight, scales, node.inputs[1], zeros], attrs)
         if replacement is None:
             continue
         graph.insert_before(node, replacement)

@@ -1,7 +1,11 @@
 """Quantized-weight ops: weights held as low-bit integers with per-group scales and zero points.
 
-- `linear_q(x, qweight, scales, zeros?, bias?) {bits, group_size}` = F.linear(x, dequantize(...), bias)
-- `embedding_q(qweight, scales, ids, zeros?) {bits, group_size}` = rows `ids` of the dequantized table
+- `linear_q(x, qweight, scales, zeros?, bias?) {bits, group_size}` = F.linear(x, dequantize(...), bias);
+  x (and bias) f32, f16 or bf16, the output in x's dtype: the weight is dequantized in f32, then
+  cast to x's dtype for the product (what a half-precision model's nn.Linear multiplies by)
+- `embedding_q(qweight, scales, ids, zeros?) {bits, group_size, dtype="f32"}` = rows `ids` of the
+  dequantized table, dequantized in f32 and cast to `dtype` (the dtype of the table it replaced:
+  f32, f16 or bf16)
 
 A weight W [N, K] (nn.Linear's [out, in]) is cut along K into groups of `group_size` columns (the
 last one may be shorter when group_size does not divide K; per-channel is group_size = K), and
@@ -14,8 +18,8 @@ last one may be shorter when group_size does not divide K; per-channel is group_
   z = 8; else zeros [N, groups]: u8 holding 0..15, one per byte (an integer zero point), or the
   scales' float dtype (a fractional one: the grid's offset is free, as in llama.cpp's Q4_1/Q4_K
   `d * q + m`, with z = -m / d).
-- scales f32 or f16 [N, groups], groups = ceil(K / group_size) (f16: half the bytes; the product
-  is still computed in f32).
+- scales f32 or f16 [N, groups], groups = ceil(K / group_size) (f16: half the bytes), whatever the
+  graph's dtype: the weight is dequantized in f32, then cast to the dtype it is used in.
 
 This file is a contract shared by the quantize pass and every backend: change it with all of them.
 """
@@ -26,10 +30,12 @@ import torch
 import torch.nn.functional as F
 
 from ..dims import dims_equal, format_dim
+from ..dtypes import TORCH_DTYPES
 from ..registry import REQUIRED, OpDef, OpError, register
 
 QWEIGHT_DTYPES = {8: "i8", 4: "u8"}
 SCALE_DTYPES = ("f32", "f16")
+ACTIVATION_DTYPES = ("f32", "f16", "bf16")  # x and the output of linear_q, the rows of embedding_q
 SYMMETRIC_ZERO = {8: 0, 4: 8}  # z when `zeros` is omitted
 
 
@@ -111,30 +117,32 @@ def check_quantized_weight(op: str, qweight, scales, zeros, bits, group_size):
 
 def _linear_q_infer(x, qweight, scales, zeros, bias, bits, group_size):
     n, k = check_quantized_weight("linear_q", qweight, scales, zeros, bits, group_size)
-    if x.dtype != "f32" or not dims_equal(x.shape[-1], k):
-        raise OpError(f"linear_q: input {x} must be f32 with last dim K={k}")
-    if bias is not None and (bias.rank != 1 or not dims_equal(bias.shape[0], n)):
-        raise OpError(f"linear_q: bias {bias} must be [{format_dim(n)}]")
+    if x.dtype not in ACTIVATION_DTYPES or not dims_equal(x.shape[-1], k):
+        raise OpError(f"linear_q: input {x} must be f32, f16 or bf16 with last dim K={k}")
+    if bias is not None and (bias.rank != 1 or not dims_equal(bias.shape[0], n) or bias.dtype != x.dtype):
+        raise OpError(f"linear_q: bias {bias} must be {x.dtype}[{format_dim(n)}] (the input's dtype)")
     return x.with_shape(x.shape[:-1] + (n,))
 
 
 def linear_q_reference(x, qweight, scales, zeros, bias, bits, group_size):
-    """Dequantize, then F.linear."""
-    return F.linear(x, dequantize(qweight, scales, zeros, bits, group_size), bias)
+    """Dequantize in f32, cast to x's dtype, then F.linear."""
+    return F.linear(x, dequantize(qweight, scales, zeros, bits, group_size).to(x.dtype), bias)
 
 
-def _embedding_q_infer(qweight, scales, ids, zeros, bits, group_size):
+def _embedding_q_infer(qweight, scales, ids, zeros, bits, group_size, dtype="f32"):
     _, k = check_quantized_weight("embedding_q", qweight, scales, zeros, bits, group_size)
     if ids.dtype not in ("i64", "i32"):
         raise OpError(f"embedding_q: ids must be integers, got {ids.dtype}")
-    return scales.with_shape(ids.shape + (k,)).with_dtype("f32")
+    if dtype not in ACTIVATION_DTYPES:
+        raise OpError(f"embedding_q: dtype must be one of {ACTIVATION_DTYPES} (the table's), got {dtype!r}")
+    return scales.with_shape(ids.shape + (k,)).with_dtype(dtype)
 
 
-def embedding_q_reference(qweight, scales, ids, zeros, bits, group_size):
-    """Gather the rows, then dequantize only those."""
+def embedding_q_reference(qweight, scales, ids, zeros, bits, group_size, dtype="f32"):
+    """Gather the rows, then dequantize only those (in f32), then cast to `dtype`."""
     flat = ids.reshape(-1)
     rows = dequantize(qweight[flat], scales[flat], None if zeros is None else zeros[flat], bits, group_size)
-    return rows.reshape(*ids.shape, rows.shape[-1])
+    return rows.reshape(*ids.shape, rows.shape[-1]).to(TORCH_DTYPES[dtype])
 
 
 register(
@@ -153,7 +161,7 @@ register(
         ("qweight", "scales", "ids", "zeros?"),
         _embedding_q_infer,
         embedding_q_reference,
-        attrs={"bits": REQUIRED, "group_size": REQUIRED},
-        doc="rows `ids` of the dequantized [vocab, K] table; see ir/ops/quantized.py",
+        attrs={"bits": REQUIRED, "group_size": REQUIRED, "dtype": "f32"},
+        doc="rows `ids` of the dequantized [vocab, K] table, in `dtype`; see ir/ops/quantized.py",
     )
 )
