@@ -154,9 +154,11 @@ def compile(
     ids, or None for the bundled Moby-Dick chapters.
 
     `dtype` is what the weights and activations are computed in: "f32" (every backend; the CPU
-    path), or "f16" for GPUs, lowered by the onnxruntime backend for `device="cuda"` (the model
-    is captured in f16 as Hugging Face runs it: norms in f32; logits come out in f32). `device`
-    is where the artifact runs; an artifact for CUDA compiles on a machine without one.
+    path), or "f16" / "bf16" for GPUs (the model is captured in that dtype as Hugging Face runs
+    it: norms in f32; logits come out in f32): backend="inductor" with `device="cuda"` (Triton
+    kernels and CUDA graphs, compiled when the artifact is loaded on the GPU; `quantize` too), or
+    f16 with backend="onnxruntime". `device` is where the artifact runs; an artifact for CUDA
+    compiles on a machine without one.
 
     `kv_cache` is what the KV buffers hold: "f32", or "int8" (one byte per number with an f32
     scale per token and head: 3.8x fewer bytes per token at head_dim 64; Inductor and the

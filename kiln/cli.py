@@ -95,9 +95,9 @@ def compile_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--dtype",
         default="f32",
-        choices=["f32", "f16"],
-        help="compute dtype: f32 (the CPU path; smaller weights: --quantize), or f16 for GPUs "
-        "(--backend onnxruntime --device cuda)",
+        choices=["f32", "f16", "bf16"],
+        help="compute dtype: f32 (the CPU path; smaller weights: --quantize), or f16/bf16 for GPUs "
+        "(--device cuda: --backend inductor, with --quantize too; f16 with --backend onnxruntime)",
     )
     parser.add_argument(
         "--device",

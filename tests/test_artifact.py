@@ -231,14 +231,18 @@ def test_load_names_an_unknown_backend(artifact):
 
 def test_a_dtype_the_target_cannot_run_is_refused_before_any_work(tmp_path):
     """The manifest records the dtype, so an unsupported one is an error, not silently f32."""
-    with pytest.raises(ValueError, match=r"dtype 'bf16' is not one Kiln compiles.*Fix: use one of"):
-        kiln.compile(str(tmp_path / "missing-model"), out=tmp_path / "m.kiln", dtype="bf16")
+    with pytest.raises(ValueError, match=r"dtype 'i8' is not one Kiln compiles.*Fix: use one of"):
+        kiln.compile(str(tmp_path / "missing-model"), out=tmp_path / "m.kiln", dtype="i8")
     with pytest.raises(ValueError, match=r"dtype 'f16' is for GPUs.*device='cpu'.*Fix: dtype='f32'"):
         kiln.compile(str(tmp_path / "missing-model"), out=tmp_path / "m.kiln", dtype="f16", backend="onnxruntime")
-    with pytest.raises(ValueError, match=r"dtype 'f16' is for GPUs.*backend='inductor'"):
-        kiln.compile(str(tmp_path / "missing-model"), out=tmp_path / "m.kiln", dtype="f16", device="cuda")
-    with pytest.raises(ValueError, match=r"device 'cuda': the inductor backend runs on the CPU only"):
-        kiln.compile(str(tmp_path / "missing-model"), out=tmp_path / "m.kiln", device="cuda")
+    with pytest.raises(ValueError, match=r"dtype 'bf16' is for GPUs.*device='cpu'.*Fix: dtype='f32'"):
+        kiln.compile(str(tmp_path / "missing-model"), out=tmp_path / "m.kiln", dtype="bf16")
+    with pytest.raises(ValueError, match=r"dtype 'bf16' is not supported by the onnxruntime backend.*dtype='f16'"):
+        kiln.compile(
+            str(tmp_path / "missing-model"), out=tmp_path / "m.kiln", dtype="bf16", device="cuda", backend="onnxruntime"
+        )
+    with pytest.raises(ValueError, match=r"device 'cuda': the tinygrad backend runs on the CPU only"):
+        kiln.compile(str(tmp_path / "missing-model"), out=tmp_path / "m.kiln", device="cuda", backend="tinygrad")
     with pytest.raises(ValueError, match=r"quantize='int8' with dtype 'f16' is not supported yet"):
         kiln.compile(
             str(tmp_path / "missing-model"),

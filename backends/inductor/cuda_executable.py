@@ -112,7 +112,8 @@ class CudaInductorExecutable(StatefulRunner):
         named_caches = self._init_state(graph, options)  # on the device (_check_device)
         self.module = graph_to_fx(graph, weights, state=named_caches, device=options.device).to(self.device)
         self.compile_count = 0
-        self._decode = torch.compile(fx.GraphModule(self.module, self.module.graph), backend=self._inductor)
+        decode_module = fx.GraphModule(self.module, copy.deepcopy(self.module.graph))  # its own code object
+        self._decode = torch.compile(decode_module, backend=self._inductor)
         self._prefill = torch.compile(self.module, backend=self._inductor, dynamic=True)
         last = last_position_module(self.module)
         self._prefill_last = None if last is None else torch.compile(last, backend=self._inductor, dynamic=True)

@@ -22,8 +22,9 @@ TINYGEMM_GROUPS = (32, 64, 128, 256)
 
 
 def linear_int8_channels(x, qweight, scales, bias):
-    """x @ (codes * scale per output channel).T (+ bias), the scale applied after the sum."""
-    out = F.linear(x, qweight.to(x.dtype)) * scales.to(x.dtype)
+    """x @ (codes * scale per output channel).T (+ bias), the scale applied after the sum in f32
+    (which also keeps Inductor's CPU-only bf16 `_weight_int8pack_mm` pattern from matching)."""
+    out = (F.linear(x, qweight.to(x.dtype)) * scales.float()).to(x.dtype)
     return out if bias is None else out + bias.to(x.dtype)
 
 

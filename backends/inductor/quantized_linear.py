@@ -206,7 +206,8 @@ def lower_linear_q(b, node, args, attrs):
 
 def lower_embedding_q(b, node, args, attrs):
     """`embedding_q` -> gather the rows, dequantize them."""
-    return b.call(embedding_q_reference, *args, bits=attrs["bits"], group_size=attrs["group_size"])
+    bits, group_size, dtype = attrs["bits"], attrs["group_size"], attrs.get("dtype", "f32")
+    return b.call(embedding_q_reference, *args, bits=bits, group_size=group_size, dtype=dtype)
 
 
 QUANTIZED_LOWERINGS = {"linear_q": lower_linear_q, "embedding_q": lower_embedding_q}

@@ -1,0 +1,24 @@
+#!/bin/bash
+# On a GPU machine, from the repository root: make this tree importable as `kiln` under that
+# machine's own torch (no install), then run what the arguments say, e.g.
+#   bash bench/gpu_run.sh tests                  # the GPU-marked tests (tests/test_cuda_inductor.py)
+#   bash bench/gpu_run.sh check DIR OUT          # bench/gpu.py check DIR --out OUT
+#   bash bench/gpu_run.sh real DIR GGUF OUT      # bench/gpu.py real DIR --gguf GGUF --out OUT
+# Wheels a machine lacks (gguf, for `real`) are installed from .whl/ when it is there.
+set -u
+export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
+package=/tmp/kiln-package
+rm -rf "$package" && mkdir -p "$package/kiln"
+for f in "$PWD"/kiln/*; do ln -s "$f" "$package/kiln/"; done
+for d in frontend ir passes backends runtime; do ln -s "$PWD/$d" "$package/kiln/$d"; done
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH="$package:/tmp/site:$PWD/tests:$PWD/bench"
+action=$1; shift
+case "$action" in
+    tests) python3 -m pytest -q -p no:cacheprovider tests/test_cuda_inductor.py "$@" ;;
+    check) python3 bench/gpu.py check "$1" --out "$2" ;;
+    real) python3 bench/gpu.py real "$1" --gguf "$2" --out "$3" ;;
+    *) echo "unknown action $action" >&2; exit 2 ;;
+esac
