@@ -7,8 +7,7 @@
 # Wheels a machine lacks (gguf, for `real`) are installed from .whl/ when it is there.
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-package=/tmp/kiln-package
-rm -rf "$package" && mkdir -p "$package/kiln"
+package=$(mktemp -d) && mkdir -p "$package/kiln"
 for f in "$PWD"/kiln/*; do ln -s "$f" "$package/kiln/"; done
 for d in frontend ir passes backends runtime; do ln -s "$PWD/$d" "$package/kiln/$d"; done
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then

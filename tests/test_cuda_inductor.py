@@ -155,3 +155,15 @@ def test_tinygemm_linear_on_the_gpu_computes_the_rewritten_weight(asymmetric):
     weight = dequantized_tinygemm_weight(pack_int4(codes), scales, zeros, group).cuda()
     expected = x.float() @ weight.T
     assert (out - expected).norm() / expected.norm() < 1e-2
+
+
+@pytest.mark.parametrize("seq", [1, 3])
+def test_grouped_attention_equals_the_composite_one(seq):
+    from kiln.backends.inductor.composite_ops import attention
+    from kiln.backends.inductor.cuda_lowerings import grouped_attention
+
+    torch.manual_seed(2)
+    q, k, v = torch.randn(2, 6, seq, 8), torch.randn(3, 2, 16, 8), torch.randn(3, 2, 16, 8)
+    positions = torch.tensor([[4 + i for i in range(seq)], [9 + i for i in range(seq)]])
+    expected = attention(q, k, v, None, positions, None, None, None, 0.3, True, 0, 0.0)
+    torch.testing.assert_close(grouped_attention(q, k, v, positions, None, 0.3, 0), expected, atol=1e-5, rtol=1e-5)

@@ -23,7 +23,7 @@ from kiln.ir.ops.collectives import tensor_parallel_size
 
 # imported for what they register: Kiln's cached-attention kernel for attention over KV buffers,
 # and its GEMV kernel as the lowering of fp32 linears
-from . import fast_attention, fast_linear, gathered_matmul, gathered_matmul_q  # noqa: F401
+from . import cuda_lowerings, fast_attention, fast_linear, gathered_matmul, gathered_matmul_q  # noqa: F401
 from .aoti_package import AOTIExecutable, PackageError
 from .aoti_package import load as load_package
 from .cuda_executable import CudaInductorExecutable, lower_for_cuda

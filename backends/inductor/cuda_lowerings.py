@@ -9,14 +9,25 @@
   it, so decode reads one byte per weight (gpt-fast's int8 form).
 - anything else (an f32 graph's 4-bit weights, other group sizes) -> dequantize + F.linear, which
   Inductor compiles like the rest of the graph.
+Attention over the cache keeps GQA grouped without copies: the query heads that share a kv head
+become rows of one query block ([batch, kv_heads, groups x seq, head_dim]), so each key and value
+is read once a step (SDPA's enable_gqa falls back to copying K and V per query head). Decode
+spells it as two matmuls and a softmax in f32 that Inductor fuses; several tokens go through
+SDPA's memory-efficient kernel with the mask.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
+from kiln.ir.ops.attention import tree_visibility
 from kiln.ir.ops.quantized import SYMMETRIC_ZERO, expand_groups, unpack_int4
+
+from .composite_ops import visible_keys
+from .lower_to_fx import register_attention_lowering
 
 TINYGEMM_GROUPS = (32, 64, 128, 256)
 
@@ -97,3 +108,43 @@ def lower_linear_q_cuda(b, node, args, attrs):
                 group_size,
             )
     return None
+
+
+def grouped_attention(q, k, v, positions, tree, scale: float, window: int):
+    """Attention of q [batch, heads, seq, dim] over the first `batch` rows of the cache, each
+    query seeing the slots up to its position (and its tree's ancestors), GQA kept grouped."""
+    batch, heads, seq, dim = q.shape
+    k, v = k[:batch], v[:batch]
+    kv_heads, keys = k.size(1), k.size(2)
+    groups = heads // kv_heads
+    visible = visible_keys(q, k, positions, True, window)
+    if tree is not None:
+        visible = visible & tree_visibility(positions, tree, keys)
+    visible = visible.unsqueeze(2).expand(-1, -1, groups, -1, -1).reshape(visible.size(0), 1, groups * seq, keys)
+    grouped = q.reshape(batch, kv_heads, groups * seq, dim)
+    if seq == 1:
+        scores = torch.matmul(grouped, k.transpose(-1, -2)).float() * scale
+        probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1).to(v.dtype)
+        out = torch.matmul(probs, v)
+    else:
+        out = F.scaled_dot_product_attention(grouped, k, v, attn_mask=visible, scale=scale)
+    return out.reshape(batch, heads, seq, dim)
+
+
+def lower_attention_cuda(b, node, args, attrs):
+    """`attention` over a static cache on a GPU (positions given; no extra mask, softcap, ALiBi
+    or int8 cache: those keep the composite lowering)."""
+    q, _, _, mask, positions, _, k_scales, _ = node.inputs
+    if b.on_cpu or mask is not None or positions is None or k_scales is not None:
+        return None
+    if attrs["softcap"] or attrs["alibi"] or not isinstance(q.type.shape[3], int):
+        return None
+    if node.inputs[1].producer is not None and node.inputs[1].producer.op == "kv_pages":
+        return None  # a paged pool's gathered slots: the composite lowering
+    scale = attrs["scale"] if attrs["scale"] is not None else 1.0 / math.sqrt(q.type.shape[3])
+    position_ids = args[4] if positions.type.dtype == "i64" else b.method("long", args[4])
+    window = int(attrs["window"] or 0)
+    return b.call(grouped_attention, args[0], args[1], args[2], position_ids, args[5], float(scale), window)
+
+
+register_attention_lowering(lower_attention_cuda)
