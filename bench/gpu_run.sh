@@ -16,7 +16,7 @@ fi
 export PYTHONPATH="$package:/tmp/site:$PWD/tests:$PWD/bench"
 action=$1; shift
 case "$action" in
-    tests) python3 -m pytest -q -p no:cacheprovider tests/test_cuda_inductor.py "$@" ;;
+    tests) python3 -P -m pytest -q -p no:cacheprovider tests/test_cuda_inductor.py "$@" ;;
     check) python3 bench/gpu.py check "$1" --out "$2" ;;
     real) python3 bench/gpu.py real "$1" --gguf "$2" --out "$3" ;;
     *) echo "unknown action $action" >&2; exit 2 ;;

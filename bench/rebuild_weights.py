@@ -109,7 +109,8 @@ def write_weights(stripped: Path, params: dict[str, torch.Tensor], out: Path) ->
             if name == "__metadata__":
                 continue
             file.seek(len(head) + entry["data_offsets"][0])
-            file.write(params[name].contiguous().numpy().tobytes())
+            raw = params[name].contiguous().reshape(-1).view(torch.uint8)  # as bytes: bf16 has no numpy dtype
+            file.write(raw.numpy().tobytes())
 
 
 def write_onnx_data(stripped: Path, params: dict[str, torch.Tensor], out: Path) -> None:

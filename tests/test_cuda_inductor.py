@@ -114,17 +114,8 @@ def test_capturing_another_batch_size_keeps_the_rows_it_warms_up_on(on_gpu):
     for feeds in [PREFILL, decode_feeds(0)]:
         executable.run(*feeds), oracle.run(*feeds)
     one_row = (decode_feeds(1)[0][:1], decode_feeds(1)[1][:1])  # batch 1: a new graph, captured now
-    expected = run_rows_of_oracle(oracle, one_row)
+    expected = oracle.run(*one_row)
     torch.testing.assert_close(executable.run(*one_row), expected, atol=1e-4, rtol=1e-4)
-
-
-def run_rows_of_oracle(oracle, feeds):
-    """The oracle over row 0 alone (its graph takes any batch up to MAX_BATCH)."""
-    saved = oracle.caches
-    oracle.caches = [c[:1].clone() for c in saved]
-    logits = oracle.run(*feeds)
-    oracle.caches = [torch.cat([mine, rest[1:]]) for mine, rest in zip(oracle.caches, saved)]
-    return logits
 
 
 @gpu

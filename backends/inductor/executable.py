@@ -47,6 +47,9 @@ def without_stack_traces():
     """Trace without recording a Python stack trace per FX node: export and Inductor's tracing
     spent a third of their time (SmolLM2: 12 of 37 s of decompositions) formatting tracebacks
     that only Inductor's own debugging output reads. The IR's nodes keep their source lines."""
+    if not hasattr(torch.fx.config, "do_not_emit_stack_traces"):  # torch before 2.12 has no such switch
+        yield
+        return
     saved = torch.fx.config.do_not_emit_stack_traces
     torch.fx.config.do_not_emit_stack_traces = True
     try:

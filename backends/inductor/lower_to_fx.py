@@ -268,10 +268,10 @@ FX_LOWERINGS: dict[str, Lowering] = {
     "concat": lambda b, node, args, attrs: b.call(torch.cat, list(args), dim=attrs["axis"]),
     "index": lambda b, node, args, attrs: b.call(operator.getitem, args[0], tuple(args[1:])),
     "arange": lambda b, node, args, attrs: b.call(
-        torch.arange, attrs["start"], attrs["end"], attrs["step"], dtype=to_torch(attrs["dtype"])
+        torch.arange, attrs["start"], attrs["end"], attrs["step"], dtype=to_torch(attrs["dtype"]), device=b.device
     ),
     "full": lambda b, node, args, attrs: b.call(
-        torch.full, attrs["shape"], attrs["value"], dtype=to_torch(attrs["dtype"])
+        torch.full, attrs["shape"], attrs["value"], dtype=to_torch(attrs["dtype"]), device=b.device
     ),
     "linear": _linear,
     "embedding": lambda b, node, args, attrs: b.call(F.embedding, args[1], args[0]),

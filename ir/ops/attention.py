@@ -83,7 +83,7 @@ def alibi_bias(alibi, query_pos, keys: int, dtype) -> torch.Tensor:
 def tree_visibility(positions, tree, keys: int) -> torch.Tensor:
     """[batch, 1, seq, keys]: False where a key slot holds a token of this call that `tree` hides."""
     first = positions[:, :1, None]  # [batch, 1, 1]
-    own = torch.arange(keys) - first  # the index j of the call's token in each slot
+    own = torch.arange(keys, device=positions.device) - first  # the index j of the call's token in each slot
     inside = (own >= 0) & (own < tree.shape[-1])
     seen = torch.gather(tree, 2, own.clamp(0, tree.shape[-1] - 1).expand(-1, tree.shape[1], -1))
     return (~inside | seen)[:, None]
