@@ -13,7 +13,7 @@ with random values of the recorded dtypes and shapes before loading them unhashe
 
 `check`:
 1. the device-to-device copy bandwidth (bytes read + written per second), the ceiling;
-2. greedy: each tiny random-weight architecture (tests/tiny_models.py) compiled f32, 48 new
+2. greedy: each tiny random-weight architecture and family (tests/tiny_models.py) compiled f32, 48 new
    tokens at batch 1 and 2 against Hugging Face eager on the GPU in f32 with TF32 off, token for
    token, and the largest logit difference, teacher-forced (one process per architecture);
 3. speed: a Llama-3.2-1B-shaped model in bf16, int8 and int4-g32 (tied embedding quantized too)
@@ -43,7 +43,10 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "bench"))
 
-ARCHES = ("gpt2", "llama", "qwen2", "mistral", "gemma3")
+ARCHES = (  # tests/tiny_models.py: ARCHITECTURES, then the FAMILIES with their own attention or routing
+    *("gpt2", "llama", "qwen2", "mistral", "gemma3"),
+    *("bloom", "mpt", "falcon", "gemma2", "mixtral", "olmoe"),
+)
 PROMPTS = [[5, 17, 33, 8, 91, 2, 40], [7, 7, 12, 60, 3, 19, 25, 44, 11, 80, 4, 9, 31]]
 TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 LLAMA_1B = {  # Llama-3.2-1B's shape
@@ -246,7 +249,10 @@ def greedy_one(directory: Path, arch: str) -> dict:
     from cuda_onnxruntime import first_difference
 
     torch.backends.cuda.matmul.allow_tf32 = False
-    hf = transformers.AutoModelForCausalLM.from_pretrained(directory / arch, dtype=torch.float32).cuda().eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        directory / arch, dtype=torch.float32, attn_implementation="eager"
+    )
+    hf = hf.cuda().eval()  # eager: ALiBi and soft-capping families have no SDPA path
     expected = hf_greedy(hf, PROMPTS, 48)
     llm = kiln.load(directory / f"{arch}.kiln", device="cuda")
     single = [llm.generate(p, max_new_tokens=48, temperature=0, ignore_eos=True).token_ids for p in PROMPTS]

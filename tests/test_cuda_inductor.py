@@ -11,16 +11,22 @@ from __future__ import annotations
 import pytest
 import torch
 
+from hf_oracle import hf_greedy, prompts
 from kiln.backends.executable import BackendOptions
 from kiln.backends.inductor import graph_to_fx, lower
 from kiln.backends.inductor.cuda_executable import CompiledWhereLoaded, last_position_module
 from kiln.backends.inductor.cuda_lowerings import dequantized_tinygemm_weight, linear_int8_channels
 from kiln.backends.inductor.executable import allocate_caches
+from kiln.backends.token_trees import tree_feeds
+from kiln.frontend.capture import capture_causal_lm
+from kiln.frontend.checkpoint import load_model
 from kiln.ir.errors import OptionError
 from kiln.ir.ops.quantized import dequantize, pack_int4
+from kiln.passes.pipeline import run_pipeline
 from kiln.passes.quant_schemes import SCHEMES
 from kiln.passes.quantize_weights import quantize_weights
 from test_inductor_backend import PREFILL, InterpreterOracle, build_toy_transformer, decode_feeds
+from tiny_models import ARCHITECTURES, EOS_TOKEN_ID, FAMILIES
 
 MAX_BATCH, MAX_SEQ = 2, 32
 CUDA = torch.cuda.is_available()
@@ -29,7 +35,7 @@ gpu = pytest.mark.skipif(not CUDA, reason="needs a CUDA device (none here; bench
 
 def lowered_for_cuda(graph):
     """The graph lowered as for a GPU, run here on the CPU with caches of its own."""
-    return graph_to_fx(graph, state=allocate_caches(graph), device="cuda")
+    return graph_to_fx(graph, state=allocate_caches(graph), lowering_for="cuda")
 
 
 def kiln_kernel_calls(module) -> list[str]:
@@ -43,6 +49,33 @@ def test_the_cuda_lowering_emits_no_cpu_kernel_and_matches_the_interpreter():
     oracle = InterpreterOracle(graph)
     for feeds in [PREFILL, decode_feeds(0), decode_feeds(1)]:
         torch.testing.assert_close(module(*feeds)[0], oracle.run(*feeds), atol=1e-4, rtol=1e-4)
+
+
+def step(module, tokens: list[int], start: int) -> torch.Tensor:
+    """One call of a lowered stateful module over `tokens` at positions from `start`."""
+    ids, positions = torch.tensor([tokens]), torch.arange(start, start + len(tokens))[None]
+    extra = tree_feeds(positions, None, None) if "slots" in module.input_names else ()
+    with torch.no_grad():
+        return module(ids, positions, *extra)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ARCHITECTURES + FAMILIES)
+def test_the_cuda_lowering_gives_hugging_faces_greedy_tokens(tiny_model_dirs, family):
+    """Every architecture and family through the lowerings a GPU gets (composite attention where
+    ALiBi or soft-capping needs it, experts gathered), run here on the CPU."""
+    model = load_model(tiny_model_dirs(family)).model
+    options = BackendOptions(max_batch=1, max_seq_len=64)
+    graph = run_pipeline(capture_causal_lm(model, options.max_batch, options.max_seq_len), options)
+    module = lowered_for_cuda(graph)
+    assert kiln_kernel_calls(module) == []
+    prompt = prompts([9])[0]
+    expected = hf_greedy(model, prompt, 16, {EOS_TOKEN_ID})
+    got, tokens, start = [], prompt, 0
+    while len(got) < 16 and (not got or got[-1] != EOS_TOKEN_ID):
+        got.append(int(step(module, tokens, start)[0, -1].argmax()))
+        start, tokens = start + len(tokens), got[-1:]
+    assert got == expected
 
 
 def test_int8_channels_lower_to_the_fused_form_and_match_the_interpreter():

@@ -34,11 +34,12 @@ from .quantized_linear import QUANTIZED_LOWERINGS
 
 class FxBuilder:
     """An fx.Graph being built, with the runtime value of each IR symbol, for `device` ("cpu" or
-    "cuda[:N]"): lowerings to Kiln's CPU kernels decline on any other device (`on_cpu`)."""
+    "cuda[:N]", where tensors the graph makes live): lowerings to Kiln's CPU kernels decline when
+    the lowerings are chosen for another device (`on_cpu` False; `lowering_for` says which)."""
 
-    def __init__(self, device: str = "cpu"):
+    def __init__(self, device: str = "cpu", lowering_for: str | None = None):
         self.device = device
-        self.on_cpu = device == "cpu"
+        self.on_cpu = (lowering_for or device) == "cpu"
         self.graph = fx.Graph()
         self.root = torch.nn.Module()  # owns the parameters and buffers that get_attr nodes read
         self._taken: set[str] = set()
@@ -328,10 +329,13 @@ def graph_to_fx(
     weights: Mapping[str, torch.Tensor] | None = None,
     state: Mapping[str, torch.Tensor] | None = None,
     device: str = "cpu",
+    lowering_for: str | None = None,
 ) -> fx.GraphModule:
     """Lower `graph` to an FX module. `state` maps graph input names to buffers the module owns.
     `device` is where the module will run: off the CPU, only torch's own ops are emitted (and
     the device's own forms of some, e.g. CUDA's int4 matmul: cuda_lowerings.py).
+    `lowering_for` chooses the lowerings of another device than the one it runs on (tests run
+    the CUDA lowering on the CPU).
 
     The module's `input_names` / `output_names` list the IR names of its positional inputs and of
     the outputs it returns (state outputs are left out: they live in the buffers).
@@ -340,7 +344,7 @@ def graph_to_fx(
     weights = graph.weights if weights is None else weights
     state = dict(state or {})
     _check_state_use(graph, state)
-    b = FxBuilder(device)
+    b = FxBuilder(device, lowering_for)
     env: dict[int, fx.Node] = {}
     input_names = []
     for v in graph.inputs:
