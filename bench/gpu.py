@@ -5,6 +5,7 @@ copy bandwidth and Hugging Face's static cache + torch.compile, in one run.
     python bench/gpu.py check DIR              # there: everything below, a table at the end
     python bench/gpu.py prepare-real DIR       # here: the real SmolLM2 for CUDA, weights stripped
     python bench/gpu.py real DIR --gguf FILE   # there: the real SmolLM2, f16 and bf16, against HF
+    python bench/gpu.py profile DIR [ROW ...]  # there: a decode step's kernels and host share
 
 Artifacts compile where Kiln's pinned torch runs (`prepare`: an artifact for CUDA holds the IR
 and weights; the GPU compiles it when it loads). Speed depends on shapes, not weight values, so
@@ -98,20 +99,6 @@ def prepare(directory: Path, rows: list[str]) -> None:
         compile_for_cuda(kiln, checkpoint, artifact, dtype, quantize, max_batch=1, max_seq_len=1024)
         to_skeleton(artifact)
         (directory / f"{model}.config.json").write_text((checkpoint / "config.json").read_text())
-    share_tokenizers(directory)
-
-
-def prepare_real(directory: Path) -> None:
-    """The real SmolLM2 in f16 and bf16 for CUDA, without weights: `real` rebuilds them there
-    from the GGUF (bench/rebuild_weights.py; byte-identical, the manifest's sha256 checks)."""
-    import kiln
-    from kiln.frontend.default_model import default_model_dir
-    from rebuild_weights import strip
-
-    for dtype in ("f16", "bf16"):
-        full = directory / "full" / f"smollm2-real-{dtype}.kiln"
-        compile_for_cuda(kiln, default_model_dir(), full, dtype, None, max_batch=2, max_seq_len=512)
-        strip(full, directory / full.name, default_model_dir())
     share_tokenizers(directory)
 
 
@@ -477,72 +464,9 @@ def speed_table(report: dict) -> str:
     return "\n".join(lines)
 
 
-CHATS = [
-    "What is the capital of France?",
-    "Write three sentences about why the sky is blue, for a child who asked at bedtime.",
-]
-
-
-def real(directory: Path, gguf: Path, out: Path | None) -> None:
-    """The real SmolLM2 on the GPU in f16 and bf16: greedy against Hugging Face in the same
-    dtype on the GPU (64 new tokens, two chat prompts, batch 1 and 2), logit gaps, decode speed."""
-    from kiln.frontend.default_model import convert_gguf
-    from rebuild_weights import rebuild
-
-    restore_tokenizers(directory)
-    checkpoint = directory / "smollm2-checkpoint"
-    if not (checkpoint / "config.json").is_file():
-        convert_gguf(gguf, checkpoint)
-    results = {}
-    for dtype in ("f16", "bf16"):
-        artifact = directory / f"smollm2-real-{dtype}.kiln"
-        try:
-            try:
-                rebuild(artifact, checkpoint)
-                as_compiled = True
-            except SystemExit as mismatch:  # this machine's GGUF conversion rounds otherwise
-                print(mismatch, flush=True)
-                as_compiled = False
-            results[dtype] = {"weights_as_compiled": as_compiled, **real_one(artifact, checkpoint, dtype, as_compiled)}
-        except Exception as error:  # noqa: BLE001 - a report: the other dtype still runs
-            results[dtype] = {"error": f"{type(error).__name__}: {str(error)[:800]}"}
-        print(f"{dtype}: {results[dtype]}", flush=True)
-    if out is not None:
-        out.write_text(json.dumps(results, indent=1))
-
-
-def real_one(artifact: Path, checkpoint: Path, dtype: str, check_hashes: bool) -> dict:
-    import transformers
-
-    import kiln
-    from cuda_onnxruntime import first_difference
-
-    llm = kiln.load(artifact, device="cuda", check_hashes=check_hashes)
-    hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=TORCH_DTYPES[dtype]).cuda().eval()
-    prompts = [llm.encode_chat([{"role": "user", "content": c}]) for c in CHATS]
-    expected = hf_greedy(hf, prompts, 64)
-    single = [llm.generate(p, max_new_tokens=64, temperature=0, ignore_eos=True).token_ids for p in prompts]
-    batch = [r.token_ids for r in llm.generate(prompts, max_new_tokens=64, temperature=0, ignore_eos=True)]
-    with torch.no_grad():
-        reference = hf(torch.tensor([prompts[0]], device="cuda")).logits[0, -1].float().cpu()
-    llm.executable.reset()
-    mine = llm.executable.run(torch.tensor([prompts[0]]), torch.arange(len(prompts[0]))[None])[0, -1]
-    stats = [llm.generate(prompts[0], max_new_tokens=128, temperature=0, ignore_eos=True).stats for _ in range(4)]
-    return {
-        "batch1_equal": single == expected,
-        "batch2_equal": batch == expected,
-        "first_difference": [first_difference(single, expected), first_difference(batch, expected)],
-        "prompt_logit_gap": float((mine - reference).abs().max()),
-        "prompt_logit_scale": float(reference.abs().max()),
-        "text": llm.tokenizer.decode(single[0]),
-        "hf_text": llm.tokenizer.decode(expected[0]),
-        "kiln_decode_tok_s": statistics.median(s.decode_tokens_per_s for s in stats[1:]),
-    }
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("action", choices=["prepare", "prepare-real", "check", "real", "job"])
+    parser.add_argument("action", choices=["prepare", "prepare-real", "check", "real", "profile", "job"])
     parser.add_argument("directory", type=Path)
     parser.add_argument("rest", nargs="*")
     parser.add_argument("--rows", nargs="*", default=list(SPEED_ROWS), help="speed rows to prepare")
@@ -552,11 +476,20 @@ def main(argv=None) -> int:
     if args.action == "prepare":
         prepare(args.directory, args.rows)
     elif args.action == "prepare-real":
+        from gpu_real import prepare_real
+
         prepare_real(args.directory)
     elif args.action == "check":
         check(args.directory, args.out)
     elif args.action == "real":
+        from gpu_real import real
+
         real(args.directory, args.gguf, args.out)
+    elif args.action == "profile":
+        from gpu_profile import profile
+
+        for name in args.rest or ["smollm2-f16"]:
+            profile(args.directory, name, args.out and args.out.with_suffix(f".{name}.md"))
     else:
         print(json.dumps(job(args.directory, *args.rest)), flush=True)
     return 0

@@ -4,6 +4,7 @@
 #   bash bench/gpu_run.sh tests                  # the GPU-marked tests (tests/test_cuda_inductor.py)
 #   bash bench/gpu_run.sh check DIR OUT          # bench/gpu.py check DIR --out OUT
 #   bash bench/gpu_run.sh real DIR GGUF OUT      # bench/gpu.py real DIR --gguf GGUF --out OUT
+#   bash bench/gpu_run.sh profile DIR OUT ROW... # bench/gpu.py profile DIR ROW... --out OUT
 # Wheels a machine lacks (gguf, for `real`) are installed from .whl/ when it is there.
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -19,5 +20,6 @@ case "$action" in
     tests) python3 -P -m pytest -q -p no:cacheprovider tests/test_cuda_inductor.py "$@" ;;
     check) python3 bench/gpu.py check "$1" --out "$2" ;;
     real) python3 bench/gpu.py real "$1" --gguf "$2" --out "$3" ;;
+    profile) dir=$1; out=$2; shift 2; python3 bench/gpu.py profile "$dir" "$@" --out "$out" ;;
     *) echo "unknown action $action" >&2; exit 2 ;;
 esac
