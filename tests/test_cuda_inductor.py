@@ -191,3 +191,17 @@ def test_grouped_attention_equals_the_composite_one(seq):
     positions = torch.tensor([[4 + i for i in range(seq)], [9 + i for i in range(seq)]])
     expected = attention(q, k, v, None, positions, None, None, None, 0.3, True, 0, 0.0)
     torch.testing.assert_close(grouped_attention(q, k, v, positions, None, 0.3, 0), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_an_artifact_for_cuda_loads_on_the_cpu_in_f32_and_is_refused_in_bf16(tiny_model_dirs, tmp_path):
+    import kiln
+
+    checkpoint = tiny_model_dirs("llama")
+    f32 = kiln.compile(str(checkpoint), out=tmp_path / "f32.kiln", device="cuda", max_seq_len=32)
+    prompt = prompts([5])[0]
+    on_cpu = kiln.load(f32, device="cpu").generate(prompt, max_new_tokens=6, temperature=0)
+    expected = hf_greedy(load_model(checkpoint).model, prompt, 6, {EOS_TOKEN_ID})
+    assert on_cpu.token_ids == expected
+    bf16 = kiln.compile(str(checkpoint), out=tmp_path / "bf16.kiln", device="cuda", dtype="bf16", max_seq_len=32)
+    with pytest.raises(OptionError, match="compiled for a GPU in bf16"):
+        kiln.load(bf16, device="cpu")
