@@ -305,7 +305,7 @@ def weight_bytes(artifact: Path) -> int:
 def kiln_row(directory: Path, name: str, turn) -> dict:
     import kiln
 
-    artifact = directory / f"{name}.kiln"
+    artifact = directory / f"{name.split('@')[0]}.kiln"  # row@variant: the row's artifact (filled by check)
     fill(artifact)
     started = time.perf_counter()
     llm = kiln.load(artifact, device="cuda", check_hashes=False)
@@ -409,6 +409,8 @@ def in_parallel(directory: Path, jobs: list[tuple[str, list[str]]]) -> dict:
 
 def job(directory: Path, kind: str, name: str) -> dict:
     count = int(os.environ.get("KILN_GPU_JOBS", "1"))
+    if "@" in name:
+        os.environ.update(VARIANTS[name.split("@")[1]])
     turn = one_at_a_time(directory, count, name)
     try:
         if kind == "greedy":
@@ -422,13 +424,22 @@ def job(directory: Path, kind: str, name: str) -> dict:
         raise
 
 
-def check(directory: Path, out: Path | None) -> None:
+VARIANTS = {  # row@variant: the same artifact under another decode form (backends/inductor/cuda_*.py)
+    "sdpa": {"KILN_CUDA_DECODE_ATTENTION": "sdpa"},
+    "cublas": {"KILN_CUDA_DECODE_TUNING": "0"},
+}
+
+
+def check(directory: Path, out: Path | None, variants: list[str] = ()) -> None:
     restore_tokenizers(directory)
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth: {bandwidth / 1e9:.0f} GB/s (read + write)", flush=True)
     greedy = in_parallel(directory, [(a, ["greedy", a]) for a in ARCHES if (directory / f"{a}.kiln").is_dir()])
     rows = [n for n in SPEED_ROWS if (directory / f"{n}.kiln").is_dir()]
-    baselines = sorted({(SPEED_ROWS[n][0], "bf16" if SPEED_ROWS[n][1] == "bf16" else SPEED_ROWS[n][1]) for n in rows})
+    for row in rows:
+        fill(directory / f"{row}.kiln")  # once, before jobs that share an artifact start
+    rows += [v for v in variants if v.split("@")[0] in rows]
+    baselines = sorted({SPEED_ROWS[n.split("@")[0]][:2] for n in rows})
     jobs = [(n, ["kiln", n]) for n in rows] + [(f"hf:{m}:{d}", ["hf", f"{m}:{d}"]) for m, d in baselines]
     speed = in_parallel(directory, jobs)
     report = {
@@ -451,10 +462,10 @@ def speed_table(report: dict) -> str:
         "| row | weights GB | tg128 tok/s | GB/s | of copy bw | pp512 tok/s | HF static+compile tok/s | vs HF |",
         "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
-    for name, (model, dtype, _) in SPEED_ROWS.items():
-        row = speed.get(name)
-        if row is None or "error" in row:
+    for name, row in speed.items():
+        if name.startswith("hf:") or "error" in row:
             continue
+        model, dtype, _ = SPEED_ROWS[name.split("@")[0]]
         hf = speed.get(f"hf:{model}:{dtype}", {}).get("tg128")
         gbps = row["bytes"] * row["tg128"] / 1e9
         lines.append(
@@ -472,6 +483,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rows", nargs="*", default=list(SPEED_ROWS), help="speed rows to prepare")
     parser.add_argument("--out", type=Path, help="check, real: write the report here")
     parser.add_argument("--gguf", type=Path, help="real: SmolLM2's GGUF file")
+    parser.add_argument("--variants", nargs="*", default=[], help=f"check: ROW@VARIANT rows too ({sorted(VARIANTS)})")
     args = parser.parse_args(argv)
     if args.action == "prepare":
         prepare(args.directory, args.rows)
@@ -480,7 +492,7 @@ def main(argv=None) -> int:
 
         prepare_real(args.directory)
     elif args.action == "check":
-        check(args.directory, args.out)
+        check(args.directory, args.out, args.variants)
     elif args.action == "real":
         from gpu_real import real
 

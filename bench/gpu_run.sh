@@ -2,7 +2,7 @@
 # On a GPU machine, from the repository root: make this tree importable as `kiln` under that
 # machine's own torch (no install), then run what the arguments say, e.g.
 #   bash bench/gpu_run.sh tests                  # the GPU-marked tests (tests/test_cuda_inductor.py)
-#   bash bench/gpu_run.sh check DIR OUT          # bench/gpu.py check DIR --out OUT
+#   bash bench/gpu_run.sh check DIR OUT [ROW@VARIANT ...]  # bench/gpu.py check DIR --out OUT --variants ...
 #   bash bench/gpu_run.sh real DIR GGUF OUT      # bench/gpu.py real DIR --gguf GGUF --out OUT
 #   bash bench/gpu_run.sh profile DIR OUT ROW... # bench/gpu.py profile DIR ROW... --out OUT
 # Wheels a machine lacks (gguf, for `real`) are installed from .whl/ when it is there.
@@ -18,7 +18,7 @@ export PYTHONPATH="$package:/tmp/site:$PWD/tests:$PWD/bench"
 action=$1; shift
 case "$action" in
     tests) python3 -P -m pytest -q -p no:cacheprovider tests/test_cuda_inductor.py "$@" ;;
-    check) python3 bench/gpu.py check "$1" --out "$2" ;;
+    check) dir=$1; out=$2; shift 2; python3 bench/gpu.py check "$dir" --out "$out" --variants "$@" ;;
     real) python3 bench/gpu.py real "$1" --gguf "$2" --out "$3" ;;
     profile) dir=$1; out=$2; shift 2; python3 bench/gpu.py profile "$dir" "$@" --out "$out" ;;
     *) echo "unknown action $action" >&2; exit 2 ;;

@@ -181,8 +181,9 @@ def test_tinygemm_linear_on_the_gpu_computes_the_rewritten_weight(asymmetric):
     assert (out - expected).norm() / expected.norm() < 1e-2
 
 
+@pytest.mark.parametrize("decode_sdpa", [False, True])
 @pytest.mark.parametrize("seq", [1, 3])
-def test_grouped_attention_equals_the_composite_one(seq):
+def test_grouped_attention_equals_the_composite_one(seq, decode_sdpa):
     from kiln.backends.inductor.composite_ops import attention
     from kiln.backends.inductor.cuda_lowerings import grouped_attention
 
@@ -190,7 +191,8 @@ def test_grouped_attention_equals_the_composite_one(seq):
     q, k, v = torch.randn(2, 6, seq, 8), torch.randn(3, 2, 16, 8), torch.randn(3, 2, 16, 8)
     positions = torch.tensor([[4 + i for i in range(seq)], [9 + i for i in range(seq)]])
     expected = attention(q, k, v, None, positions, None, None, None, 0.3, True, 0, 0.0)
-    torch.testing.assert_close(grouped_attention(q, k, v, positions, None, 0.3, 0), expected, atol=1e-5, rtol=1e-5)
+    got = grouped_attention(q, k, v, positions, None, 0.3, 0, decode_sdpa)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
 def test_an_artifact_for_cuda_loads_on_the_cpu_in_f32_and_is_refused_in_bf16(tiny_model_dirs, tmp_path):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import copy
 import operator
+import os
 
 import torch
 import torch.fx as fx
@@ -37,6 +38,17 @@ from .executable import StatefulRunner, without_stack_traces
 from .lower_to_fx import graph_to_fx
 
 LINEAR_FORMS = (F.linear, linear_int4_tinygemm, linear_int8_channels)
+
+
+TUNING_SWITCH = "KILN_CUDA_DECODE_TUNING"  # "1" (default) or "0": cuBLAS's GEMV for one-row matmuls
+
+
+def decode_tuning() -> bool:
+    """Whether decode compiles under coordinate-descent tuning (KILN_CUDA_DECODE_TUNING, to compare)."""
+    choice = os.environ.get(TUNING_SWITCH, "1")
+    if choice not in ("0", "1"):
+        raise OptionError(f"{TUNING_SWITCH}={choice!r} is not a choice. Fix: set it to 1 or 0, or unset it.")
+    return choice == "1"
 
 
 def check_cuda(device: str) -> torch.device:
@@ -135,7 +147,7 @@ class CudaInductorExecutable(StatefulRunner):
         return compile_fx(gm, example_inputs)
 
     def _decode_step(self, *feeds: torch.Tensor):
-        with inductor_config.patch(coordinate_descent_tuning=True), without_stack_traces():
+        with inductor_config.patch(coordinate_descent_tuning=decode_tuning()), without_stack_traces():
             return self._decode(*feeds)
 
     def run(

@@ -12,17 +12,19 @@
 Attention over the cache keeps GQA grouped without copies: the query heads that share a kv head
 become rows of one query block ([batch, kv_heads, groups x seq, head_dim]), so each key and value
 is read once a step (SDPA's enable_gqa falls back to copying K and V per query head). Decode
-spells it as two matmuls and a softmax in f32 that Inductor fuses; several tokens go through
-SDPA's memory-efficient kernel with the mask.
+spells it as two matmuls and a softmax in f32 that Inductor fuses (KILN_CUDA_DECODE_ATTENTION=sdpa:
+SDPA's kernel, to compare); several tokens go through SDPA's memory-efficient kernel with the mask.
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import torch.nn.functional as F
 
+from kiln.ir.errors import OptionError
 from kiln.ir.ops.attention import tree_visibility
 from kiln.ir.ops.quantized import SYMMETRIC_ZERO, expand_groups, unpack_int4
 
@@ -110,9 +112,20 @@ def lower_linear_q_cuda(b, node, args, attrs):
     return None
 
 
-def grouped_attention(q, k, v, positions, tree, scale: float, window: int):
+ATTENTION_SWITCH = "KILN_CUDA_DECODE_ATTENTION"  # "matmul" (default) or "sdpa" (one fused kernel)
+
+
+def decode_attention_form() -> str:
+    choice = os.environ.get(ATTENTION_SWITCH, "matmul")
+    if choice not in ("matmul", "sdpa"):
+        raise OptionError(f"{ATTENTION_SWITCH}={choice!r} is not a choice. Fix: 'matmul' or 'sdpa', or unset it.")
+    return choice
+
+
+def grouped_attention(q, k, v, positions, tree, scale: float, window: int, decode_sdpa: bool = False):
     """Attention of q [batch, heads, seq, dim] over the first `batch` rows of the cache, each
-    query seeing the slots up to its position (and its tree's ancestors), GQA kept grouped."""
+    query seeing the slots up to its position (and its tree's ancestors), GQA kept grouped.
+    `decode_sdpa`: one token per row through SDPA's kernel too, instead of two matmuls."""
     batch, heads, seq, dim = q.shape
     k, v = k[:batch], v[:batch]
     kv_heads, keys = k.size(1), k.size(2)
@@ -122,7 +135,7 @@ def grouped_attention(q, k, v, positions, tree, scale: float, window: int):
         visible = visible & tree_visibility(positions, tree, keys)
     visible = visible.unsqueeze(2).expand(-1, -1, groups, -1, -1).reshape(visible.size(0), 1, groups * seq, keys)
     grouped = q.reshape(batch, kv_heads, groups * seq, dim)
-    if seq == 1:
+    if seq == 1 and not decode_sdpa:
         scores = torch.matmul(grouped, k.transpose(-1, -2)).float() * scale
         probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), dim=-1).to(v.dtype)
         out = torch.matmul(probs, v)
@@ -143,8 +156,8 @@ def lower_attention_cuda(b, node, args, attrs):
         return None  # a paged pool's gathered slots: the composite lowering
     scale = attrs["scale"] if attrs["scale"] is not None else 1.0 / math.sqrt(q.type.shape[3])
     position_ids = args[4] if positions.type.dtype == "i64" else b.method("long", args[4])
-    window = int(attrs["window"] or 0)
-    return b.call(grouped_attention, args[0], args[1], args[2], position_ids, args[5], float(scale), window)
+    window, sdpa = int(attrs["window"] or 0), decode_attention_form() == "sdpa"
+    return b.call(grouped_attention, args[0], args[1], args[2], position_ids, args[5], float(scale), window, sdpa)
 
 
 register_attention_lowering(lower_attention_cuda)
