@@ -97,15 +97,21 @@ def test_the_last_position_module_gives_the_last_logits_alone():
     torch.testing.assert_close(last(*PREFILL)[0], every[:, -1:], atol=1e-5, rtol=1e-5)
 
 
+def random_int4_weight(n: int, k: int, group: int, asymmetric: bool, seed: int):
+    """(packed codes, scales, zero points or None) of a random 4-bit [n, k] weight."""
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8, generator=generator)
+    scales = torch.rand(n, k // group, generator=generator) * 0.1 + 0.01
+    zeros = torch.randint(0, 16, (n, k // group), dtype=torch.uint8, generator=generator) if asymmetric else None
+    return pack_int4(codes), scales, zeros
+
+
 @pytest.mark.parametrize("asymmetric", [False, True])
 def test_tinygemm_groups_stand_for_kilns_within_bf16_rounding(asymmetric):
-    torch.manual_seed(0)
-    n, k, group = 16, 128, 32
-    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
-    scales = torch.rand(n, k // group) * 0.1 + 0.01
-    zeros = torch.randint(0, 16, (n, k // group), dtype=torch.uint8) if asymmetric else None
-    exact = dequantize(pack_int4(codes), scales, zeros, 4, group)
-    rewritten = dequantized_tinygemm_weight(pack_int4(codes), scales, zeros, group)
+    group = 32
+    qweight, scales, zeros = random_int4_weight(16, 128, group, asymmetric, seed=0)
+    exact = dequantize(qweight, scales, zeros, 4, group)
+    rewritten = dequantized_tinygemm_weight(qweight, scales, zeros, group)
     assert (rewritten - exact).norm() / exact.norm() < 4e-3  # bf16 scales and offsets: 2^-9 each
 
 
@@ -168,15 +174,12 @@ def test_last_only_and_a_later_row_on_the_gpu(on_gpu):
 def test_tinygemm_linear_on_the_gpu_computes_the_rewritten_weight(asymmetric):
     from kiln.backends.inductor.cuda_lowerings import linear_int4_tinygemm, tinygemm_weight
 
-    torch.manual_seed(1)
-    n, k, group = 64, 256, 32
-    codes = torch.randint(0, 16, (n, k), dtype=torch.uint8)
-    scales = torch.rand(n, k // group) * 0.05 + 0.01
-    zeros = torch.randint(0, 16, (n, k // group), dtype=torch.uint8) if asymmetric else None
-    packed, scales_and_zeros = tinygemm_weight(pack_int4(codes), scales, zeros, group, "cuda")
+    k, group = 256, 32
+    qweight, scales, zeros = random_int4_weight(64, k, group, asymmetric, seed=1)
+    packed, scales_and_zeros = tinygemm_weight(qweight, scales, zeros, group, "cuda")
     x = torch.randn(3, k, device="cuda", dtype=torch.bfloat16)
     out = linear_int4_tinygemm(x, packed, scales_and_zeros, None, group).float()
-    weight = dequantized_tinygemm_weight(pack_int4(codes), scales, zeros, group).cuda()
+    weight = dequantized_tinygemm_weight(qweight, scales, zeros, group).cuda()
     expected = x.float() @ weight.T
     assert (out - expected).norm() / expected.norm() < 1e-2
 
