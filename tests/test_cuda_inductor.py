@@ -210,3 +210,15 @@ def test_an_artifact_for_cuda_loads_on_the_cpu_in_f32_and_is_refused_in_bf16(tin
     bf16 = kiln.compile(str(checkpoint), out=tmp_path / "bf16.kiln", device="cuda", dtype="bf16", max_seq_len=32)
     with pytest.raises(OptionError, match="compiled for a GPU in bf16"):
         kiln.load(bf16, device="cpu")
+
+
+def test_int4_calls_of_many_rows_dequantize_instead_of_tinygemm():
+    from kiln.backends.inductor.cuda_lowerings import TINYGEMM_ROWS, linear_int4_cuda
+    from kiln.ir.ops.quantized import linear_q_reference
+
+    group = 32
+    qweight, scales, zeros = random_int4_weight(16, 64, group, True, seed=3)
+    x = torch.randn(1, TINYGEMM_ROWS + 1, 64)
+    # no packed weight here (tinygemm is CUDA's): a call of more rows never reads it
+    got = linear_int4_cuda(x, None, None, qweight, scales, zeros, None, group)
+    torch.testing.assert_close(got, linear_q_reference(x, qweight, scales, zeros, None, 4, group))

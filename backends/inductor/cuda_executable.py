@@ -32,12 +32,13 @@ from kiln.backends.paged_feeds import layout_feeds
 from kiln.backends.token_trees import refuse_trees, tree_feeds
 from kiln.ir import Graph
 from kiln.ir.errors import OptionError
+from kiln.ir.ops.quantized import linear_q_reference
 
-from .cuda_lowerings import linear_int4_tinygemm, linear_int8_channels
+from .cuda_lowerings import linear_int4_cuda, linear_int8_channels
 from .executable import StatefulRunner, without_stack_traces
 from .lower_to_fx import graph_to_fx
 
-LINEAR_FORMS = (F.linear, linear_int4_tinygemm, linear_int8_channels)
+LINEAR_FORMS = (F.linear, linear_int4_cuda, linear_int8_channels, linear_q_reference)  # x is the first argument
 
 
 TUNING_SWITCH = "KILN_CUDA_DECODE_TUNING"  # "1" (default) or "0": cuBLAS's GEMV for one-row matmuls

@@ -1,7 +1,8 @@
 """The CUDA forms of Kiln's quantized linears, for graphs the Inductor backend runs on a GPU.
 
 - 4-bit in a bf16/f16 graph, groups of 32, 64, 128 or 256, N % 8 == 0 -> torch's tinygemm
-  kernel (`aten._weight_int4pack_mm`, bf16 activations). Kiln's codes (element 2j in the low
+  kernel (`aten._weight_int4pack_mm`, bf16 activations) for calls of up to 16 rows; longer ones
+  dequantize the weight and run a GEMM. Kiln's codes (element 2j in the low
   nibble) are repacked once at lowering by `aten._convert_weight_to_int4pack`, and each group's
   (q - z) * s becomes tinygemm's (q - 8) * s + m with m = (8 - z) * s, exact up to s and m in bf16.
 - 8-bit per output channel -> F.linear(x, codes.to(x.dtype)) * scales: under Inductor's
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 
 from kiln.ir.errors import OptionError
 from kiln.ir.ops.attention import tree_visibility
-from kiln.ir.ops.quantized import SYMMETRIC_ZERO, expand_groups, unpack_int4
+from kiln.ir.ops.quantized import SYMMETRIC_ZERO, expand_groups, linear_q_reference, unpack_int4
 
 from .composite_ops import visible_keys
 from .lower_to_fx import register_attention_lowering
@@ -41,12 +42,23 @@ def linear_int8_channels(x, qweight, scales, bias):
     return out if bias is None else out + bias.to(x.dtype)
 
 
+TINYGEMM_ROWS = 16  # tinygemm is a kernel for few rows; more (prompts) dequantize and run a GEMM
+
+
 def linear_int4_tinygemm(x, packed, scales_and_zeros, bias, group_size: int):
     """tinygemm's bf16 x int4 matmul over x's last dim, back in x's dtype."""
     flat = x.reshape(-1, x.size(-1)).to(torch.bfloat16)
     out = torch.ops.aten._weight_int4pack_mm(flat, packed, group_size, scales_and_zeros)
     out = out.reshape(*x.shape[:-1], out.size(-1)).to(x.dtype)
     return out if bias is None else out + bias.to(x.dtype)
+
+
+def linear_int4_cuda(x, packed, scales_and_zeros, qweight, scales, zeros, bias, group_size: int):
+    """Up to TINYGEMM_ROWS rows of x through tinygemm (decode, verification); more through the
+    weight dequantized in x's dtype and a GEMM (a prompt: tinygemm ran pp512 at a fifth of bf16)."""
+    if x.numel() // x.size(-1) <= TINYGEMM_ROWS:
+        return linear_int4_tinygemm(x, packed, scales_and_zeros, bias, group_size)
+    return linear_q_reference(x, qweight, scales, zeros, bias, 4, group_size)
 
 
 def inner_k_tiles(k: int) -> int | None:
@@ -102,11 +114,11 @@ def lower_linear_q_cuda(b, node, args, attrs):
             packed, scales_and_zeros = tinygemm_weight(qweight, scales, zeros, group_size, b.device)
             name = node.inputs[1].name
             return b.call(
-                linear_int4_tinygemm,
+                linear_int4_cuda,
                 args[0],
                 b.add_constant(name + ".int4pack", packed),
                 b.add_constant(name + ".scales_and_zeros", scales_and_zeros),
-                args[4],
+                *args[1:5],
                 group_size,
             )
     return None
