@@ -8,10 +8,11 @@ One FX module holds the weights and KV buffers on the device; two compiled forms
 - decode (one token per row): torch.compile under coordinate-descent tuning, which turns a
   one-row matmul into a reduction that Inductor fuses with what feeds it (an int8 weight's
   conversion included: gpt-fast's recipe). Per batch size, one CUDA graph captured over static
-  token and position buffers and replayed each step, so a step costs one launch, not hundreds;
+  token and position buffers and replayed each step: a step is one graph launch from the host,
+  not one launch per kernel;
 - calls of several tokens per row (prefill, verification): torch.compile with dynamic shapes,
-  run as they come; attention is SDPA (its flash / memory-efficient kernels). A third form
-  computes the lm_head at the last position alone (`run(..., last_only=True)`, prompt chunks).
+  run as they come (attention through SDPA's memory-efficient kernel: cuda_lowerings.py). A
+  third form computes the lm_head at the last position alone (`run(..., last_only=True)`).
 Logits come back to the host in f32, as the runtime samples there.
 """
 
@@ -39,8 +40,6 @@ from .executable import StatefulRunner, without_stack_traces
 from .lower_to_fx import graph_to_fx
 
 LINEAR_FORMS = (F.linear, linear_int4_cuda, linear_int8_channels, linear_q_reference)  # x is the first argument
-
-
 TUNING_SWITCH = "KILN_CUDA_DECODE_TUNING"  # "1" (default) or "0": cuBLAS's GEMV for one-row matmuls
 
 
@@ -131,7 +130,7 @@ class CudaInductorExecutable(StatefulRunner):
         last = last_position_module(self.module)
         self._prefill_last = None if last is None else torch.compile(last, backend=self._inductor, dynamic=True)
         self.selects_logits = self._prefill_last is not None
-        self._graphs: dict[int, DecodeGraph] = {}
+        self._graphs: dict[tuple, DecodeGraph] = {}  # by the shapes of a decode call's feeds
 
     def _check_device(self, options: BackendOptions) -> None:
         self.device = check_cuda(options.device)
