@@ -48,8 +48,6 @@ ARCHES = (  # tests/tiny_models.py: ARCHITECTURES, then the FAMILIES with their 
     *("gpt2", "llama", "qwen2", "mistral", "gemma3"),
     *("bloom", "mpt", "falcon", "gemma2", "mixtral", "olmoe"),
 )
-PROMPTS = [[5, 17, 33, 8, 91, 2, 40], [7, 7, 12, 60, 3, 19, 25, 44, 11, 80, 4, 9, 31]]
-TORCH_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 LLAMA_1B = {  # Llama-3.2-1B's shape
     "architectures": ["LlamaForCausalLM"],
     "model_type": "llama",
@@ -233,7 +231,7 @@ def greedy_one(directory: Path, arch: str) -> dict:
     import transformers
 
     import kiln
-    from cuda_onnxruntime import first_difference
+    from cuda_onnxruntime import PROMPTS, first_difference, hf_greedy, logit_gap
 
     torch.backends.cuda.matmul.allow_tf32 = False
     hf = transformers.AutoModelForCausalLM.from_pretrained(
@@ -245,42 +243,12 @@ def greedy_one(directory: Path, arch: str) -> dict:
     single = [llm.generate(p, max_new_tokens=48, temperature=0, ignore_eos=True).token_ids for p in PROMPTS]
     batch = [r.token_ids for r in llm.generate(PROMPTS, max_new_tokens=48, temperature=0, ignore_eos=True)]
     return {
-        "logit_gap": logit_gap(llm, hf, expected[0]),
+        "logit_gap": logit_gap(llm, hf, "cuda", expected[0]),
         "batch1_equal": single == expected,
         "batch2_equal": batch == expected,
         "first_difference": [first_difference(single, expected), first_difference(batch, expected)],
         "decode_graphs": llm.executable.captured_batches,
     }
-
-
-def hf_greedy(hf, prompts, new_tokens: int) -> list[list[int]]:
-    out = []
-    for prompt in prompts:
-        ids, past, tokens = torch.tensor([prompt], device="cuda"), None, []
-        with torch.no_grad():
-            for _ in range(new_tokens):
-                step = hf(ids, past_key_values=past, use_cache=True)
-                past, token = step.past_key_values, int(step.logits[0, -1].argmax())
-                tokens.append(token)
-                ids = torch.tensor([[token]], device="cuda")
-        out.append(tokens)
-    return out
-
-
-def logit_gap(llm, hf, continuation: list[int]) -> list[float]:
-    """max |Kiln - HF| logits for the prompt, then 4 teacher-forced decode steps."""
-    prompt = PROMPTS[0]
-    with torch.no_grad():
-        expected = hf(torch.tensor([prompt + continuation[:4]], device="cuda")).logits[0].float().cpu()
-    llm.executable.reset()
-    feeds = [(torch.tensor([prompt]), torch.arange(len(prompt))[None])]
-    feeds += [(torch.tensor([[t]]), torch.tensor([[len(prompt) + i]])) for i, t in enumerate(continuation[:4])]
-    gaps, end = [], 0
-    for tokens, positions in feeds:
-        got = llm.executable.run(tokens, positions)[0]
-        end += tokens.size(1)
-        gaps.append(float((got - expected[end - tokens.size(1) : end]).abs().max()))
-    return gaps
 
 
 def weight_bytes(artifact: Path) -> int:
@@ -329,6 +297,8 @@ def kiln_row(directory: Path, name: str, turn) -> dict:
 def hf_row(directory: Path, model: str, dtype: str, turn) -> dict:
     """Hugging Face's static cache + torch.compile, random weights of the same shape."""
     import transformers
+
+    from cuda_onnxruntime import TORCH_DTYPES
 
     config = transformers.AutoConfig.from_pretrained(directory / f"{model}.config.json")
     torch.manual_seed(0)

@@ -12,7 +12,8 @@ from pathlib import Path
 
 import torch
 
-from gpu import TORCH_DTYPES, compile_for_cuda, hf_greedy, restore_tokenizers, share_tokenizers
+from cuda_onnxruntime import CHATS, TORCH_DTYPES, first_difference, hf_greedy
+from gpu import compile_for_cuda, restore_tokenizers, share_tokenizers
 
 
 def prepare_real(directory: Path) -> None:
@@ -27,12 +28,6 @@ def prepare_real(directory: Path) -> None:
         compile_for_cuda(kiln, default_model_dir(), full, dtype, None, max_batch=2, max_seq_len=512)
         strip(full, directory / full.name, default_model_dir())
     share_tokenizers(directory)
-
-
-CHATS = [
-    "What is the capital of France?",
-    "Write three sentences about why the sky is blue, for a child who asked at bedtime.",
-]
 
 
 def real(directory: Path, gguf: Path, out: Path | None) -> None:
@@ -67,7 +62,6 @@ def real_one(artifact: Path, checkpoint: Path, dtype: str, check_hashes: bool) -
     import transformers
 
     import kiln
-    from cuda_onnxruntime import first_difference
 
     llm = kiln.load(artifact, device="cuda", check_hashes=check_hashes)
     hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=TORCH_DTYPES[dtype]).cuda().eval()
