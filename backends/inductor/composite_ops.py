@@ -8,6 +8,8 @@ tensor shapes, no `tril` with a size-dependent diagonal) and so that caches are 
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
@@ -118,6 +120,14 @@ def alibi_bias(
         query_pos = (torch.arange(seq, device=q.device) + (keys - seq))[None, None, :, None]
     distance = (torch.arange(keys, device=q.device) - query_pos).to(q.dtype)
     return torch.tensor(alibi, dtype=q.dtype, device=q.device)[None, :, None, None] * distance
+
+
+def scale_and_positions(b, node, args, attrs) -> tuple[float, object]:
+    """What a lowering of the stateful `attention` passes its kernel: the score scale (1/sqrt(head
+    dim) unless the op gives one) and the positions as int64."""
+    q, positions = node.inputs[0], node.inputs[4]
+    scale = attrs["scale"] if attrs["scale"] is not None else 1.0 / math.sqrt(q.type.shape[3])
+    return float(scale), args[4] if positions.type.dtype == "i64" else b.method("long", args[4])
 
 
 def attention(

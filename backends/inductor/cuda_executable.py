@@ -27,10 +27,7 @@ import torch.fx as fx
 import torch.nn.functional as F
 from torch._inductor import config as inductor_config
 
-from kiln.backends.cache_rows import check_rows, run_at_rows
 from kiln.backends.executable import BackendOptions
-from kiln.backends.paged_feeds import layout_feeds
-from kiln.backends.token_trees import refuse_trees, tree_feeds
 from kiln.ir import Graph
 from kiln.ir.errors import OptionError
 from kiln.ir.ops.quantized import linear_q_reference
@@ -149,18 +146,6 @@ class CudaInductorExecutable(StatefulRunner):
     def _decode_step(self, *feeds: torch.Tensor):
         with inductor_config.patch(coordinate_descent_tuning=decode_tuning()), without_stack_traces():
             return self._decode(*feeds)
-
-    def run(
-        self, tokens, positions, first_row: int = 0, *, last_only: bool = False, slots=None, tree=None, block_table=None
-    ) -> torch.Tensor:
-        """Logits f32[batch, seq, vocab] on the host ([batch, 1, vocab] of the last position with
-        `last_only`); writes the caches of rows [first_row, first_row + batch)."""
-        feeds = self.check_feeds(tokens, positions)
-        table = layout_feeds(self.paged, tokens.size(0), first_row, block_table)
-        check_rows(first_row, tokens.size(0), self.max_batch)
-        extra = tree_feeds(feeds[1], slots, tree) if self.token_trees else refuse_trees(slots, tree)
-        front = self._run_last if last_only and self._prefill_last is not None else self._run_front
-        return run_at_rows(front, self.caches, *feeds, first_row, (*table, *extra))
 
     def _run_front(self, tokens: torch.Tensor, positions: torch.Tensor, *extra) -> torch.Tensor:
         if tokens.size(1) > 1:

@@ -19,7 +19,6 @@ SDPA's kernel, to compare); several tokens go through SDPA's memory-efficient ke
 
 from __future__ import annotations
 
-import math
 import os
 
 import torch
@@ -29,7 +28,7 @@ from kiln.ir.errors import OptionError
 from kiln.ir.ops.attention import tree_visibility
 from kiln.ir.ops.quantized import SYMMETRIC_ZERO, expand_groups, linear_q_reference, unpack_int4
 
-from .composite_ops import visible_keys
+from .composite_ops import scale_and_positions, visible_keys
 from .lower_to_fx import register_attention_lowering
 
 TINYGEMM_GROUPS = (32, 64, 128, 256)
@@ -71,20 +70,22 @@ def tinygemm_weight(qweight: torch.Tensor, scales: torch.Tensor, zeros, group_si
     k = qweight.shape[1] * 2
     swapped = ((qweight & 0x0F) << 4) | (qweight >> 4)  # tinygemm reads element 2j in the high nibble
     packed = torch.ops.aten._convert_weight_to_int4pack(swapped.to(device).contiguous(), inner_k_tiles(k))
-    groups = scales.shape[1]
-    s = scales.float().reshape(-1, groups)
-    z = torch.full_like(s, SYMMETRIC_ZERO[4]) if zeros is None else zeros.float().reshape(-1, groups)
-    offsets = (SYMMETRIC_ZERO[4] - z) * s
-    scales_and_zeros = torch.stack([s, offsets], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+    s, offsets = tinygemm_groups(scales, zeros)
+    scales_and_zeros = torch.stack([s, offsets], dim=-1).transpose(0, 1).contiguous()
     return packed, scales_and_zeros.to(device)
+
+
+def tinygemm_groups(scales: torch.Tensor, zeros) -> tuple[torch.Tensor, torch.Tensor]:
+    """bf16 (s, m) [N, groups] with (q - z) * s = (q - 8) * s + m: m = (8 - z) * s."""
+    s = scales.float()
+    z = torch.full_like(s, SYMMETRIC_ZERO[4]) if zeros is None else zeros.float()
+    return s.to(torch.bfloat16), ((SYMMETRIC_ZERO[4] - z) * s).to(torch.bfloat16)
 
 
 def dequantized_tinygemm_weight(qweight, scales, zeros, group_size: int) -> torch.Tensor:
     """The f32 weight tinygemm computes with (scales and offsets rounded to bf16), for tests."""
     k = qweight.shape[1] * 2
-    z = torch.full_like(scales.float(), SYMMETRIC_ZERO[4]) if zeros is None else zeros.float()
-    s = scales.float().to(torch.bfloat16).float()
-    offsets = ((SYMMETRIC_ZERO[4] - z) * scales.float()).to(torch.bfloat16).float()
+    s, offsets = (t.float() for t in tinygemm_groups(scales, zeros))
     q = unpack_int4(qweight).float()
     return (q - SYMMETRIC_ZERO[4]) * expand_groups(s, group_size, k) + expand_groups(offsets, group_size, k)
 
@@ -166,10 +167,9 @@ def lower_attention_cuda(b, node, args, attrs):
         return None
     if node.inputs[1].producer is not None and node.inputs[1].producer.op == "kv_pages":
         return None  # a paged pool's gathered slots: the composite lowering
-    scale = attrs["scale"] if attrs["scale"] is not None else 1.0 / math.sqrt(q.type.shape[3])
-    position_ids = args[4] if positions.type.dtype == "i64" else b.method("long", args[4])
+    scale, position_ids = scale_and_positions(b, node, args, attrs)
     window, sdpa = int(attrs["window"] or 0), decode_attention_form() == "sdpa"
-    return b.call(grouped_attention, args[0], args[1], args[2], position_ids, args[5], float(scale), window, sdpa)
+    return b.call(grouped_attention, args[0], args[1], args[2], position_ids, args[5], scale, window, sdpa)
 
 
 register_attention_lowering(lower_attention_cuda)

@@ -126,22 +126,29 @@ class StatefulRunner(Executable):
         positions: torch.Tensor,
         first_row: int = 0,
         *,
+        last_only: bool = False,
         slots=None,
         tree=None,
         block_table=None,
     ) -> torch.Tensor:
         """Logits f32[batch, seq, vocab]; writes the tokens' keys/values into cache rows
         [first_row, first_row + batch) (the compiled step addresses rows from 0: others are swapped in).
+        `last_only`: [batch, 1, vocab] of the last position where the executable `selects_logits`.
         `slots`/`tree`: see kiln.backends.token_trees; `block_table` (a paged cache, whose blocks
         replace rows): kiln.backends.paged_feeds."""
         feeds = self.check_feeds(tokens, positions)
         table = layout_feeds(self.paged, tokens.size(0), first_row, block_table)
         check_rows(first_row, tokens.size(0), self.max_batch)
         extra = tree_feeds(feeds[1], slots, tree) if self.token_trees else refuse_trees(slots, tree)
-        return run_at_rows(self._run_front, self.caches, *feeds, first_row, (*table, *extra))
+        front = self._run_last if last_only and self.selects_logits else self._run_front
+        return run_at_rows(front, self.caches, *feeds, first_row, (*table, *extra))
 
     def _run_front(self, tokens: torch.Tensor, positions: torch.Tensor, *tree_feeds) -> torch.Tensor:
         """The compiled step over cache rows [0, batch) (JIT or AOTInductor: each subclass its own)."""
+        raise NotImplementedError
+
+    def _run_last(self, tokens: torch.Tensor, positions: torch.Tensor, *tree_feeds) -> torch.Tensor:
+        """The step with the last position's logits alone (a subclass that `selects_logits`)."""
         raise NotImplementedError
 
 

@@ -14,11 +14,11 @@ composite `scaled_dot_product_attention` lowering stays.
 from __future__ import annotations
 
 import functools
-import math
 
 import torch
 
 from . import attention_kernel, gemv_kernel
+from .composite_ops import scale_and_positions
 from .lower_to_fx import register_attention_lowering
 
 ENV_SWITCH = "KILN_ATTENTION_KERNEL"  # "kiln" (default) or "torch"
@@ -50,8 +50,7 @@ def lower_cached_attention(b, node, args, attrs):
         return None
     if not wanted() or not kernel_available():
         return None
-    scale = attrs["scale"] if attrs["scale"] is not None else 1.0 / math.sqrt(q.type.shape[3])
-    position_ids = args[4] if positions.type.dtype == "i64" else b.method("long", args[4])
+    scale, position_ids = scale_and_positions(b, node, args, attrs)
     caches, optional = args[1:3], list(args[5:8] if k_scales is not None else [args[5]] if tree is not None else [])
     if k.producer is not None and k.producer.op == "kv_pages":  # the kernel reads the pools through the table
         table = args[1].args[1]
@@ -63,7 +62,7 @@ def lower_cached_attention(b, node, args, attrs):
         args[0],
         *caches,
         position_ids,
-        float(scale),
+        scale,
         int(attrs["window"] or 0),
         *optional,
     )
