@@ -25,14 +25,20 @@ def called_functions(module) -> set:
     return {n.target for n in module.graph.nodes if n.op == "call_function"}
 
 
-@pytest.mark.parametrize("shape", [(96, 32), (32, 96)], ids=["wide (kn)", "narrow (nk)"])
+LAYOUT_OPS = {"panels": "linear_f32_panels", "slabs": "linear_f32"}
+
+
+@pytest.mark.parametrize("layout", ["panels", "slabs"])
+@pytest.mark.parametrize("shape", [(96, 32), (32, 96), (200, 40)], ids=["wide", "narrow", "panel tail"])
 @pytest.mark.parametrize("bias", [True, False])
-def test_fp32_linears_call_the_kernel_and_match_the_interpreter(shape, bias):
+def test_fp32_linears_call_the_kernel_and_match_the_interpreter(shape, bias, layout, monkeypatch):
+    monkeypatch.setenv(fast_linear.LAYOUT_SWITCH, layout)
     graph = linear_graph(*shape, bias)
     module = graph_to_fx(graph)
-    assert torch.ops.kiln.linear_f32 in called_functions(module)
+    assert getattr(torch.ops.kiln, LAYOUT_OPS[layout]) in called_functions(module)
+    assert fast_linear.f32_layout_of(module) == layout
     assert "param_w" not in dict(module.named_parameters())  # only the packed copy is kept
-    for rows in (1, 3, 40):  # the GEMV path (<= 8 rows) and the GEMM path
+    for rows in (1, 3, 40):  # one row, a few, many
         x = torch.randn(rows, shape[1])
         torch.testing.assert_close(module(x)[0], run_graph(graph, [x])[0], atol=1e-4, rtol=1e-4)
 
@@ -42,6 +48,15 @@ def test_the_environment_switch_keeps_torch_linear(monkeypatch):
     assert F.linear in called_functions(graph_to_fx(linear_graph(8, 4, True)))
     monkeypatch.setenv(fast_linear.ENV_SWITCH, "fastest")
     with pytest.raises(ValueError, match="KILN_LINEAR_KERNEL"):
+        graph_to_fx(linear_graph(8, 4, True))
+
+
+def test_a_package_lowers_in_the_layout_it_was_compiled_with(monkeypatch):
+    monkeypatch.setenv(fast_linear.LAYOUT_SWITCH, "panels")
+    with fast_linear.lowering_f32_as("slabs"):  # an artifact compiled before the panels
+        assert fast_linear.f32_layout_of(graph_to_fx(linear_graph(8, 4, True))) == "slabs"
+    monkeypatch.setenv(fast_linear.LAYOUT_SWITCH, "rows")
+    with pytest.raises(ValueError, match="KILN_LINEAR_LAYOUT=.rows. is not a choice"):
         graph_to_fx(linear_graph(8, 4, True))
 
 

@@ -32,6 +32,7 @@ from kiln.ir import Graph, to_torch
 from kiln.ir.errors import ArtifactError, OptionError
 
 from .executable import StatefulRunner, apply_threads, dynamic_dims, without_stack_traces
+from .fast_linear import f32_layout_of, lowering_f32_as
 from .lower_to_fx import graph_to_fx
 from .outline_layers import inline_subgraph_calls, outline_layers
 from .quantized_linear import int8_form_of, lowering_int8_as
@@ -98,6 +99,7 @@ def write_package(graph: Graph, module: torch.fx.GraphModule, options: BackendOp
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "int8_linear": int8_form_of(module),
+        "f32_linear": f32_layout_of(module),
         "layer_bodies": layer_bodies,  # distinct decoder layers compiled once each; 0: the full graph
     }
     (directory / PACKAGE_INFO_FILE).write_text(json.dumps(info, indent=1) + "\n")
@@ -208,7 +210,8 @@ class AOTIExecutable(StatefulRunner):
                 "Fix: recompile the artifact with this torch."
             )
         # The FX module is built only to name the constants exactly as at export (no tracing).
-        with lowering_int8_as(info.get("int8_linear", "i8")):  # packages older than linear_q8: "i8"
+        # packages older than linear_q8 say no int8 form ("i8"); older than the panels, no f32 layout
+        with lowering_int8_as(info.get("int8_linear", "i8")), lowering_f32_as(info.get("f32_linear", "slabs")):
             module = graph_to_fx(graph, weights, state=named_caches)
         constants = {**dict(module.named_parameters()), **dict(module.named_buffers())}
         self.model = _load_package(self.directory / PACKAGE_FILE)

@@ -1,8 +1,10 @@
 // Kiln CPU linear kernels for decode (M = 1), small batches (M <= 8) and many rows (M <= kSmallM = 128:
 // speculative verification, batched decode, prefill chunks), each reading the weight from memory once per call.
 //
-// Packed fp32 weight: logical shape [K, N] (= W.t(), W is nn.Linear's [N, K]) in one of two
+// Packed fp32 weight: logical shape [K, N] (= W.t(), W is nn.Linear's [N, K]) in one of three
 // memory layouts (pack_linear_weight in gemv_kernel.py makes "kn" unless asked otherwise):
+//   "panels": what the Inductor lowering uses: panels of 32 or 64 columns, each [K, width], read by
+//         gemv_panels.h for every M (kiln::linear_f32_panels); the two below serve linear_f32.
 //   "kn": W.t().contiguous() -> this file's kernels for M <= 128: a thread's rows are cut into
 //         slabs read side by side with prefetch (long sequential streams); `panel` does M <= 8
 //         with x broadcasts per weight vector, `panel_many` blocks of up to 6 (AVX2) or 12
@@ -34,6 +36,10 @@ void kiln_gemv_panel_i8(const float* x, int64_t ldx, int64_t M, const int8_t* Wt
 // Whether M > 8 runs the AVX-512 kernel (where the CPU has it; the default) or the AVX2 one.
 // Returns the kernel now in use: true for AVX-512.
 bool kiln_gemv_use_avx512(bool wanted);
+// y[0:M, columns of panels p0..p1) = bias (or 0) + x @ Wt over panel-major weights (gemv_panels.h);
+// xt is x transposed ([K, M]; x itself when M = 1).
+void kiln_gemv_panels_f32(const float* xt, int64_t M, int64_t K, const float* panels, int64_t N, int64_t width,
+                          int64_t p0, int64_t p1, const float* bias, float* y, int64_t ldy);
 }
 
 #ifdef KILN_GEMV_KERNELS
@@ -251,6 +257,7 @@ static void panel(const float* x, int64_t ldx, const typename L::T* Wt, int64_t 
 }
 
 #include "gemv_many_rows.h"
+#include "gemv_panels.h"
 
 template <class L>
 static void panel_m(const float* x, int64_t ldx, int64_t M, const typename L::T* Wt, int64_t N,
@@ -281,6 +288,10 @@ void kiln_gemv_panel_f32(const float* x, int64_t ldx, int64_t M, const float* Wt
 void kiln_gemv_panel_i8(const float* x, int64_t ldx, int64_t M, const int8_t* Wt, int64_t N, int64_t k0,
                         int64_t k1, int64_t c0, int64_t c1, float* y, int64_t ldy, const float* init_row) {
   kiln_gemv::panel_m<kiln_gemv::LoadI8>(x, ldx, M, Wt, N, k0, k1, c0, c1, y, ldy, init_row);
+}
+void kiln_gemv_panels_f32(const float* xt, int64_t M, int64_t K, const float* panels, int64_t N, int64_t width,
+                          int64_t p0, int64_t p1, const float* bias, float* y, int64_t ldy) {
+  kiln_gemv::panels_f32(xt, M, K, panels, N, width, p0, p1, bias, y, ldy);
 }
 bool kiln_gemv_use_avx512(bool wanted) {
   kiln_gemv::use_avx512 = wanted && __builtin_cpu_supports("avx512f");
@@ -428,6 +439,35 @@ at::Tensor linear_f32(const at::Tensor& x_in, const at::Tensor& wt, const std::o
   return y;
 }
 
+// The fp32 weight in panels (gemv_panels.h): [K, N] cut into panels of `width` columns, each
+// stored [K, width] (the last one narrower), panel after panel. Every M runs the panel kernel
+// (M > kSmallM too: it multiplies as fast as MKL's GEMM there), threads taking whole panels.
+at::Tensor linear_f32_panels(const at::Tensor& x_in, const at::Tensor& panels, int64_t width,
+                             const std::optional<at::Tensor>& bias_in) {
+  check_common(x_in, panels, bias_in, "kiln::linear_f32_panels");
+  TORCH_CHECK(panels.scalar_type() == at::kFloat && panels.is_contiguous(),
+              "kiln::linear_f32_panels: panels must be a contiguous float32 [K, N] (use pack_linear_weight(w, 'panels'))");
+  TORCH_CHECK(width == 32 || width == 64, "kiln::linear_f32_panels: panel width must be 32 or 64, got ", width);
+  const int64_t K = panels.size(0), N = panels.size(1);
+  const at::Tensor x = x_in.contiguous();
+  int64_t M = 1;
+  for (int64_t d = 0; d + 1 < x.dim(); d++) M *= x.size(d);
+  at::Tensor bias = bias_in ? bias_in->contiguous() : at::Tensor();
+  at::Tensor y = at::empty(out_shape(x_in, N), x.options());
+  if (M == 0 || N == 0) return y;
+  at::Tensor xt = M == 1 ? x : x.view({M, K}).t().contiguous();  // [K, M]: a tile's broadcasts are adjacent
+  const int64_t np = (N + width - 1) / width, bytes = K * N * (int64_t)sizeof(float);
+  int64_t nt = std::min<int64_t>({(int64_t)at::get_num_threads(), std::max<int64_t>(bytes / kMinBytesPerThread, 1), np});
+  if (nt < 1 || at::in_parallel_region()) nt = 1;
+  const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
+  at::parallel_for(0, nt, 1, [&](int64_t a, int64_t e) {
+    for (int64_t t = a; t < e; t++)
+      kiln_gemv_panels_f32(xt.data_ptr<float>(), M, K, panels.data_ptr<float>(), N, width, np * t / nt,
+                           np * (t + 1) / nt, b, y.data_ptr<float>(), N);
+  });
+  return y;
+}
+
 at::Tensor linear_i8(const at::Tensor& x_in, const at::Tensor& wq, const at::Tensor& scales_in,
                      const std::optional<at::Tensor>& bias_in) {
   check_common(x_in, wq, bias_in, "kiln::linear_i8");
@@ -460,11 +500,13 @@ TORCH_LIBRARY_FRAGMENT(kiln, m) {
   m.def("gemv_use_avx512(bool wanted) -> bool", [](bool wanted) { return kiln_gemv_use_avx512(wanted); });
   m.def("linear_f32(Tensor x, Tensor packed_weight, Tensor? bias=None) -> Tensor");
   m.def("linear_i8(Tensor x, Tensor packed_weight, Tensor scales, Tensor? bias=None) -> Tensor");
+  m.def("linear_f32_panels(Tensor x, Tensor panels, int width, Tensor? bias=None) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(kiln, CPU, m) {
   m.impl("linear_f32", &kiln_gemv::linear_f32);
   m.impl("linear_i8", &kiln_gemv::linear_i8);
+  m.impl("linear_f32_panels", &kiln_gemv::linear_f32_panels);
 }
 
 #endif  // KILN_GEMV_KERNELS

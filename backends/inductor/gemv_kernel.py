@@ -10,7 +10,12 @@ Usage::
     wq, scales = gk.pack_linear_weight_int8(linear.weight)   # int8 [K, N], fp32 [N]
     y = torch.ops.kiln.linear_i8(x, wq, scales, bias)        # == F.linear(x, W_dequant, b)
 
-Layout: the packed fp32 weight has logical shape ``[K, N]`` (= ``W.t()``) in one of two memory
+The Inductor lowering uses a third fp32 layout, ``pack_linear_weight(w, "panels")`` with
+``torch.ops.kiln.linear_f32_panels(x, panels, panel_width(N), bias)`` (``gemv_panels.h``): panels of
+32 or 64 columns, each one sequential stream, for every M, one FMA chain per output in K order
+(the same bits at any row count, thread count or instruction set).
+
+Layout for ``linear_f32``: the packed fp32 weight has logical shape ``[K, N]`` (= ``W.t()``) in one of two memory
 layouts: "kn" (contiguous ``[K, N]``, what ``pack_linear_weight`` makes by default) and "nk" (the
 ``[N, K]`` weight seen through ``.t()``, no copy). For "kn" and M = 1..128 rows (M =
 prod(x.shape[:-1])) the op streams the weight from memory once per call over torch's intra-op
@@ -59,10 +64,12 @@ __all__ = [
     "ensure_loaded",
     "library_path",
     "linear_f32",
+    "linear_f32_panels",
     "linear_i8",
     "pack_linear_weight",
     "pack_linear_weight_int8",
     "packed_layout",
+    "panel_width",
 ]
 
 _SRC = Path(__file__).with_name("gemv_kernel.cpp")
@@ -243,7 +250,8 @@ def kernel_chosen(env_switch: str, kernel: str, alternative: str) -> bool:
 def _ops_registered() -> bool:
     try:
         return all(
-            torch._C._dispatch_has_kernel_for_dispatch_key(f"kiln::{op}", "CPU") for op in ("linear_f32", "linear_i8")
+            torch._C._dispatch_has_kernel_for_dispatch_key(f"kiln::{op}", "CPU")
+            for op in ("linear_f32", "linear_i8", "linear_f32_panels")
         )
     except RuntimeError:  # "operator ... does not exist"
         return False
@@ -259,13 +267,18 @@ def _has_fake(op: str) -> bool:
 
 
 def _register_fakes() -> None:
-    if _has_fake("kiln::linear_f32") and _has_fake("kiln::linear_i8"):
+    if _has_fake("kiln::linear_f32") and _has_fake("kiln::linear_i8") and _has_fake("kiln::linear_f32_panels"):
         return
 
     @torch.library.register_fake("kiln::linear_f32")
     def _linear_f32_fake(x, packed_weight, bias=None):
         torch._check(x.shape[-1] == packed_weight.shape[0])
         return x.new_empty((*x.shape[:-1], packed_weight.shape[1]))
+
+    @torch.library.register_fake("kiln::linear_f32_panels")
+    def _linear_f32_panels_fake(x, panels, width, bias=None):
+        torch._check(x.shape[-1] == panels.shape[0])
+        return x.new_empty((*x.shape[:-1], panels.shape[1]))
 
     @torch.library.register_fake("kiln::linear_i8")
     def _linear_i8_fake(x, packed_weight, scales, bias=None):
@@ -302,12 +315,12 @@ def pack_linear_weight(w: torch.Tensor, layout: str = "auto") -> torch.Tensor:
     """nn.Linear weight ``[N, K]`` -> packed fp32 weight of logical shape ``[K, N]``, done once at
     load time. For fused projections pass ``torch.cat([W1, W2, ...], dim=0)``.
 
-    layout: ``"kn"`` = ``W.t().contiguous()`` (Kiln's kernels for M <= 128, MKL above);
+    layout: ``"kn"`` = ``W.t().contiguous()`` (Kiln's slab kernels for M <= 128, MKL above);
     ``"nk"`` = ``W.contiguous().t()``, a transposed view of the [N, K] weight (MKL for every M;
-    shares storage with ``w`` when ``w`` is already contiguous fp32); ``"auto"`` = ``"kn"`` for
-    every shape: since the kernel reads eight slabs side by side with prefetch it beats MKL's
-    row-dot GEMV on the square and tall weights too (o 1.57x, k/v 1.30x, down 1.15x faster,
-    measured with bench/gemv.py). To serialize, save the original weight and re-pack at load."""
+    shares storage with ``w`` when ``w`` is already contiguous fp32); ``"panels"`` = ``W.t()`` cut
+    into panels of ``panel_width(N)`` columns, each stored ``[K, width]`` (for
+    ``linear_f32_panels``); ``"auto"`` = ``"kn"``. To serialize, save the original weight and
+    re-pack at load."""
     if w.dim() != 2:
         raise LoweringError(f"pack_linear_weight: expected a 2-D [N, K] weight, got {tuple(w.shape)}")
     if layout == "auto":
@@ -317,7 +330,18 @@ def pack_linear_weight(w: torch.Tensor, layout: str = "auto") -> torch.Tensor:
         return w.t().contiguous()
     if layout == "nk":
         return w.contiguous().t()  # shares storage with a contiguous fp32 w (no copy)
-    raise LoweringError(f"pack_linear_weight: layout must be 'auto', 'kn' or 'nk', got {layout!r}")
+    if layout == "panels":
+        n, k = w.shape
+        width = panel_width(n)
+        pieces = [w[c : c + width].t().contiguous().view(-1) for c in range(0, n, width)]
+        return (torch.cat(pieces) if pieces else w.new_empty(0)).view(k, n)
+    raise LoweringError(f"pack_linear_weight: layout must be 'auto', 'kn', 'nk' or 'panels', got {layout!r}")
+
+
+def panel_width(n: int) -> int:
+    """Columns per panel of a ``"panels"`` weight with N outputs: 64 (a 6-row x 64-column register
+    tile) where two threads get equal shares of the panels or there are many, else 32."""
+    return 64 if n % 128 == 0 or n >= 2048 else 32
 
 
 def packed_layout(packed: torch.Tensor) -> str:
@@ -341,6 +365,12 @@ def linear_f32(x: torch.Tensor, packed_weight: torch.Tensor, bias: torch.Tensor 
     """``F.linear(x, W, bias)`` with ``packed_weight = pack_linear_weight(W)``."""
     ensure_loaded()
     return torch.ops.kiln.linear_f32(x, packed_weight, bias)
+
+
+def linear_f32_panels(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, W, bias)`` with ``panels = pack_linear_weight(W, "panels")``."""
+    ensure_loaded()
+    return torch.ops.kiln.linear_f32_panels(x, panels, panel_width(panels.shape[1]), bias)
 
 
 def linear_i8(
