@@ -79,7 +79,7 @@ static void panel_tile512_rows(int mb, const float* xk, int64_t M, const float* 
 }
 #pragma GCC pop_options
 
-// ---- AVX2: a register tile of up to 3 rows x 32 columns (NV = 4 vectors of 8) ----
+// ---- AVX2: a register tile of up to 3 rows x 32 columns (NV = 4 vectors of 8), or one row x 64 ----
 template <int MB, int NV, bool Masked>
 static inline void panel_tile256(const float* xk, int64_t M, const float* w, int64_t rs, int64_t kn, const float* init,
                                  int64_t ldi, float* y, int64_t ldy, __m256i last, const Ahead& ahead) {
@@ -144,6 +144,8 @@ static void panel_columns(const float* xt, int64_t M, const float* w, int64_t rs
           const float* iv = init ? init + 16 * v : nullptr;
           panel_tile512_rows<1, true>(mb, xk, M, w + 16 * v, rs, kn, iv, ldi, yb + 16 * v, ldy, mask, Ahead{});
         }
+    } else if (M == 1 && n == 64) {  // one row reads a 64-column panel in one pass, as with AVX-512
+      panel_tile256<1, 8, false>(xk, M, w, rs, kn, init, ldi, yb, ldy, tail_mask(8), ahead);
     } else {
       for (int64_t g = 0; g < n; g += 32) {  // 32 columns (4 vectors of 8) at a time
         const int64_t gn = std::min<int64_t>(32, n - g);
