@@ -37,8 +37,8 @@ void kiln_gemv_panel_i8(const float* x, int64_t ldx, int64_t M, const int8_t* Wt
 // Returns the kernel now in use: true for AVX-512.
 bool kiln_gemv_use_avx512(bool wanted);
 // y[0:M, columns of panels p0..p1) = bias (or 0) + x @ Wt over panel-major weights (gemv_panels.h);
-// xt is x transposed ([K, M]; x itself when M = 1).
-void kiln_gemv_panels_f32(const float* xt, int64_t M, int64_t K, const float* panels, int64_t N, int64_t width,
+// x's rows ldx apart.
+void kiln_gemv_panels_f32(const float* x, int64_t ldx, int64_t M, int64_t K, const float* panels, int64_t N, int64_t width,
                           int64_t p0, int64_t p1, const float* bias, float* y, int64_t ldy);
 }
 
@@ -289,9 +289,9 @@ void kiln_gemv_panel_i8(const float* x, int64_t ldx, int64_t M, const int8_t* Wt
                         int64_t k1, int64_t c0, int64_t c1, float* y, int64_t ldy, const float* init_row) {
   kiln_gemv::panel_m<kiln_gemv::LoadI8>(x, ldx, M, Wt, N, k0, k1, c0, c1, y, ldy, init_row);
 }
-void kiln_gemv_panels_f32(const float* xt, int64_t M, int64_t K, const float* panels, int64_t N, int64_t width,
-                          int64_t p0, int64_t p1, const float* bias, float* y, int64_t ldy) {
-  kiln_gemv::panels_f32(xt, M, K, panels, N, width, p0, p1, bias, y, ldy);
+void kiln_gemv_panels_f32(const float* x, int64_t ldx, int64_t M, int64_t K, const float* panels, int64_t N,
+                          int64_t width, int64_t p0, int64_t p1, const float* bias, float* y, int64_t ldy) {
+  kiln_gemv::panels_f32(x, ldx, M, K, panels, N, width, p0, p1, bias, y, ldy);
 }
 bool kiln_gemv_use_avx512(bool wanted) {
   kiln_gemv::use_avx512 = wanted && __builtin_cpu_supports("avx512f");
@@ -455,14 +455,13 @@ at::Tensor linear_f32_panels(const at::Tensor& x_in, const at::Tensor& panels, i
   at::Tensor bias = bias_in ? bias_in->contiguous() : at::Tensor();
   at::Tensor y = at::empty(out_shape(x_in, N), x.options());
   if (M == 0 || N == 0) return y;
-  at::Tensor xt = M == 1 ? x : x.view({M, K}).t().contiguous();  // [K, M]: a tile's broadcasts are adjacent
   const int64_t np = (N + width - 1) / width, bytes = K * N * (int64_t)sizeof(float);
   int64_t nt = std::min<int64_t>({(int64_t)at::get_num_threads(), std::max<int64_t>(bytes / kMinBytesPerThread, 1), np});
   if (nt < 1 || at::in_parallel_region()) nt = 1;
   const float* b = bias.defined() ? bias.data_ptr<float>() : nullptr;
   at::parallel_for(0, nt, 1, [&](int64_t a, int64_t e) {
     for (int64_t t = a; t < e; t++)
-      kiln_gemv_panels_f32(xt.data_ptr<float>(), M, K, panels.data_ptr<float>(), N, width, np * t / nt,
+      kiln_gemv_panels_f32(x.data_ptr<float>(), K, M, K, panels.data_ptr<float>(), N, width, np * t / nt,
                            np * (t + 1) / nt, b, y.data_ptr<float>(), N);
   });
   return y;

@@ -39,7 +39,7 @@ struct Ahead {
 #pragma GCC push_options
 #pragma GCC target("avx512f")
 template <int MB, int NV, bool Masked>
-static inline void panel_tile512(const float* xk, int64_t M, const float* w, int64_t rs, int64_t kn, const float* init,
+static inline void panel_tile512(const float* xk, int64_t ldx, const float* w, int64_t rs, int64_t kn, const float* init,
                                  int64_t ldi, float* y, int64_t ldy, __mmask16 last, const Ahead& ahead) {
   __m512 a[MB][NV];
   for (int m = 0; m < MB; m++)
@@ -52,9 +52,8 @@ static inline void panel_tile512(const float* xk, int64_t M, const float* w, int
     __m512 wv[NV];
     for (int v = 0; v < NV; v++)
       wv[v] = Masked && v == NV - 1 ? _mm512_maskz_loadu_ps(last, w + k * rs + 16 * v) : _mm512_loadu_ps(w + k * rs + 16 * v);
-    const float* xr = xk + k * M;
     for (int m = 0; m < MB; m++) {
-      const __m512 b = _mm512_set1_ps(xr[m]);
+      const __m512 b = _mm512_set1_ps(xk[m * ldx + k]);
       for (int v = 0; v < NV; v++) a[m][v] = _mm512_fmadd_ps(wv[v], b, a[m][v]);
     }
   }
@@ -66,12 +65,12 @@ static inline void panel_tile512(const float* xk, int64_t M, const float* w, int
 }
 
 template <int NV, bool Masked>
-static void panel_tile512_rows(int mb, const float* xk, int64_t M, const float* w, int64_t rs, int64_t kn,
+static void panel_tile512_rows(int mb, const float* xk, int64_t ldx, const float* w, int64_t rs, int64_t kn,
                                const float* init, int64_t ldi, float* y, int64_t ldy, __mmask16 last,
                                const Ahead& ahead) {
   switch (mb) {  // callers keep mb <= 24 / NV (24 accumulators)
 #define KILN_TILE(R) \
-  case R: return panel_tile512<(R <= 24 / NV ? R : 1), NV, Masked>(xk, M, w, rs, kn, init, ldi, y, ldy, last, ahead);
+  case R: return panel_tile512<(R <= 24 / NV ? R : 1), NV, Masked>(xk, ldx, w, rs, kn, init, ldi, y, ldy, last, ahead);
     KILN_TILE(1) KILN_TILE(2) KILN_TILE(3) KILN_TILE(4) KILN_TILE(5) KILN_TILE(6)
     KILN_TILE(7) KILN_TILE(8) KILN_TILE(9) KILN_TILE(10) KILN_TILE(11) KILN_TILE(12)
 #undef KILN_TILE
@@ -81,7 +80,7 @@ static void panel_tile512_rows(int mb, const float* xk, int64_t M, const float* 
 
 // ---- AVX2: a register tile of up to 3 rows x 32 columns (NV = 4 vectors of 8), or one row x 64 ----
 template <int MB, int NV, bool Masked>
-static inline void panel_tile256(const float* xk, int64_t M, const float* w, int64_t rs, int64_t kn, const float* init,
+static inline void panel_tile256(const float* xk, int64_t ldx, const float* w, int64_t rs, int64_t kn, const float* init,
                                  int64_t ldi, float* y, int64_t ldy, __m256i last, const Ahead& ahead) {
   __m256 a[MB][NV];
   for (int m = 0; m < MB; m++)
@@ -91,9 +90,8 @@ static inline void panel_tile256(const float* xk, int64_t M, const float* w, int
     }
   for (int64_t k = 0, turn = 0; k < kn; k++) {
     ahead.ask(k, turn);
-    const float* xr = xk + k * M;
     __m256 b[MB];
-    for (int m = 0; m < MB; m++) b[m] = _mm256_broadcast_ss(xr + m);
+    for (int m = 0; m < MB; m++) b[m] = _mm256_broadcast_ss(xk + m * ldx + k);
     for (int v = 0; v < NV; v++) {
       const __m256 wv = Masked && v == NV - 1 ? _mm256_maskload_ps(w + k * rs + 8 * v, last) : _mm256_loadu_ps(w + k * rs + 8 * v);
       for (int m = 0; m < MB; m++) a[m][v] = _mm256_fmadd_ps(wv, b[m], a[m][v]);
@@ -107,19 +105,19 @@ static inline void panel_tile256(const float* xk, int64_t M, const float* w, int
 }
 
 template <int NV, bool Masked>
-static void panel_tile256_rows(int mb, const float* xk, int64_t M, const float* w, int64_t rs, int64_t kn,
+static void panel_tile256_rows(int mb, const float* xk, int64_t ldx, const float* w, int64_t rs, int64_t kn,
                                const float* init, int64_t ldi, float* y, int64_t ldy, __m256i last,
                                const Ahead& ahead) {
   switch (mb) {
-    case 1: return panel_tile256<1, NV, Masked>(xk, M, w, rs, kn, init, ldi, y, ldy, last, ahead);
-    case 2: return panel_tile256<2, NV, Masked>(xk, M, w, rs, kn, init, ldi, y, ldy, last, ahead);
-    default: return panel_tile256<3, NV, Masked>(xk, M, w, rs, kn, init, ldi, y, ldy, last, ahead);
+    case 1: return panel_tile256<1, NV, Masked>(xk, ldx, w, rs, kn, init, ldi, y, ldy, last, ahead);
+    case 2: return panel_tile256<2, NV, Masked>(xk, ldx, w, rs, kn, init, ldi, y, ldy, last, ahead);
+    default: return panel_tile256<3, NV, Masked>(xk, ldx, w, rs, kn, init, ldi, y, ldy, last, ahead);
   }
 }
 
 // Columns [c, c + n) of one panel (row stride rs) over weight rows [k0, k0 + kn), every row of x in
 // tiles of up to max_rows; accumulators from the bias row (k0 = 0) or y.
-static void panel_columns(const float* xt, int64_t M, const float* w, int64_t rs, int64_t k0, int64_t kn,
+static void panel_columns(const float* x, int64_t ldx, int64_t M, const float* w, int64_t rs, int64_t k0, int64_t kn,
                           const float* bias, int64_t c, int64_t n, float* y, int64_t ldy) {
   const bool wide = use_avx512;
   const int cols = wide ? 16 : 8, max_rows = wide ? (n > 32 ? 6 : 12) : 3;
@@ -128,7 +126,7 @@ static void panel_columns(const float* xt, int64_t M, const float* w, int64_t rs
     const int mb = (int)(M / nb + (b < M % nb ? 1 : 0));
     Ahead ahead;
     if (M > 1) ahead = Ahead{reinterpret_cast<const char*>(w + kn * rs), rs * (int64_t)sizeof(float), b, nb};
-    const float* xk = xt + k0 * M + m0;
+    const float* xk = x + m0 * ldx + k0;
     const float* init = k0 ? y + m0 * ldy + c : bias ? bias + c : nullptr;
     const int64_t ldi = k0 ? ldy : 0;
     float* yb = y + m0 * ldy + c;
@@ -136,24 +134,24 @@ static void panel_columns(const float* xt, int64_t M, const float* w, int64_t rs
     const bool masked = tail != cols;
     if (wide) {
       const __mmask16 last = (__mmask16)((1u << tail) - 1);
-      if (nv == 4 && !masked) panel_tile512_rows<4, false>(mb, xk, M, w, rs, kn, init, ldi, yb, ldy, last, ahead);
-      else if (nv == 2 && !masked) panel_tile512_rows<2, false>(mb, xk, M, w, rs, kn, init, ldi, yb, ldy, last, ahead);
+      if (nv == 4 && !masked) panel_tile512_rows<4, false>(mb, xk, ldx, w, rs, kn, init, ldi, yb, ldy, last, ahead);
+      else if (nv == 2 && !masked) panel_tile512_rows<2, false>(mb, xk, ldx, w, rs, kn, init, ldi, yb, ldy, last, ahead);
       else  // a narrow last panel: 16 columns at a time
         for (int v = 0; v < nv; v++) {
           const __mmask16 mask = v == nv - 1 ? last : (__mmask16)0xFFFF;
           const float* iv = init ? init + 16 * v : nullptr;
-          panel_tile512_rows<1, true>(mb, xk, M, w + 16 * v, rs, kn, iv, ldi, yb + 16 * v, ldy, mask, Ahead{});
+          panel_tile512_rows<1, true>(mb, xk, ldx, w + 16 * v, rs, kn, iv, ldi, yb + 16 * v, ldy, mask, Ahead{});
         }
     } else if (M == 1 && n == 64) {  // one row reads a 64-column panel in one pass, as with AVX-512
-      panel_tile256<1, 8, false>(xk, M, w, rs, kn, init, ldi, yb, ldy, tail_mask(8), ahead);
+      panel_tile256<1, 8, false>(xk, ldx, w, rs, kn, init, ldi, yb, ldy, tail_mask(8), ahead);
     } else {
       for (int64_t g = 0; g < n; g += 32) {  // 32 columns (4 vectors of 8) at a time
         const int64_t gn = std::min<int64_t>(32, n - g);
         const float* ig = init ? init + g : nullptr;
-        if (gn == 32) panel_tile256_rows<4, false>(mb, xk, M, w + g, rs, kn, ig, ldi, yb + g, ldy, tail_mask(8), g ? Ahead{} : ahead);
+        if (gn == 32) panel_tile256_rows<4, false>(mb, xk, ldx, w + g, rs, kn, ig, ldi, yb + g, ldy, tail_mask(8), g ? Ahead{} : ahead);
         else
           for (int64_t v = 0; v < gn; v += 8)
-            panel_tile256_rows<1, true>(mb, xk, M, w + g + v, rs, kn, ig ? ig + v : nullptr, ldi, yb + g + v, ldy,
+            panel_tile256_rows<1, true>(mb, xk, ldx, w + g + v, rs, kn, ig ? ig + v : nullptr, ldi, yb + g + v, ldy,
                                         tail_mask(std::min<int64_t>(8, gn - v)), Ahead{});
       }
     }
@@ -161,8 +159,8 @@ static void panel_columns(const float* xt, int64_t M, const float* w, int64_t rs
   }
 }
 
-// y[0:M, panels p0..p1) = bias + x @ Wt for those panels' columns; xt is x transposed ([K, M]).
-static void panels_f32(const float* xt, int64_t M, int64_t K, const float* panels, int64_t N, int64_t width,
+// y[0:M, panels p0..p1) = bias + x @ Wt for those panels' columns; x's rows ldx apart.
+static void panels_f32(const float* x, int64_t ldx, int64_t M, int64_t K, const float* panels, int64_t N, int64_t width,
                        int64_t p0, int64_t p1, const float* bias, float* y, int64_t ldy) {
   const int64_t chunk = M == 1 ? std::max<int64_t>(K, 1) : kPanelChunk;
   for (int64_t p = p0; p < p1; p++) {
@@ -174,6 +172,6 @@ static void panels_f32(const float* xt, int64_t M, int64_t K, const float* panel
       continue;
     }
     for (int64_t k0 = 0; k0 < K; k0 += chunk)
-      panel_columns(xt, M, w + k0 * n, n, k0, std::min(chunk, K - k0), bias, c, n, y, ldy);
+      panel_columns(x, ldx, M, w + k0 * n, n, k0, std::min(chunk, K - k0), bias, c, n, y, ldy);
   }
 }
