@@ -19,10 +19,8 @@ torch's own linear.
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import os
-from contextlib import contextmanager
 
 import torch
 
@@ -30,6 +28,7 @@ from kiln.ir.errors import OptionError
 
 from . import gemv_kernel
 from .lower_to_fx import register_linear_lowering
+from .packaged_choice import PackagedChoice
 
 ENV_SWITCH = "KILN_LINEAR_KERNEL"  # "kiln" (default) or "torch"
 LAYOUT_SWITCH = "KILN_LINEAR_LAYOUT"  # "panels" (default) or "slabs" (the kn kernels, for comparisons)
@@ -47,19 +46,14 @@ def wanted() -> bool:
     return gemv_kernel.kernel_chosen(ENV_SWITCH, "Kiln's GEMV kernel", "F.linear")
 
 
-_packaged_layout: contextvars.ContextVar[str | None] = contextvars.ContextVar("kiln_f32_layout", default=None)
+_packaged_layout = PackagedChoice("kiln_f32_layout")
 
 
-@contextmanager
 def lowering_f32_as(layout_name: str | None):
     """Lower fp32 linears in `layout_name` ("panels" or "slabs") whatever the switch says: an
     AOTInductor package names the constants of the layout it was compiled with, so its load (or an
     artifact's from before the panels, "slabs") must build the same ones."""
-    token = _packaged_layout.set(layout_name)
-    try:
-        yield
-    finally:
-        _packaged_layout.reset(token)
+    return _packaged_layout.lowering_as(layout_name)
 
 
 def f32_layout_of(module: torch.fx.GraphModule) -> str:

@@ -219,6 +219,16 @@ struct BlockPrefetch {
   }
 };
 
+// A register tile's accumulators to y (row m at y + m * ldy), the last vector masked where Masked.
+template <int MB, int NV, bool Masked>
+static inline void store_tile512(__m512 (&a)[MB][NV], float* y, int64_t ldy, __mmask16 last) {
+  for (int m = 0; m < MB; m++)
+    for (int v = 0; v < NV; v++) {
+      if (Masked && v == NV - 1) _mm512_mask_storeu_ps(y + m * ldy + 16 * v, last, a[m][v]);
+      else _mm512_storeu_ps(y + m * ldy + 16 * v, a[m][v]);
+    }
+}
+
 // y[0:MB, 0:16 NV] += sum_i x(m, i) * w[rows[i], 0:16 NV]; x(m, i) at xo[i * M + m]; the last
 // vector's columns masked by `last` where Masked.
 template <int MB, int NV, bool Masked>
@@ -241,11 +251,7 @@ static inline void block_tile(const float* xo, int64_t M, const float* w, const 
       for (int v = 0; v < NV; v++) a[m][v] = _mm512_fmadd_ps(wv[v], b, a[m][v]);
     }
   }
-  for (int m = 0; m < MB; m++)
-    for (int v = 0; v < NV; v++) {
-      if (Masked && v == NV - 1) _mm512_mask_storeu_ps(y + m * ldy + 16 * v, last, a[m][v]);
-      else _mm512_storeu_ps(y + m * ldy + 16 * v, a[m][v]);
-    }
+  store_tile512<MB, NV, Masked>(a, y, ldy, last);
 }
 
 // One tile's columns for every row of x, in register tiles of up to kTileRows rows.

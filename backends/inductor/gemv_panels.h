@@ -57,11 +57,7 @@ static inline void panel_tile512(const float* xk, int64_t ldx, const float* w, i
       for (int v = 0; v < NV; v++) a[m][v] = _mm512_fmadd_ps(wv[v], b, a[m][v]);
     }
   }
-  for (int m = 0; m < MB; m++)
-    for (int v = 0; v < NV; v++) {
-      if (Masked && v == NV - 1) _mm512_mask_storeu_ps(y + m * ldy + 16 * v, last, a[m][v]);
-      else _mm512_storeu_ps(y + m * ldy + 16 * v, a[m][v]);
-    }
+  store_tile512<MB, NV, Masked>(a, y, ldy, last);
 }
 
 template <int NV, bool Masked>

@@ -27,15 +27,15 @@ weight as a module constant that `load` rebuilds from the artifact's weights.
 
 from __future__ import annotations
 
-import contextvars
 import functools
 import os
-from contextlib import contextmanager
 
 import torch
 
 from kiln.ir.errors import OptionError
 from kiln.ir.ops.quantized import embedding_q_reference, linear_q_reference
+
+from .packaged_choice import PackagedChoice
 
 INT8_ENV_SWITCH = "KILN_INT8_KERNEL"  # "q8" (default) or "i8"
 
@@ -74,19 +74,14 @@ def _int8_activations_wanted() -> bool:
     return choice == "q8"
 
 
-_packaged_int8_form: contextvars.ContextVar[str | None] = contextvars.ContextVar("kiln_int8_form", default=None)
+_packaged_int8_form = PackagedChoice("kiln_int8_form")
 
 
-@contextmanager
 def lowering_int8_as(form: str | None):
     """Lower 8-bit linears as `form` ("q8": linear_q8, "i8": linear_i8) whatever this CPU would
     pick: an AOTInductor package names the constants of the form it was compiled with, so a load
     on another host (or of an artifact older than linear_q8, "i8") must build the same ones."""
-    token = _packaged_int8_form.set(form)
-    try:
-        yield
-    finally:
-        _packaged_int8_form.reset(token)
+    return _packaged_int8_form.lowering_as(form)
 
 
 def int8_form_of(module: torch.fx.GraphModule) -> str:
