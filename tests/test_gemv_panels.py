@@ -65,7 +65,7 @@ def test_every_row_count_matches_float64_and_the_row_alone(n, k):
     x_all = torch.randn(200, k, generator=torch.Generator().manual_seed(k))
     for isa in _isas():
         alone = torch.cat([_run(row[None], panels, b, isa) for row in x_all])
-        for m in [*range(1, 18), 24, 31, 33, 48, 64, 129, 200]:
+        for m in [*range(1, 65), 129, 200]:
             x = x_all[:m]
             got = _run(x, panels, b, isa)
             ref = F.linear(x.double(), w.double(), b.double())
