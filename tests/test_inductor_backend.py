@@ -433,6 +433,24 @@ def test_save_then_load_runs_the_aoti_package_without_compiling(tmp_path):
     assert loaded.save(tmp_path / "copy") == files and (tmp_path / "copy" / files[0]).is_file()
 
 
+def test_a_package_of_the_slab_layout_loads_as_it_was_compiled(tmp_path, monkeypatch):
+    """Artifacts compiled before the panels name the slab kernels' constants; the package records
+    its fp32 layout and a load lowers the same one, whatever KILN_LINEAR_LAYOUT says now."""
+    import json
+
+    from kiln.backends.inductor import fast_linear
+
+    if not fast_linear.kernel_available():
+        pytest.skip("the GEMV kernel cannot be built here")
+    graph = build_toy_transformer(layers=1, seed=2)
+    monkeypatch.setenv(fast_linear.LAYOUT_SWITCH, "slabs")
+    lower(graph, OPTIONS).save(tmp_path)
+    assert json.loads((tmp_path / "inductor.json").read_text())["f32_linear"] == "slabs"
+    monkeypatch.delenv(fast_linear.LAYOUT_SWITCH)
+    loaded = load(tmp_path, graph, graph.weights, OPTIONS)
+    torch.testing.assert_close(loaded.run(*PREFILL), InterpreterOracle(graph).run(*PREFILL), atol=1e-4, rtol=1e-4)
+
+
 def test_loading_a_package_with_another_graph_says_what_differs(tmp_path):
     from kiln.backends.inductor import PackageError
 
