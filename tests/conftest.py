@@ -74,3 +74,22 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def gemv_kernels_two_threads():
+    """Kiln's linear kernels built and loaded (skips without a C++ compiler), torch at 2 threads,
+    and the AVX-512 kernels back on afterwards. A module asks for it with
+    `pytestmark = pytest.mark.usefixtures("gemv_kernels_two_threads")`."""
+    import shutil
+
+    from kiln.backends.inductor import gemv_kernel
+
+    if shutil.which(os.environ.get("CXX") or "g++") is None:
+        pytest.skip("no C++ compiler: the kiln GEMV kernel cannot be built here")
+    gemv_kernel.ensure_loaded()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)
+    torch.ops.kiln.gemv_use_avx512(True)

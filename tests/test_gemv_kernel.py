@@ -10,7 +10,6 @@ and inside `torch.compile(fullgraph=True)`.
 from __future__ import annotations
 
 import os
-import shutil
 
 import pytest
 import torch
@@ -25,15 +24,7 @@ ODD_SHAPES = [(1, 1), (7, 3), (8, 8), (13, 7), (17, 33), (100, 5), (24, 40), (40
 MS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 64, 128, 129]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def loaded():
-    if shutil.which(os.environ.get("CXX") or "g++") is None:
-        pytest.skip("no C++ compiler: the kiln GEMV kernel cannot be built here")
-    gk.ensure_loaded()
-    old = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(old)
+pytestmark = pytest.mark.usefixtures("gemv_kernels_two_threads")
 
 
 def _weights(n, k, seed=0):

@@ -9,9 +9,6 @@ order).
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -21,16 +18,7 @@ from kiln.backends.inductor import gemv_kernel as gk
 SHAPES = [(576, 576), (960, 576), (3072, 576), (576, 1536), (67, 130), (33, 17), (1000, 40), (4100, 64), (7, 3)]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def loaded():
-    if shutil.which(os.environ.get("CXX") or "g++") is None:
-        pytest.skip("no C++ compiler: the kiln GEMV kernel cannot be built here")
-    gk.ensure_loaded()
-    old = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(old)
-    torch.ops.kiln.gemv_use_avx512(True)
+pytestmark = pytest.mark.usefixtures("gemv_kernels_two_threads")
 
 
 def _weights(n, k, seed=0):
