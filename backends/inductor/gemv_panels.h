@@ -6,9 +6,9 @@
 // columns (32 or 64; the last panel holds what is left), each stored [K, width] row after row,
 // panel after panel. A panel is one sequential stream the hardware prefetcher follows on its own,
 // so a thread that computes while it streams keeps the memory busy: a whole SmolLM2-135M step over
-// 8 tokens costs 1.21x one token, where the slab kernels' interleaved streams (gemv_kernel.cpp,
-// gemv_many_rows.h) cost 1.36x, and one token is 8% faster (bench/results/step_cost-panels-epyc.md,
-// AMD EPYC).
+// 8 tokens costs 1.17x one token, where the slab kernels' interleaved streams (gemv_kernel.cpp,
+// gemv_many_rows.h) cost 1.44x, and one token is 6% faster
+// (bench/results/step_cost-panels-epyc-x-in-place.md, AMD EPYC).
 //
 // Order of sums: every output element is one FMA chain from its bias (or 0) over k = 0..K-1,
 // whatever the number of rows, the ISA or the thread split (threads take whole panels), so a row's
@@ -117,6 +117,10 @@ static void panel_columns(const float* x, int64_t ldx, int64_t M, const float* w
                           const float* bias, int64_t c, int64_t n, float* y, int64_t ldy) {
   const bool wide = use_avx512;
   const int cols = wide ? 16 : 8, max_rows = wide ? (n > 32 ? 6 : 12) : 3;
+  const int nv = (int)((n + cols - 1) / cols), tail = (int)(n - (nv - 1) * cols);
+  const bool masked = tail != cols;
+  const __mmask16 last = (__mmask16)((1u << tail) - 1);
+  const int64_t ldi = k0 ? ldy : 0;
   const int nb = (int)((M + max_rows - 1) / max_rows);
   for (int b = 0, m0 = 0; b < nb; b++) {
     const int mb = (int)(M / nb + (b < M % nb ? 1 : 0));
@@ -124,12 +128,8 @@ static void panel_columns(const float* x, int64_t ldx, int64_t M, const float* w
     if (M > 1) ahead = Ahead{reinterpret_cast<const char*>(w + kn * rs), rs * (int64_t)sizeof(float), b, nb};
     const float* xk = x + m0 * ldx + k0;
     const float* init = k0 ? y + m0 * ldy + c : bias ? bias + c : nullptr;
-    const int64_t ldi = k0 ? ldy : 0;
     float* yb = y + m0 * ldy + c;
-    const int nv = (int)((n + cols - 1) / cols), tail = (int)(n - (nv - 1) * cols);
-    const bool masked = tail != cols;
     if (wide) {
-      const __mmask16 last = (__mmask16)((1u << tail) - 1);
       if (nv == 4 && !masked) panel_tile512_rows<4, false>(mb, xk, ldx, w, rs, kn, init, ldi, yb, ldy, last, ahead);
       else if (nv == 2 && !masked) panel_tile512_rows<2, false>(mb, xk, ldx, w, rs, kn, init, ldi, yb, ldy, last, ahead);
       else  // a narrow last panel: 16 columns at a time
