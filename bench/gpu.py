@@ -5,7 +5,7 @@ copy bandwidth and Hugging Face's static cache + torch.compile, in one run.
     python bench/gpu.py check DIR              # there: everything below, a table at the end
     python bench/gpu.py prepare-real DIR       # here: the real SmolLM2 for CUDA, weights stripped
     python bench/gpu.py real DIR --gguf FILE   # there: the real SmolLM2, f16 and bf16, against HF
-    python bench/gpu.py profile DIR [ROW ...]  # there: a decode step's kernels and host share
+    python bench/gpu.py profile DIR [ROW[@VARIANT] ...]  # there: a decode step's kernels and host share
 
 Artifacts compile where Kiln's pinned torch runs (`prepare`: an artifact for CUDA holds the IR
 and weights; the GPU compiles it when it loads). Speed depends on shapes, not weight values, so
@@ -396,6 +396,7 @@ def job(directory: Path, kind: str, name: str) -> dict:
 
 VARIANTS = {  # row@variant: the same artifact under another decode form (backends/inductor/cuda_*.py)
     "sdpa": {"KILN_CUDA_DECODE_ATTENTION": "sdpa"},
+    "fused": {"KILN_CUDA_DECODE_ATTENTION": "fused"},
     "cublas": {"KILN_CUDA_DECODE_TUNING": "0"},
 }
 
@@ -470,8 +471,12 @@ def main(argv=None) -> int:
     elif args.action == "profile":
         from gpu_profile import profile
 
-        for name in args.rest or ["smollm2-f16"]:
-            profile(args.directory, name, args.out and args.out.with_suffix(f".{name}.md"))
+        for name in args.rest or ["smollm2-f16"]:  # bench/gpu_run.sh runs one process per row
+            if "@" in name:
+                os.environ.update(VARIANTS[name.split("@")[1]])
+            turn = one_at_a_time(args.directory, int(os.environ.get("KILN_GPU_JOBS", "1")), name)
+            report = args.out and args.out.with_suffix(f".{name.replace('@', '_')}.md")  # names that travel back
+            profile(args.directory, name, report, turn)
     else:
         print(json.dumps(job(args.directory, *args.rest)), flush=True)
     return 0

@@ -1,10 +1,10 @@
 #!/bin/bash
 # On a GPU machine, from the repository root: make this tree importable as `kiln` under that
 # machine's own torch (no install), then run what the arguments say, e.g.
-#   bash bench/gpu_run.sh tests                  # the GPU-marked tests (tests/test_cuda_inductor.py)
+#   bash bench/gpu_run.sh tests                  # the GPU-marked tests (tests/test_cuda_*.py)
 #   bash bench/gpu_run.sh check DIR OUT [ROW@VARIANT ...]  # bench/gpu.py check DIR --out OUT --variants ...
 #   bash bench/gpu_run.sh real DIR GGUF OUT      # bench/gpu.py real DIR --gguf GGUF --out OUT
-#   bash bench/gpu_run.sh profile DIR OUT ROW... # bench/gpu.py profile DIR ROW... --out OUT
+#   bash bench/gpu_run.sh profile DIR OUT ROW[@VARIANT]...  # bench/gpu.py profile DIR ROW --out OUT, a process a row
 # Wheels a machine lacks (gguf, for `real`) are installed from .whl/ when it is there.
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -17,9 +17,15 @@ fi
 export PYTHONPATH="$package:/tmp/site:$PWD/tests:$PWD/bench"
 action=$1; shift
 case "$action" in
-    tests) python3 -P -m pytest -q -p no:cacheprovider tests/test_cuda_inductor.py "$@" ;;
+    tests) python3 -P -m pytest -q -p no:cacheprovider tests/test_cuda_inductor.py tests/test_cuda_decode_attention.py "$@" ;;
     check) dir=$1; out=$2; shift 2; python3 bench/gpu.py check "$dir" --out "$out" --variants "$@" ;;
     real) python3 bench/gpu.py real "$1" --gguf "$2" --out "$3" ;;
-    profile) dir=$1; out=$2; shift 2; python3 bench/gpu.py profile "$dir" "$@" --out "$out" ;;
+    profile) dir=$1; out=$2; shift 2; rm -f "$dir"/ready.*  # rows compile side by side, then time one at a time
+        python3 -c 'import sys; from pathlib import Path; from gpu import fill, restore_tokenizers; restore_tokenizers(Path(sys.argv[1]))
+for row in sys.argv[2:]: fill(Path(sys.argv[1]) / (row.split("@")[0] + ".kiln"))' "$dir" "$@"
+        for row in "$@"; do
+            KILN_GPU_JOBS=$# python3 bench/gpu.py profile "$dir" "$row" --out "$out" > "$out.${row//@/_}.log" 2>&1 &
+        done
+        wait; tail -n 45 "$out".*.log ;;
     *) echo "unknown action $action" >&2; exit 2 ;;
 esac

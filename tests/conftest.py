@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import triton_mode  # noqa: F401 - first: Triton's kernels interpreted without a GPU
 from kiln.frontend.default_model import default_gguf_path, default_model_dir
 from kiln.frontend.errors import ModelNotFoundError
 from tiny_models import ARCHITECTURES, save_tiny_checkpoint

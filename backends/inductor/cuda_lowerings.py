@@ -125,13 +125,14 @@ def lower_linear_q_cuda(b, node, args, attrs):
     return None
 
 
-ATTENTION_SWITCH = "KILN_CUDA_DECODE_ATTENTION"  # "matmul" (default) or "sdpa" (one fused kernel)
+ATTENTION_SWITCH = "KILN_CUDA_DECODE_ATTENTION"
+ATTENTION_FORMS = ("matmul", "sdpa", "fused")  # the default first; fused: cuda_decode_fusion.py
 
 
 def decode_attention_form() -> str:
-    choice = os.environ.get(ATTENTION_SWITCH, "matmul")
-    if choice not in ("matmul", "sdpa"):
-        raise OptionError(f"{ATTENTION_SWITCH}={choice!r} is not a choice. Fix: 'matmul' or 'sdpa', or unset it.")
+    choice = os.environ.get(ATTENTION_SWITCH, ATTENTION_FORMS[0])
+    if choice not in ATTENTION_FORMS:
+        raise OptionError(f"{ATTENTION_SWITCH}={choice!r} is not a choice. Fix: one of {ATTENTION_FORMS}, or unset it.")
     return choice
 
 
