@@ -397,6 +397,8 @@ def job(directory: Path, kind: str, name: str) -> dict:
 VARIANTS = {  # row@variant: the same artifact under another decode form (backends/inductor/cuda_*.py)
     "sdpa": {"KILN_CUDA_DECODE_ATTENTION": "sdpa"},
     "fused": {"KILN_CUDA_DECODE_ATTENTION": "fused"},
+    "gemv": {"KILN_CUDA_DECODE_LINEAR": "triton"},
+    "kiln": {"KILN_CUDA_DECODE_ATTENTION": "fused", "KILN_CUDA_DECODE_LINEAR": "triton"},
     "cublas": {"KILN_CUDA_DECODE_TUNING": "0"},
 }
 

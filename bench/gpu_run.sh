@@ -17,7 +17,7 @@ fi
 export PYTHONPATH="$package:/tmp/site:$PWD/tests:$PWD/bench"
 action=$1; shift
 case "$action" in
-    tests) python3 -P -m pytest -q -p no:cacheprovider tests/test_cuda_inductor.py tests/test_cuda_decode_attention.py "$@" ;;
+    tests) python3 -P -m pytest -q -p no:cacheprovider tests/test_cuda_inductor.py tests/test_cuda_decode_attention.py tests/test_cuda_gemv.py "$@" ;;
     check) dir=$1; out=$2; shift 2; python3 bench/gpu.py check "$dir" --out "$out" --variants "$@" ;;
     real) python3 bench/gpu.py real "$1" --gguf "$2" --out "$3" ;;
     profile) dir=$1; out=$2; shift 2; rm -f "$dir"/ready.*  # rows compile side by side, then time one at a time

@@ -165,19 +165,23 @@ def test_inductor_writes_the_caches_in_place(tiny_model_dirs):
 
 # -- on a GPU ---------------------------------------------------------------------------------
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (bench/gpu_run.sh runs it on one)")
-def test_the_executable_under_the_switch_matches_the_interpreter(monkeypatch):
-    """KILN_CUDA_DECODE_ATTENTION=fused: prefill unfused, captured decode steps through the
-    Triton kernel, logits and caches as the interpreter computes them."""
+@pytest.mark.parametrize("attention, linear", [("fused", "inductor"), ("matmul", "triton"), ("fused", "triton")])
+def test_the_executable_under_the_switches_matches_the_interpreter(monkeypatch, attention, linear):
+    """KILN_CUDA_DECODE_ATTENTION=fused and KILN_CUDA_DECODE_LINEAR=triton: prefill unfused,
+    captured decode steps through Kiln's Triton kernels, logits and caches as the interpreter
+    computes them."""
     from kiln.backends.inductor import lower
     from test_inductor_backend import PREFILL, InterpreterOracle, build_toy_transformer, decode_feeds
 
-    monkeypatch.setenv("KILN_CUDA_DECODE_ATTENTION", "fused")
+    monkeypatch.setenv("KILN_CUDA_DECODE_ATTENTION", attention)
+    monkeypatch.setenv("KILN_CUDA_DECODE_LINEAR", linear)
     torch.backends.cuda.matmul.allow_tf32 = False
     graph = build_toy_transformer()
     executable = lower(graph, BackendOptions(max_batch=2, max_seq_len=32, device="cuda"))
     oracle = InterpreterOracle(graph)
     for feeds in [PREFILL] + [decode_feeds(step) for step in range(6)]:
         torch.testing.assert_close(executable.run(*feeds), oracle.run(*feeds), atol=1e-4, rtol=1e-4)
-    assert "decode_attention" in executable._decode._orig_mod.code
+    code = executable._decode._orig_mod.code
+    assert ("decode_attention" in code) == (attention == "fused") and ("gemv" in code) == (linear == "triton")
     for mine, expected in zip(executable.caches, oracle.caches):
         torch.testing.assert_close(mine.cpu(), expected, atol=1e-4, rtol=1e-4)

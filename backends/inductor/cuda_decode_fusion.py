@@ -1,9 +1,11 @@
-"""A decode module's attention blocks as one `kiln_cuda::decode_attention` call each.
+"""Rewrites of a decode module (one token per row, its own copy of the graph: cuda_executable.py)
+into Kiln's CUDA kernels: each attention block as one `kiln_cuda::decode_attention` call
+(KILN_CUDA_DECODE_ATTENTION=fused), each product over a weight it holds as `kiln_cuda::gemv`
+(KILN_CUDA_DECODE_LINEAR=triton: cuda_gemv.py).
 
 The CUDA lowering spells a layer's attention as rope on q and k, two cache writes and
 `grouped_attention`, which Inductor compiles to seven kernels a layer at one token per row
-(bench/results/gpu-h200-profile.md). The decode module (one token per row, its own copy of the
-graph: cuda_executable.py) has this rewrite applied where KILN_CUDA_DECODE_ATTENTION=fused:
+(bench/results/gpu-h200-profile.md). The attention rewrite:
 
     q = rotate_half(xq, cos, sin); k = rotate_half(xk, cos, sin)      (cos, sin = rope_rows(positions, ...))
     kc = kv_write_at(k_cache, k, index); vc = kv_write_at(v_cache, v, index)
@@ -21,10 +23,14 @@ import operator
 
 import torch
 import torch.fx as fx
+import torch.nn.functional as F
 
 from . import composite_ops
 from .cuda_decode_attention import decode_attention  # noqa: F401 - registers torch.ops.kiln_cuda
+from .cuda_gemv import gemv  # noqa: F401 - registers torch.ops.kiln_cuda.gemv
 from .cuda_lowerings import grouped_attention
+
+FLOAT_WEIGHTS = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def _call(node, target) -> bool:
@@ -99,3 +105,28 @@ def _erase_unused(graph: fx.Graph, nodes) -> None:
         if pure and not node.users:
             pending += list(node.all_input_nodes)
             graph.erase_node(node)
+
+
+def use_triton_gemv(module: fx.GraphModule) -> int:
+    """Rewrite `module` in place: each `F.linear` over a half or f32 weight the module holds (not
+    the quantized forms, not a weight computed in the graph) calls `kiln_cuda::gemv`; returns how
+    many did."""
+    rewritten = 0
+    for node in module.graph.nodes:
+        if not _call(node, F.linear) or node.args[1].op != "get_attr":
+            continue
+        weight = _attribute(module, node.args[1].target)
+        if weight.dim() != 2 or weight.dtype not in FLOAT_WEIGHTS or weight.stride(1) != 1:
+            continue
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        node.target, node.args, node.kwargs = torch.ops.kiln_cuda.gemv.default, (node.args[0], node.args[1], bias), {}
+        rewritten += 1
+    module.recompile()
+    return rewritten
+
+
+def _attribute(module: fx.GraphModule, target: str) -> torch.Tensor:
+    owner = module
+    for part in target.split("."):
+        owner = getattr(owner, part)
+    return owner

@@ -32,7 +32,8 @@ from kiln.ir import Graph
 from kiln.ir.errors import OptionError
 from kiln.ir.ops.quantized import linear_q_reference
 
-from .cuda_decode_fusion import fuse_decode_attention
+from .cuda_decode_fusion import fuse_decode_attention, use_triton_gemv
+from .cuda_gemv import decode_linear_form
 from .cuda_lowerings import decode_attention_form, linear_int4_cuda, linear_int8_channels
 from .executable import StatefulRunner, without_stack_traces
 from .lower_to_fx import graph_to_fx
@@ -138,6 +139,8 @@ class CudaInductorExecutable(StatefulRunner):
         decode_module = fx.GraphModule(self.module, copy.deepcopy(self.module.graph))  # its own code object
         if decode_attention_form() == "fused":
             fuse_decode_attention(decode_module)
+        if decode_linear_form() == "triton":
+            use_triton_gemv(decode_module)
         self._decode = torch.compile(decode_module, backend=self._inductor)
         self._prefill = torch.compile(self.module, backend=self._inductor, dynamic=True)
         last = last_position_module(self.module)
