@@ -37,14 +37,54 @@ def test_the_kernel_computes_the_product(case, dtype):
     weight = torch.randn(n, k, generator=generator).to(dtype).to(DEVICE)
     bias = torch.randn(n, generator=generator).to(dtype).to(DEVICE) if with_bias else None
     expected = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
-    got = launch_gemv(x, weight, bias, block=block)
+    got = launch_gemv(x, weight, bias=bias, block=block)
     assert got.shape == (rows, 1, n) and got.dtype == dtype
     torch.testing.assert_close(got.float(), expected, atol=TOLERANCE[dtype] * k**0.5, rtol=TOLERANCE[dtype])
 
 
+QUANTIZED_CASES = [  # rows, outputs, inputs, group, asymmetric (int4), (BLOCK_N, BLOCK_K, warps)
+    (1, 40, 96, 32, False, (8, 64, 4)),
+    (3, 24, 256, 64, True, (4, 128, 4)),
+    (2, 17, 100, 24, True, (2, 128, 2)),  # a group that divides neither K nor the block
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", QUANTIZED_CASES)
+def test_the_int4_kernel_computes_linear_q(case, dtype):
+    from kiln.backends.inductor.cuda_gemv import launch_gemv_int4
+    from kiln.ir.ops.quantized import linear_q_reference
+    from test_cuda_inductor import random_int4_weight
+
+    rows, n, k, group, asymmetric, block = case
+    qweight, scales, zeros = random_int4_weight(n, k - k % group + group * (k % group > 0), group, asymmetric, 7)
+    qweight = qweight[:, : k // 2].contiguous()  # K columns: the last group may be shorter
+    x = torch.randn(rows, k, generator=torch.Generator().manual_seed(k)).to(dtype)
+    bias = torch.randn(n).to(dtype)
+    parts = [t if t is None else t.to(DEVICE) for t in (x, qweight, scales, zeros, bias)]
+    expected = linear_q_reference(
+        *[t if t is None else t.float() if t.is_floating_point() else t for t in parts], 4, group
+    )
+    got = launch_gemv_int4(*parts, group, block=block)
+    torch.testing.assert_close(got.float(), expected, atol=TOLERANCE[dtype] * k**0.5, rtol=TOLERANCE[dtype])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_int8_kernel_scales_each_output(dtype):
+    from kiln.backends.inductor.cuda_lowerings import linear_int8_channels
+
+    generator = torch.Generator().manual_seed(5)
+    codes = torch.randint(-127, 128, (24, 200), dtype=torch.int8, generator=generator).to(DEVICE)
+    scales = (torch.rand(24, generator=generator) * 0.01).to(DEVICE)
+    x = torch.randn(2, 200, generator=generator).to(dtype).to(DEVICE)
+    expected = linear_int8_channels(x.float(), codes, scales, None)
+    got = launch_gemv(x, codes, scales, block=(8, 64, 4))
+    torch.testing.assert_close(got.float(), expected, atol=TOLERANCE[dtype] * 15, rtol=TOLERANCE[dtype])
+
+
 def test_more_rows_than_the_kernel_holds_are_refused_by_the_launcher():
     with pytest.raises(ValueError, match="at most 4 rows"):
-        launch_gemv(torch.randn(5, 8), torch.randn(4, 8), None, block=(4, 128, 2))
+        launch_gemv(torch.randn(5, 8), torch.randn(4, 8), block=(4, 128, 2))
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -60,6 +100,40 @@ def test_every_product_rewritten_gives_hugging_faces_greedy_tokens(tiny_model_di
     while len(got) < 10 and got[-1] != EOS_TOKEN_ID:
         got.append(int(step(decode, got[-1:], len(prompt) + len(got) - 1)[0, -1].argmax()))
     assert got == expected
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4-g32", "int4-g32-asym"])
+def test_quantized_products_rewritten_decode_as_before(tiny_model_dirs, scheme):
+    """A quantized model's decode module with its products through the GEMV ops gives the
+    unfused module's greedy tokens (off the GPU the ops run the CUDA lowering's own forms)."""
+    import copy
+
+    import torch.fx as fx
+
+    from kiln.backends.executable import BackendOptions
+    from kiln.backends.inductor import graph_to_fx
+    from kiln.backends.inductor.executable import allocate_caches
+    from kiln.frontend.capture import capture_causal_lm
+    from kiln.passes.pipeline import run_pipeline
+
+    model = load_model(tiny_model_dirs("llama")).model
+    options = BackendOptions(max_batch=1, max_seq_len=64, quantize=scheme)
+    graph = run_pipeline(capture_causal_lm(model, 1, 64), options)
+    module = graph_to_fx(graph, state=allocate_caches(graph), lowering_for="cuda")
+    unfused = fx.GraphModule(module, copy.deepcopy(module.graph))
+    decode = fx.GraphModule(module, copy.deepcopy(module.graph))
+    unfused.input_names = decode.input_names = module.input_names
+    assert use_triton_gemv(decode) == sum(n.op in ("linear", "linear_q") for n in graph.nodes)
+    prompt = prompts([9])[0]
+    runs = []
+    for stepper in (unfused, decode):
+        for buffer in module.buffers():
+            buffer.zero_()
+        tokens = [int(step(module, prompt, 0)[0, -1].argmax())]
+        while len(tokens) < 10:
+            tokens.append(int(step(stepper, tokens[-1:], len(prompt) + len(tokens) - 1)[0, -1].argmax()))
+        runs.append(tokens)
+    assert runs[0] == runs[1]
 
 
 def test_quantized_and_computed_weights_keep_their_own_forms():
@@ -84,6 +158,26 @@ def test_quantized_and_computed_weights_keep_their_own_forms():
 def test_the_autotuned_kernel_on_the_gpu(dtype):
     x = torch.randn(2, 2048, device="cuda", dtype=dtype)
     weight = torch.randn(2048 * 3, 2048, device="cuda", dtype=dtype)
-    got = launch_gemv(x, weight, None)
+    got = launch_gemv(x, weight)
     expected = F.linear(x.float(), weight.float())
     assert ((got.float() - expected).norm() / expected.norm()) < 1e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (bench/gpu_run.sh runs it on one)")
+@pytest.mark.parametrize("scheme", ["int8", "int4-g32", "int4-g32-asym"])
+def test_quantized_decode_through_the_gemv_on_the_gpu(monkeypatch, scheme):
+    from kiln.backends.executable import BackendOptions
+    from kiln.backends.inductor import lower
+    from kiln.passes.quant_schemes import SCHEMES
+    from kiln.passes.quantize_weights import quantize_weights
+    from test_inductor_backend import PREFILL, InterpreterOracle, build_toy_transformer, decode_feeds
+
+    monkeypatch.setenv("KILN_CUDA_DECODE_LINEAR", "triton")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    graph = build_toy_transformer()
+    quantize_weights(graph, SCHEMES[scheme])
+    executable = lower(graph, BackendOptions(max_batch=2, max_seq_len=32, device="cuda"))
+    oracle = InterpreterOracle(graph)
+    for feeds in [PREFILL] + [decode_feeds(i) for i in range(4)]:
+        torch.testing.assert_close(executable.run(*feeds), oracle.run(*feeds), atol=1e-3, rtol=1e-3)
+    assert "gemv" in executable._decode._orig_mod.code

@@ -25,10 +25,12 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from kiln.ir.ops.quantized import linear_q_reference
+
 from . import composite_ops
 from .cuda_decode_attention import decode_attention  # noqa: F401 - registers torch.ops.kiln_cuda
 from .cuda_gemv import gemv  # noqa: F401 - registers torch.ops.kiln_cuda.gemv
-from .cuda_lowerings import grouped_attention
+from .cuda_lowerings import grouped_attention, linear_int4_cuda, linear_int8_channels
 
 FLOAT_WEIGHTS = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -108,21 +110,41 @@ def _erase_unused(graph: fx.Graph, nodes) -> None:
 
 
 def use_triton_gemv(module: fx.GraphModule) -> int:
-    """Rewrite `module` in place: each `F.linear` over a half or f32 weight the module holds (not
-    the quantized forms, not a weight computed in the graph) calls `kiln_cuda::gemv`; returns how
-    many did."""
+    """Rewrite `module` in place: each product over a weight the module holds calls Kiln's Triton
+    GEMV (cuda_gemv.py): `F.linear` over a half or f32 weight, the per-channel int8 form, and
+    4-bit codes (tinygemm's form or the dequantized one); a weight computed in the graph keeps
+    its form. Returns how many products were rewritten."""
     rewritten = 0
     for node in module.graph.nodes:
-        if not _call(node, F.linear) or node.args[1].op != "get_attr":
-            continue
-        weight = _attribute(module, node.args[1].target)
-        if weight.dim() != 2 or weight.dtype not in FLOAT_WEIGHTS or weight.stride(1) != 1:
-            continue
-        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-        node.target, node.args, node.kwargs = torch.ops.kiln_cuda.gemv.default, (node.args[0], node.args[1], bias), {}
-        rewritten += 1
+        call = _gemv_call(module, node)
+        if call is not None:
+            node.target, node.args, node.kwargs = call
+            rewritten += 1
     module.recompile()
     return rewritten
+
+
+def _gemv_call(module: fx.GraphModule, node: fx.Node) -> tuple | None:
+    """(target, args, kwargs) of the GEMV that computes `node`, or None."""
+    if _call(node, F.linear) and _held(node.args[1]):
+        weight = _attribute(module, node.args[1].target)
+        if weight.dim() != 2 or weight.dtype not in FLOAT_WEIGHTS or weight.stride(1) != 1:
+            return None
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        return torch.ops.kiln_cuda.gemv.default, (node.args[0], node.args[1], None, bias), {}
+    if _call(node, linear_int8_channels) and _held(node.args[1]):
+        return torch.ops.kiln_cuda.gemv.default, tuple(node.args), {}
+    if _call(node, linear_int4_cuda) and _held(node.args[3]):
+        x, _, _, qweight, scales, zeros, bias, group_size = node.args
+        return torch.ops.kiln_cuda.gemv_int4.default, (x, qweight, scales, zeros, bias, group_size), {}
+    if _call(node, linear_q_reference) and node.kwargs.get("bits") == 4 and _held(node.args[1]):
+        x, qweight, scales, zeros, bias = node.args
+        return torch.ops.kiln_cuda.gemv_int4.default, (x, qweight, scales, zeros, bias, node.kwargs["group_size"]), {}
+    return None
+
+
+def _held(node) -> bool:
+    return isinstance(node, fx.Node) and node.op == "get_attr"
 
 
 def _attribute(module: fx.GraphModule, target: str) -> torch.Tensor:
