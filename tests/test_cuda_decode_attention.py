@@ -65,9 +65,10 @@ SHAPES = [  # batch, heads, kv heads, head dim, rope half (0: none), window
 ]
 
 
+@pytest.mark.parametrize("chunk", [None, 8])  # one program per (row, kv head), or the slots split by 8
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_the_triton_kernel_computes_the_reference(shape, dtype):
+def test_the_triton_kernel_computes_the_reference(shape, dtype, chunk):
     pytest.importorskip("triton", reason="Triton is not installed (the dev extra installs it)")
     from kiln.backends.inductor.cuda_decode_attention import launch_decode_attention
 
@@ -77,7 +78,7 @@ def test_the_triton_kernel_computes_the_reference(shape, dtype):
     positions = torch.tensor([[17], [3]], device=k_cache.device)[:batch]  # one row deep in its slots, one early
     expected_k, expected_v = k_cache.clone(), v_cache.clone()
     expected = decode_attention_reference(q, k, v, expected_k, expected_v, cos, sin, positions, 0.125, window)
-    got = launch_decode_attention(q, k, v, k_cache, v_cache, cos, sin, positions, 0.125, window)
+    got = launch_decode_attention(q, k, v, k_cache, v_cache, cos, sin, positions, 0.125, window, chunk)
     # f32 to its rounding; half: the interpreter's bf16 conversion truncates (one unit in the last place)
     tolerance = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 3e-2}[dtype]
     torch.testing.assert_close(got, expected, atol=tolerance, rtol=tolerance)

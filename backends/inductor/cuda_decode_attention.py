@@ -19,6 +19,8 @@ import torch
 from .composite_ops import kv_write_at, kv_write_index, rope_rows, rotate_half
 
 NO_WINDOW = 1 << 30  # the kernel's window where every earlier slot is seen
+SPLIT_ABOVE = 2048  # slots of a cache above which each (row, kv head) is split over programs
+CHUNK = 512  # slots a split walks (a 32k cache: 64 programs per kv head)
 SCORE_TILE = 1 << 14  # products a loop step holds ([groups, slots, head dim] in f32, over 128 threads)
 
 
@@ -70,12 +72,15 @@ def _decode_attention_shape(q, k, v, k_cache, v_cache, cos_table, sin_table, pos
     return torch.empty_like(q, memory_format=torch.contiguous_format)
 
 
-def launch_decode_attention(q, k, v, k_cache, v_cache, cos_table, sin_table, positions, scale, window):
-    """The Triton kernel over a (row, kv head) grid. Any device Triton runs on: a GPU, or the
-    CPU under TRITON_INTERPRET=1 (the tests)."""
+def launch_decode_attention(
+    q, k, v, k_cache, v_cache, cos_table, sin_table, positions, scale, window, chunk: int | None = None
+):
+    """The Triton kernel over a (row, kv head, split) grid; any device Triton runs on: a GPU, or
+    the CPU under TRITON_INTERPRET=1 (the tests). A cache of more than SPLIT_ABOVE slots is split
+    in chunks of CHUNK slots (or `chunk`, the tests' choice) and the splits combined."""
     import triton
 
-    from .cuda_decode_kernel import decode_attention_kernel
+    from .cuda_decode_kernel import combine_kernel, decode_attention_kernel
 
     batch, heads, _, dim = q.shape
     kv_heads = k.size(1)
@@ -84,21 +89,24 @@ def launch_decode_attention(q, k, v, k_cache, v_cache, cos_table, sin_table, pos
     out = torch.empty((batch, heads, 1, dim), dtype=q.dtype, device=q.device)
     half = 0 if cos_table is None else cos_table.size(1)
     table = cos_table if cos_table is not None else q  # unread without rope (ROPE=False)
-    groups, groups_pad, dim_pad = (
-        heads // kv_heads,
-        triton.next_power_of_2(heads // kv_heads),
-        triton.next_power_of_2(dim),
-    )
-    block_s = min(
-        64, max(8, SCORE_TILE // (groups_pad * dim_pad))
-    )  # slots a loop step: [groups, slots, dim] in registers
-    decode_attention_kernel[(batch, kv_heads)](
-        q, k, v, k_cache, v_cache, table, sin_table if sin_table is not None else table, positions, out,
+    groups = heads // kv_heads
+    groups_pad, dim_pad = triton.next_power_of_2(groups), triton.next_power_of_2(dim)
+    block_s = min(64, max(8, SCORE_TILE // (groups_pad * dim_pad)))  # slots a step: [groups, slots, dim] in registers
+    slots = k_cache.size(2)
+    chunk = chunk or (CHUNK if slots > SPLIT_ABOVE else NO_WINDOW)
+    splits = triton.cdiv(slots, chunk)
+    partial = torch.empty((batch * heads, splits, dim + 2), dtype=torch.float32, device=q.device) if splits > 1 else out
+    decode_attention_kernel[(batch, kv_heads, splits)](
+        q, k, v, k_cache, v_cache, table, sin_table if sin_table is not None else table, positions, out, partial,
         q.stride(0), q.stride(1), q.stride(3), k.stride(0), k.stride(1), k.stride(3),
         v.stride(0), v.stride(1), v.stride(3),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), table.stride(0), positions.stride(0),
         float(scale), int(window) or NO_WINDOW,
         GROUPS=groups, GROUPS_PAD=groups_pad, DIM=dim, DIM_PAD=dim_pad,
-        HALF=half, ROPE=cos_table is not None, BLOCK_S=block_s,
+        HALF=half, ROPE=cos_table is not None, BLOCK_S=block_s, SPLITS=splits, CHUNK=chunk,
     )  # fmt: skip
+    if splits > 1:
+        combine_kernel[(batch * heads,)](
+            partial, out, DIM=dim, DIM_PAD=dim_pad, SPLITS=splits, SPLITS_PAD=triton.next_power_of_2(splits)
+        )
     return out

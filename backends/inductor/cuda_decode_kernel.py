@@ -10,6 +10,10 @@
    from registers, not from the slot just written, so no barrier between the write and the reads
    is needed; each program reads only slots up to its position (not the whole cache).
 
+A long cache is split over SPLITS programs per (row, kv head), CHUNK slots each (flash-decoding):
+each leaves its running max, sum and output in `partial`, and `combine_kernel` merges them. The
+first split owns the new token (its score, value and the cache writes).
+
 Imported only where Triton is (a CUDA machine, or tests running it under TRITON_INTERPRET=1).
 """
 
@@ -21,14 +25,15 @@ import triton.language as tl
 
 @triton.jit
 def decode_attention_kernel(
-    q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, sin_ptr, positions_ptr, out_ptr,
+    q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, cos_ptr, sin_ptr, positions_ptr, out_ptr, partial_ptr,
     q_row, q_head, q_dim, k_row, k_head, k_dim, v_row, v_head, v_dim,
     cache_row, cache_head, cache_slot, table_row, positions_row,
     scale, window,
     GROUPS: tl.constexpr, GROUPS_PAD: tl.constexpr, DIM: tl.constexpr, DIM_PAD: tl.constexpr,
-    HALF: tl.constexpr, ROPE: tl.constexpr, BLOCK_S: tl.constexpr,
+    HALF: tl.constexpr, ROPE: tl.constexpr, BLOCK_S: tl.constexpr, SPLITS: tl.constexpr, CHUNK: tl.constexpr,
 ):  # fmt: skip
-    row, kv_head = tl.program_id(0), tl.program_id(1)
+    row, kv_head, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    owner = split == 0  # of the new token: its cache writes, score and value
     position = tl.load(positions_ptr + row * positions_row).to(tl.int32)
     d = tl.arange(0, DIM_PAD)
     in_dim = d < DIM
@@ -60,19 +65,20 @@ def decode_attention_kernel(
     k_new = k_new.to(dtype)
     v_new = v_new.to(dtype)
     cache_at = row * cache_row + kv_head * cache_head
-    tl.store(k_cache_ptr + cache_at + position * cache_slot + d, k_new, mask=in_dim)
-    tl.store(v_cache_ptr + cache_at + position * cache_slot + d, v_new, mask=in_dim)
+    tl.store(k_cache_ptr + cache_at + position * cache_slot + d, k_new, mask=in_dim & owner)
+    tl.store(v_cache_ptr + cache_at + position * cache_slot + d, v_new, mask=in_dim & owner)
 
-    # the new token first: the running max, sum and output start from its score and value
-    best = tl.sum(q * k_new.to(tl.float32)[None, :], axis=1) * scale
-    total = tl.full([GROUPS_PAD], 1.0, tl.float32)
-    acc = tl.zeros([GROUPS_PAD, DIM_PAD], tl.float32) + v_new.to(tl.float32)[None, :]
+    # the new token first: the owner's running max, sum and output start from its score and value
+    best = tl.where(owner, tl.sum(q * k_new.to(tl.float32)[None, :], axis=1) * scale, float("-inf"))
+    total = tl.where(owner, tl.full([GROUPS_PAD], 1.0, tl.float32), 0.0)
+    acc = tl.where(owner, tl.zeros([GROUPS_PAD, DIM_PAD], tl.float32) + v_new.to(tl.float32)[None, :], 0.0)
     first_slot = tl.maximum(position - window + 1, 0)  # `window`: the launcher's 2**30 where there is none
+    last_slot = tl.minimum(position, split * CHUNK + CHUNK)  # exclusive; the position is the new token's
     s = tl.arange(0, BLOCK_S)
-    start = first_slot
-    while start < position:  # a while loop: Triton's interpreter cannot range() over loaded bounds
+    start = tl.maximum(first_slot, split * CHUNK)
+    while start < last_slot:  # a while loop: Triton's interpreter cannot range() over loaded bounds
         slot = start + s
-        seen = slot < position
+        seen = slot < last_slot
         at = cache_at + slot[:, None] * cache_slot + d[None, :]
         kv_mask = seen[:, None] & in_dim[None, :]
         keys = tl.load(k_cache_ptr + at, mask=kv_mask, other=0.0).to(tl.float32)
@@ -86,6 +92,29 @@ def decode_attention_kernel(
         total = total * rescale + tl.sum(weights, axis=1)
         best = new_best
         start += BLOCK_S
-    out = acc / total[:, None]
-    out_at = out_ptr + (row * GROUPS * tl.num_programs(1) + head[:, None]) * DIM + d[None, :]
-    tl.store(out_at, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    row_head = row * GROUPS * tl.num_programs(1) + head
+    if SPLITS == 1:
+        out = acc / total[:, None]
+        tl.store(out_ptr + row_head[:, None] * DIM + d[None, :], out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    else:  # [row x head, split, DIM + 2]: the output so far, its max, its sum
+        at = partial_ptr + (row_head * SPLITS + split) * (DIM + 2)
+        tl.store(at[:, None] + d[None, :], acc, mask=q_mask)
+        tl.store(at + DIM, best, mask=in_group)
+        tl.store(at + DIM + 1, total, mask=in_group)
+
+
+@triton.jit
+def combine_kernel(partial_ptr, out_ptr, DIM: tl.constexpr, DIM_PAD: tl.constexpr, SPLITS: tl.constexpr,
+                   SPLITS_PAD: tl.constexpr):  # fmt: skip
+    """One (row, query head)'s output from its splits' partial results."""
+    row_head = tl.program_id(0)
+    split = tl.arange(0, SPLITS_PAD)
+    d = tl.arange(0, DIM_PAD)
+    at = partial_ptr + (row_head * SPLITS + split) * (DIM + 2)
+    in_split = split < SPLITS
+    best = tl.load(at + DIM, mask=in_split, other=float("-inf"))
+    total = tl.load(at + DIM + 1, mask=in_split, other=0.0)
+    acc = tl.load(at[:, None] + d[None, :], mask=in_split[:, None] & (d < DIM)[None, :], other=0.0)
+    weight = tl.exp(best - tl.max(best, axis=0))  # the first split's max is finite: it holds the new token
+    out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(total * weight, axis=0)
+    tl.store(out_ptr + row_head * DIM + d, out.to(out_ptr.dtype.element_ty), mask=d < DIM)
