@@ -7,7 +7,10 @@ Hugging Face in the same dtype on the GPU, the logit gap over a prompt, and deco
 from __future__ import annotations
 
 import json
+import os
 import statistics
+import subprocess
+import sys
 from pathlib import Path
 
 import torch
@@ -31,31 +34,53 @@ def prepare_real(directory: Path) -> None:
 
 
 def real(directory: Path, gguf: Path, out: Path | None) -> None:
-    """The real SmolLM2 on the GPU in f16 and bf16: greedy against Hugging Face in the same
-    dtype on the GPU (64 new tokens, two chat prompts, batch 1 and 2), logit gaps, decode speed."""
+    """The real SmolLM2 on the GPU in f16 and bf16, side by side (one process each): greedy
+    against Hugging Face in the same dtype on the GPU (64 new tokens, two chat prompts, batch 1
+    and 2), logit gaps, decode speed. Decode compiles without coordinate-descent tuning unless
+    KILN_CUDA_DECODE_TUNING says otherwise: equality is the point, and the tuning's compiles had
+    outlasted a session's device time."""
     from kiln.frontend.default_model import convert_gguf
-    from rebuild_weights import rebuild
 
     restore_tokenizers(directory)
     checkpoint = directory / "smollm2-checkpoint"
     if not (checkpoint / "config.json").is_file():
         convert_gguf(gguf, checkpoint)
+    env = {"KILN_CUDA_DECODE_TUNING": "0", **os.environ}
+    processes = {
+        dtype: subprocess.Popen(
+            [sys.executable, __file__, str(directory), dtype], stdout=subprocess.PIPE, text=True, env=env
+        )
+        for dtype in ("f16", "bf16")
+    }
     results = {}
-    for dtype in ("f16", "bf16"):
-        artifact = directory / f"smollm2-real-{dtype}.kiln"
+    for dtype, process in processes.items():
+        lines = process.communicate()[0].strip().splitlines()
         try:
-            try:
-                rebuild(artifact, checkpoint)
-                as_compiled = True
-            except SystemExit as mismatch:  # this machine's GGUF conversion rounds otherwise
-                print(mismatch, flush=True)
-                as_compiled = False
-            results[dtype] = {"weights_as_compiled": as_compiled, **real_one(artifact, checkpoint, dtype, as_compiled)}
-        except Exception as error:  # noqa: BLE001 - a report: the other dtype still runs
-            results[dtype] = {"error": f"{type(error).__name__}: {str(error)[:800]}"}
+            results[dtype] = json.loads(lines[-1])
+        except (ValueError, IndexError):
+            results[dtype] = {"error": "\n".join(lines[-15:])}
         print(f"{dtype}: {results[dtype]}", flush=True)
     if out is not None:
         out.write_text(json.dumps(results, indent=1))
+
+
+def real_dtype(directory: Path, dtype: str) -> dict:
+    """One dtype's part of `real`: the weights rebuilt (or loaded unhashed where this machine's
+    GGUF conversion rounds otherwise), then `real_one`."""
+    from rebuild_weights import rebuild
+
+    artifact, checkpoint = directory / f"smollm2-real-{dtype}.kiln", directory / "smollm2-checkpoint"
+    try:
+        try:
+            rebuild(artifact, checkpoint)
+            as_compiled = True
+        except SystemExit as mismatch:
+            print(mismatch, flush=True)
+            as_compiled = False
+        result = {"weights_as_compiled": as_compiled, **real_one(artifact, checkpoint, dtype, as_compiled)}
+    except Exception as error:  # noqa: BLE001 - a report: the other dtype still runs
+        result = {"error": f"{type(error).__name__}: {str(error)[:800]}"}
+    return {**result, "decode_tuning": os.environ.get("KILN_CUDA_DECODE_TUNING", "1")}
 
 
 def real_one(artifact: Path, checkpoint: Path, dtype: str, check_hashes: bool) -> dict:
@@ -84,3 +109,7 @@ def real_one(artifact: Path, checkpoint: Path, dtype: str, check_hashes: bool) -
         "hf_text": llm.tokenizer.decode(expected[0]),
         "kiln_decode_tok_s": statistics.median(s.decode_tokens_per_s for s in stats[1:]),
     }
+
+
+if __name__ == "__main__":  # one dtype of `real`, in its own process: DIR DTYPE
+    print(json.dumps(real_dtype(Path(sys.argv[1]), sys.argv[2])), flush=True)
