@@ -5,6 +5,7 @@
 #   bash bench/gpu_run.sh check DIR OUT [ROW@VARIANT ...]  # bench/gpu.py check DIR --out OUT --variants ...
 #   bash bench/gpu_run.sh real DIR GGUF OUT      # bench/gpu.py real DIR --gguf GGUF --out OUT
 #   bash bench/gpu_run.sh profile DIR OUT ROW[@VARIANT]...  # bench/gpu.py profile DIR ROW --out OUT, a process a row
+#   bash bench/gpu_run.sh session DIR OUT        # tests, then check with Kiln's Triton decode kernels beside the defaults
 # Wheels a machine lacks (gguf, for `real`) are installed from .whl/ when it is there.
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -27,5 +28,9 @@ for row in sys.argv[2:]: fill(Path(sys.argv[1]) / (row.split("@")[0] + ".kiln"))
             KILN_GPU_JOBS=$# python3 bench/gpu.py profile "$dir" "$row" --out "$out" > "$out.${row//@/_}.log" 2>&1 &
         done
         wait; tail -n 45 "$out".*.log ;;
+    session) dir=$1; out=$2  # one device call: the kernels' GPU tests, then speed with and without them
+        timeout 150 bash "$0" tests -x -q > "$out/tests.log" 2>&1; tail -n 5 "$out/tests.log"
+        KILN_GPU_JOB_SECONDS=360 bash "$0" check "$dir" "$out/check.md" \
+            smollm2-f16@kiln smollm2-f16@fused llama1b-bf16@kiln llama1b-int8@kiln llama1b-int4@kiln ;;
     *) echo "unknown action $action" >&2; exit 2 ;;
 esac
