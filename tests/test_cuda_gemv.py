@@ -181,3 +181,22 @@ def test_quantized_decode_through_the_gemv_on_the_gpu(monkeypatch, scheme):
     for feeds in [PREFILL] + [decode_feeds(i) for i in range(4)]:
         torch.testing.assert_close(executable.run(*feeds), oracle.run(*feeds), atol=1e-3, rtol=1e-3)
     assert "gemv" in executable._decode._orig_mod.code
+
+
+@pytest.mark.parametrize(
+    "variable, read",
+    [
+        ("KILN_CUDA_DECODE_LINEAR", "kiln.backends.inductor.cuda_gemv:decode_linear_form"),
+        ("KILN_CUDA_DECODE_ATTENTION", "kiln.backends.inductor.cuda_lowerings:decode_attention_form"),
+        ("KILN_CUDA_DECODE_TUNING", "kiln.backends.inductor.cuda_executable:decode_tuning"),
+    ],
+)
+def test_a_decode_switch_set_to_no_choice_says_which_are(monkeypatch, variable, read):
+    import importlib
+
+    from kiln.ir.errors import OptionError
+
+    module, name = read.split(":")
+    monkeypatch.setenv(variable, "fastest")
+    with pytest.raises(OptionError, match=f"{variable}='fastest' is not a choice. Fix:"):
+        getattr(importlib.import_module(module), name)()
