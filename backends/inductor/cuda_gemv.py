@@ -142,9 +142,7 @@ def _launch(kernel_name: str, n: int, args: tuple, meta: dict, block) -> None:
 
 def launch_gemv(x, weight, scales=None, bias=None, block=None) -> torch.Tensor:
     """`gemv` on the device Triton runs on (at most MAX_ROWS rows of x)."""
-    n = weight.size(0)
-    if weight.stride(1) != 1:
-        raise ValueError("gemv needs a weight contiguous along K")
+    n, weight = weight.size(0), weight.contiguous()  # stored so already: no copy
     rows_x, y, meta = _rows(x, n)
     unused = weight  # a pointer the kernel is given but does not read (its flag is off)
     args = (rows_x, weight, unused if scales is None else scales, unused if bias is None else bias, y, n)
@@ -156,8 +154,8 @@ def launch_gemv(x, weight, scales=None, bias=None, block=None) -> torch.Tensor:
 def launch_gemv_int4(x, qweight, scales, zeros, bias, group_size: int, block=None) -> torch.Tensor:
     """`gemv_int4` on the device Triton runs on (at most MAX_ROWS rows of x)."""
     n = qweight.size(0)
-    if qweight.stride(1) != 1 or scales.stride(1) != 1 or (zeros is not None and zeros.stride() != scales.stride()):
-        raise ValueError("gemv_int4 needs codes, scales and zeros contiguous along K")
+    qweight, scales = qweight.contiguous(), scales.contiguous()  # stored so already: no copies
+    zeros = None if zeros is None else zeros.contiguous()
     rows_x, y, meta = _rows(x, n)
     args = (rows_x, qweight, scales, scales if zeros is None else zeros, scales if bias is None else bias, y, n)
     args += (rows_x.stride(0), qweight.stride(0), scales.stride(0), n)
