@@ -3,11 +3,12 @@ the key and value written into the caches, GQA attention over the slots the posi
 one kernel on a GPU, where the unfused graph runs seven (two ropes, two cache writes, two
 matmuls and a softmax: bench/results/gpu-h200-profile.md).
 
-On CUDA it launches the Triton kernel of cuda_decode_kernel.py; elsewhere it runs the same
-composition of torch ops as the unfused graph (the reference the kernel is tested against, and
-what the CUDA lowering tested on the CPU runs). Being a custom op that mutates the caches, it
-reaches Inductor as one opaque call (auto-functionalized, then written in place again: the
-caches are not copied), which a CUDA graph captures like any kernel.
+On CUDA it launches the Triton kernel of cuda_decode_kernel.py; elsewhere it runs its definition
+in torch ops, the unfused graph's with scores and rope in f32 as the kernel computes them (the
+reference the kernel is tested against, and what the CUDA lowering tested on the CPU runs).
+Being a custom op that mutates the caches, it reaches Inductor as one opaque call
+(auto-functionalized, then written in place again: the caches are not copied), which a CUDA
+graph captures like any kernel.
 
 cuda_decode_fusion.py puts it in a decode module's graph where KILN_CUDA_DECODE_ATTENTION=fused.
 """
@@ -25,8 +26,9 @@ SCORE_TILE = 1 << 14  # products a loop step holds ([groups, slots, head dim] in
 
 
 def decode_attention_reference(q, k, v, k_cache, v_cache, cos_table, sin_table, positions, scale, window):
-    """The unfused graph's ops: rope (where tables are given), kv_write into both caches, then
-    attention of each query over slots up to its position (and within the window), GQA grouped."""
+    """The unfused graph's ops in f32: rope (where tables are given), kv_write into both caches,
+    then attention of each query over slots up to its position (and within the window), GQA
+    grouped, rounded to q's dtype at the end."""
     if cos_table is not None:  # in f32, rounded once (as Inductor computes the unfused graph's rope)
         cos, sin = rope_rows(positions, cos_table.float(), sin_table.float())
         q, k = rotate_half(q.float(), cos, sin).to(q.dtype), rotate_half(k.float(), cos, sin).to(k.dtype)
