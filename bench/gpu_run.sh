@@ -29,8 +29,8 @@ for row in sys.argv[2:]: fill(Path(sys.argv[1]) / (row.split("@")[0] + ".kiln"))
         done
         wait; tail -n 45 "$out".*.log ;;
     session) dir=$1; out=$2  # one device call: the kernels' GPU tests, then speed with and without them
-        timeout 150 bash "$0" tests -x -q > "$out/tests.log" 2>&1; tail -n 5 "$out/tests.log"
-        KILN_GPU_JOB_SECONDS=360 bash "$0" check "$dir" "$out/check.md" \
+        timeout 180 bash "$0" tests -x -q > "$out/tests.log" 2>&1; tail -n 5 "$out/tests.log"
+        KILN_GPU_GREEDY=0 KILN_GPU_JOB_SECONDS=330 bash "$0" check "$dir" "$out/check.md" \
             smollm2-f16@kiln smollm2-f16@fused llama1b-bf16@kiln llama1b-int8@kiln llama1b-int4@kiln ;;
     *) echo "unknown action $action" >&2; exit 2 ;;
 esac
