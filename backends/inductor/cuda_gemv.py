@@ -1,7 +1,7 @@
 """`kiln_cuda::gemv` and `kiln_cuda::gemv_int4`: a decode step's product y = x @ W.T (+ bias) as
 Kiln's own Triton kernels (cuda_gemv_kernel.py), for a few rows of x, over a half or f32 weight,
-int8 codes with a scale per output (what tinygemm's and the fused int8 reduction's forms take
-elsewhere in the CUDA lowering), or Kiln's int4 codes.
+int8 codes with a scale per output, or Kiln's int4 codes (in decode, in place of Inductor's
+fused reductions and of tinygemm).
 
 Inductor turns a one-row matmul into a reduction under coordinate-descent tuning and fuses what
 produces x into it, which on an H200 left the Llama-3.2-1B shape's products at 2.3 TB/s on
@@ -9,7 +9,8 @@ average: the down projection recomputed `silu(gate) * up` for every output (1.9 
 lm_head the final norm (1.2 TB/s) (bench/results/gpu-h200-profile.md). As a custom op the
 product is opaque to Inductor, so x is computed once into a buffer, and the kernel's block sizes
 are picked per shape by Triton's autotuner on the GPU (the first call, before the step is
-captured as a CUDA graph). On the CPU the op is `F.linear` (the CUDA lowering's tests run there).
+captured as a CUDA graph). On the CPU the ops run the forms they replace (`F.linear`, the int8
+per-channel form, `linear_q`'s reference), which the CUDA lowering's tests run there.
 
 cuda_decode_fusion.py puts it in a decode module where KILN_CUDA_DECODE_LINEAR=triton.
 """
