@@ -36,6 +36,7 @@ import statistics
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -331,7 +332,6 @@ def hf_row(directory: Path, model: str, dtype: str, turn) -> dict:
 
 def one_at_a_time(directory: Path, count: int, name: str):
     """A context in which this row alone times: after every row is ready (or 300 s), one by one."""
-    from contextlib import contextmanager
 
     @contextmanager
     def turn():
@@ -378,20 +378,40 @@ def in_parallel(directory: Path, jobs: list[tuple[str, list[str]]]) -> dict:
 
 
 def job(directory: Path, kind: str, name: str) -> dict:
-    count = int(os.environ.get("KILN_GPU_JOBS", "1"))
-    if "@" in name:
-        os.environ.update(VARIANTS[name.split("@")[1]])
-    turn = one_at_a_time(directory, count, name)
+    turn = one_at_a_time(directory, int(os.environ.get("KILN_GPU_JOBS", "1")), name)
     try:
-        if kind == "greedy":
-            return greedy_one(directory, name)
-        if kind == "kiln":
-            return kiln_row(directory, name, turn)
-        model, dtype = name.split(":")
-        return hf_row(directory, model, dtype, turn)
+        with variant_env(name):
+            if kind == "greedy":
+                return greedy_one(directory, name)
+            if kind == "kiln":
+                return kiln_row(directory, name, turn)
+            if kind == "real":
+                from gpu_real import real_dtype
+
+                return real_dtype(directory, name)
+            model, dtype = name.split(":")
+            return hf_row(directory, model, dtype, turn)
     except BaseException:
         (directory / f"ready.{name}").touch()  # the others need not wait for this one
         raise
+
+
+@contextmanager
+def variant_env(name: str):
+    """The environment of ROW@VARIANT's decode form (VARIANTS) while it runs; a plain row's as is."""
+    saved = dict(os.environ)
+    os.environ.update(VARIANTS[name.split("@")[1]] if "@" in name else {})
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
+def fill_rows(directory: Path, names: list[str]) -> None:
+    """Each row's artifact filled once (ROW@VARIANT rows share ROW's), before jobs that read it start."""
+    for artifact in dict.fromkeys(name.split("@")[0] for name in names):
+        fill(directory / f"{artifact}.kiln")
 
 
 VARIANTS = {  # row@variant: the same artifact under another decode form (backends/inductor/cuda_*.py)
@@ -412,8 +432,7 @@ def check(directory: Path, out: Path | None, variants: list[str] = ()) -> None:
         arches = []
     greedy = in_parallel(directory, [(a, ["greedy", a]) for a in arches])
     rows = [n for n in SPEED_ROWS if (directory / f"{n}.kiln").is_dir()]
-    for row in rows:
-        fill(directory / f"{row}.kiln")  # once, before jobs that share an artifact start
+    fill_rows(directory, rows)
     rows += [v for v in variants if v.split("@")[0] in rows]
     baselines = sorted({SPEED_ROWS[n.split("@")[0]][:2] for n in rows})
     jobs = [(n, ["kiln", n]) for n in rows] + [(f"hf:{m}:{d}", ["hf", f"{m}:{d}"]) for m, d in baselines]
@@ -453,7 +472,7 @@ def speed_table(report: dict) -> str:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("action", choices=["prepare", "prepare-real", "check", "real", "profile", "job"])
+    parser.add_argument("action", choices=["prepare", "prepare-real", "check", "real", "profile", "fill", "job"])
     parser.add_argument("directory", type=Path)
     parser.add_argument("rest", nargs="*")
     parser.add_argument("--rows", nargs="*", default=list(SPEED_ROWS), help="speed rows to prepare")
@@ -477,11 +496,13 @@ def main(argv=None) -> int:
         from gpu_profile import profile
 
         for name in args.rest or ["smollm2-f16"]:  # bench/gpu_run.sh runs one process per row
-            if "@" in name:
-                os.environ.update(VARIANTS[name.split("@")[1]])
             turn = one_at_a_time(args.directory, int(os.environ.get("KILN_GPU_JOBS", "1")), name)
             report = args.out and args.out.with_suffix(f".{name.replace('@', '_')}.md")  # names that travel back
-            profile(args.directory, name, report, turn)
+            with variant_env(name):
+                profile(args.directory, name, report, turn)
+    elif args.action == "fill":
+        restore_tokenizers(args.directory)
+        fill_rows(args.directory, args.rest)
     else:
         print(json.dumps(job(args.directory, *args.rest)), flush=True)
     return 0

@@ -50,7 +50,6 @@ def profile(directory: Path, name: str, out: Path | None, turn) -> None:
     alone (feeds, replay, logits back), the captured graph replayed alone (device time by CUDA
     events); the graph's kernels by family and the largest, from torch.profiler, and the kernel
     sequence of one replay (what Inductor made of a layer)."""
-
     import kiln
 
     artifact = directory / f"{name.split('@')[0]}.kiln"

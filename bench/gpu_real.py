@@ -9,14 +9,12 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
 
 from cuda_onnxruntime import CHATS, TORCH_DTYPES, first_difference, hf_greedy
-from gpu import compile_for_cuda, restore_tokenizers, share_tokenizers
+from gpu import compile_for_cuda, in_parallel, restore_tokenizers, share_tokenizers
 
 
 def prepare_real(directory: Path) -> None:
@@ -45,28 +43,15 @@ def real(directory: Path, gguf: Path, out: Path | None) -> None:
     checkpoint = directory / "smollm2-checkpoint"
     if not (checkpoint / "config.json").is_file():
         convert_gguf(gguf, checkpoint)
-    env = {"KILN_CUDA_DECODE_TUNING": "0", **os.environ}
-    processes = {
-        dtype: subprocess.Popen(
-            [sys.executable, __file__, str(directory), dtype], stdout=subprocess.PIPE, text=True, env=env
-        )
-        for dtype in ("f16", "bf16")
-    }
-    results = {}
-    for dtype, process in processes.items():
-        lines = process.communicate()[0].strip().splitlines()
-        try:
-            results[dtype] = json.loads(lines[-1])
-        except (ValueError, IndexError):
-            results[dtype] = {"error": "\n".join(lines[-15:])}
-        print(f"{dtype}: {results[dtype]}", flush=True)
+    os.environ.setdefault("KILN_CUDA_DECODE_TUNING", "0")
+    results = in_parallel(directory, [(dtype, ["real", dtype]) for dtype in ("f16", "bf16")])
     if out is not None:
         out.write_text(json.dumps(results, indent=1))
 
 
 def real_dtype(directory: Path, dtype: str) -> dict:
-    """One dtype's part of `real`: the weights rebuilt (or loaded unhashed where this machine's
-    GGUF conversion rounds otherwise), then `real_one`."""
+    """One dtype's part of `real` (`gpu.py job DIR real DTYPE`): the weights rebuilt (or loaded
+    unhashed where this machine's GGUF conversion rounds otherwise), then `real_one`."""
     from rebuild_weights import rebuild
 
     artifact, checkpoint = directory / f"smollm2-real-{dtype}.kiln", directory / "smollm2-checkpoint"
@@ -109,7 +94,3 @@ def real_one(artifact: Path, checkpoint: Path, dtype: str, check_hashes: bool) -
         "hf_text": llm.tokenizer.decode(expected[0]),
         "kiln_decode_tok_s": statistics.median(s.decode_tokens_per_s for s in stats[1:]),
     }
-
-
-if __name__ == "__main__":  # one dtype of `real`, in its own process: DIR DTYPE
-    print(json.dumps(real_dtype(Path(sys.argv[1]), sys.argv[2])), flush=True)

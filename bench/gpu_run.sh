@@ -22,8 +22,7 @@ case "$action" in
     check) dir=$1; out=$2; shift 2; python3 bench/gpu.py check "$dir" --out "$out" --variants "$@" ;;
     real) python3 bench/gpu.py real "$1" --gguf "$2" --out "$3" ;;
     profile) dir=$1; out=$2; shift 2; rm -f "$dir"/ready.*  # rows compile side by side, then time one at a time
-        python3 -c 'import sys; from pathlib import Path; from gpu import fill, restore_tokenizers; restore_tokenizers(Path(sys.argv[1]))
-for row in sys.argv[2:]: fill(Path(sys.argv[1]) / (row.split("@")[0] + ".kiln"))' "$dir" "$@"
+        python3 bench/gpu.py fill "$dir" "$@"
         for row in "$@"; do
             KILN_GPU_JOBS=$# python3 bench/gpu.py profile "$dir" "$row" --out "$out" > "$out.${row//@/_}.log" 2>&1 &
         done

@@ -31,6 +31,7 @@ from . import composite_ops
 from .cuda_decode_attention import decode_attention  # noqa: F401 - registers torch.ops.kiln_cuda
 from .cuda_gemv import gemv  # noqa: F401 - registers torch.ops.kiln_cuda.gemv
 from .cuda_lowerings import grouped_attention, linear_int4_cuda, linear_int8_channels
+from .layer_regions import attribute_of
 
 FLOAT_WEIGHTS = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -116,7 +117,7 @@ def use_triton_gemv(module: fx.GraphModule) -> int:
     its form. Returns how many products were rewritten."""
     rewritten = 0
     for node in module.graph.nodes:
-        call = _gemv_call(module, node)
+        call = _gemv_call(node)
         if call is not None:
             node.target, node.args, node.kwargs = call
             rewritten += 1
@@ -124,10 +125,10 @@ def use_triton_gemv(module: fx.GraphModule) -> int:
     return rewritten
 
 
-def _gemv_call(module: fx.GraphModule, node: fx.Node) -> tuple | None:
+def _gemv_call(node: fx.Node) -> tuple | None:
     """(target, args, kwargs) of the GEMV that computes `node`, or None."""
     if _call(node, F.linear) and _held(node.args[1]):
-        weight = _attribute(module, node.args[1].target)
+        weight = attribute_of(node.args[1])
         if weight.dim() != 2 or weight.dtype not in FLOAT_WEIGHTS or weight.stride(1) != 1:
             return None
         bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
@@ -145,10 +146,3 @@ def _gemv_call(module: fx.GraphModule, node: fx.Node) -> tuple | None:
 
 def _held(node) -> bool:
     return isinstance(node, fx.Node) and node.op == "get_attr"
-
-
-def _attribute(module: fx.GraphModule, target: str) -> torch.Tensor:
-    owner = module
-    for part in target.split("."):
-        owner = getattr(owner, part)
-    return owner

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import copy
 import operator
-import os
 
 import torch
 import torch.fx as fx
@@ -35,6 +34,7 @@ from kiln.ir.ops.quantized import linear_q_reference
 from .cuda_decode_fusion import fuse_decode_attention, use_triton_gemv
 from .cuda_gemv import decode_linear_form
 from .cuda_lowerings import decode_attention_form, linear_int4_cuda, linear_int8_channels
+from .env_switch import env_choice
 from .executable import StatefulRunner, without_stack_traces
 from .lower_to_fx import graph_to_fx
 
@@ -44,10 +44,7 @@ TUNING_SWITCH = "KILN_CUDA_DECODE_TUNING"  # "1" (default) or "0": cuBLAS's GEMV
 
 def decode_tuning() -> bool:
     """Whether decode compiles under coordinate-descent tuning (KILN_CUDA_DECODE_TUNING, to compare)."""
-    choice = os.environ.get(TUNING_SWITCH, "1")
-    if choice not in ("0", "1"):
-        raise OptionError(f"{TUNING_SWITCH}={choice!r} is not a choice. Fix: set it to 1 or 0, or unset it.")
-    return choice == "1"
+    return env_choice(TUNING_SWITCH, ("1", "0")) == "1"
 
 
 def check_cuda(device: str) -> torch.device:

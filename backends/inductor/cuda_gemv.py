@@ -18,15 +18,14 @@ cuda_decode_fusion.py puts it in a decode module where KILN_CUDA_DECODE_LINEAR=t
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import torch.nn.functional as F
 
-from kiln.ir.errors import OptionError
 from kiln.ir.ops.quantized import linear_q_reference
 
 from .cuda_lowerings import linear_int8_channels
+from .env_switch import env_choice
 
 MAX_ROWS = 4  # rows of x a call takes in registers; wider decode batches keep Inductor's form
 TILE_LIMIT = 1 << 13  # f32 products a program holds: rows x BLOCK_N x BLOCK_K
@@ -50,10 +49,7 @@ LINEAR_FORMS = ("inductor", "triton")  # the default first
 
 
 def decode_linear_form() -> str:
-    choice = os.environ.get(LINEAR_SWITCH, LINEAR_FORMS[0])
-    if choice not in LINEAR_FORMS:
-        raise OptionError(f"{LINEAR_SWITCH}={choice!r} is not a choice. Fix: one of {LINEAR_FORMS}, or unset it.")
-    return choice
+    return env_choice(LINEAR_SWITCH, LINEAR_FORMS)
 
 
 @torch.library.custom_op("kiln_cuda::gemv", mutates_args=())

@@ -19,16 +19,14 @@ SDPA's kernel, to compare); several tokens go through SDPA's memory-efficient ke
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
-from kiln.ir.errors import OptionError
 from kiln.ir.ops.attention import tree_visibility
 from kiln.ir.ops.quantized import SYMMETRIC_ZERO, expand_groups, linear_q_reference, unpack_int4
 
 from .composite_ops import scale_and_positions, visible_keys
+from .env_switch import env_choice
 from .lower_to_fx import register_attention_lowering
 
 TINYGEMM_GROUPS = (32, 64, 128, 256)
@@ -130,10 +128,7 @@ ATTENTION_FORMS = ("matmul", "sdpa", "fused")  # the default first; fused: cuda_
 
 
 def decode_attention_form() -> str:
-    choice = os.environ.get(ATTENTION_SWITCH, ATTENTION_FORMS[0])
-    if choice not in ATTENTION_FORMS:
-        raise OptionError(f"{ATTENTION_SWITCH}={choice!r} is not a choice. Fix: one of {ATTENTION_FORMS}, or unset it.")
-    return choice
+    return env_choice(ATTENTION_SWITCH, ATTENTION_FORMS)
 
 
 def grouped_attention(q, k, v, positions, tree, scale: float, window: int, decode_sdpa: bool = False):

@@ -128,14 +128,15 @@ def _input_kind(node: fx.Node) -> tuple:
     """A weight or buffer by its shape, dtype and strides, a graph input by name; a computed
     value (the residual stream, rope rows, a size) is alike wherever the bodies that read it are."""
     if node.op == "get_attr":
-        tensor = _attr(node)
+        tensor = attribute_of(node)
         return ("tensor", tuple(tensor.shape), str(tensor.dtype), tuple(tensor.stride()))
     if node.op == "placeholder":
         return ("input", node.target)
     return ("value",)
 
 
-def _attr(node: fx.Node):
+def attribute_of(node: fx.Node):
+    """The tensor (or module) a get_attr node names in its graph's module."""
     obj = node.graph.owning_module
     for part in node.target.split("."):
         obj = getattr(obj, part)
