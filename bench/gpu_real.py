@@ -81,6 +81,7 @@ def real_one(artifact: Path, checkpoint: Path, dtype: str, check_hashes: bool) -
     batch = [r.token_ids for r in llm.generate(prompts, max_new_tokens=64, temperature=0, ignore_eos=True)]
     with torch.no_grad():
         reference = hf(torch.tensor([prompts[0]], device="cuda")).logits[0, -1].float().cpu()
+        exact = f32_logits(checkpoint, prompts[0])
     llm.executable.reset()
     mine = llm.executable.run(torch.tensor([prompts[0]]), torch.arange(len(prompts[0]))[None])[0, -1]
     stats = [llm.generate(prompts[0], max_new_tokens=128, temperature=0, ignore_eos=True).stats for _ in range(4)]
@@ -90,7 +91,22 @@ def real_one(artifact: Path, checkpoint: Path, dtype: str, check_hashes: bool) -
         "first_difference": [first_difference(single, expected), first_difference(batch, expected)],
         "prompt_logit_gap": float((mine - reference).abs().max()),
         "prompt_logit_scale": float(reference.abs().max()),
+        # within rounding: Kiln's half-precision logits no further from f32 than Hugging Face's
+        "kiln_gap_to_f32": float((mine - exact).abs().max()),
+        "hf_gap_to_f32": float((reference - exact).abs().max()),
         "text": llm.tokenizer.decode(single[0]),
         "hf_text": llm.tokenizer.decode(expected[0]),
         "kiln_decode_tok_s": statistics.median(s.decode_tokens_per_s for s in stats[1:]),
     }
+
+
+def f32_logits(checkpoint: Path, prompt: list[int]) -> torch.Tensor:
+    """The last position's logits of Hugging Face in f32 on the GPU (TF32 off): the yardstick
+    both half-precision runs are measured against."""
+    import transformers
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).cuda().eval()
+    logits = model(torch.tensor([prompt], device="cuda")).logits[0, -1].float().cpu()
+    del model
+    return logits

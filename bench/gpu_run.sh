@@ -18,7 +18,7 @@ fi
 export PYTHONPATH="$package:/tmp/site:$PWD/tests:$PWD/bench"
 action=$1; shift
 case "$action" in
-    tests) python3 -P -m pytest -q -p no:cacheprovider tests/test_cuda_inductor.py tests/test_cuda_decode_attention.py tests/test_cuda_gemv.py "$@" ;;
+    tests) python3 -P -m pytest -q -p no:cacheprovider tests/test_cuda_decode_attention.py tests/test_cuda_gemv.py tests/test_cuda_inductor.py "$@" ;;
     check) dir=$1; out=$2; shift 2; python3 bench/gpu.py check "$dir" --out "$out" --variants "$@" ;;
     real) python3 bench/gpu.py real "$1" --gguf "$2" --out "$3" ;;
     profile) dir=$1; out=$2; shift 2; rm -f "$dir"/ready.*  # rows compile side by side, then time one at a time
@@ -28,7 +28,7 @@ case "$action" in
         done
         wait; tail -n 45 "$out".*.log ;;
     session) dir=$1; out=$2  # one device call: the kernels' GPU tests, then speed with and without them
-        timeout 180 bash "$0" tests -x -q > "$out/tests.log" 2>&1; tail -n 5 "$out/tests.log"
+        timeout 240 bash "$0" tests -q -ra > "$out/tests.log" 2>&1; tail -n 25 "$out/tests.log"
         KILN_GPU_GREEDY=0 KILN_GPU_JOB_SECONDS=330 bash "$0" check "$dir" "$out/check.md" \
             smollm2-f16@kiln smollm2-f16@fused llama1b-bf16@kiln llama1b-int8@kiln llama1b-int4@kiln ;;
     *) echo "unknown action $action" >&2; exit 2 ;;

@@ -19,6 +19,7 @@ import warnings
 from collections.abc import Callable, Sequence
 
 import torch
+from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
 
 from kiln.ir import Graph
 
@@ -75,7 +76,19 @@ def export_module(
     spec = tuple(dims.get(i) for i in range(len(example_inputs)))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return torch.export.export(module, tuple(example_inputs), dynamic_shapes=spec, strict=False)
+        try:
+            return torch.export.export(module, tuple(example_inputs), dynamic_shapes=spec, strict=False)
+        except ConstraintViolationError:
+            # torch 2.11 (the GPU machines' torch) cannot prove guards such as
+            # min(16*seq, 32*seq) == 16*seq that hold for every seq >= 1; deferred, they become
+            # run-time asserts, which the IR drops as it drops every assert.
+            return torch.export.export(
+                module,
+                tuple(example_inputs),
+                dynamic_shapes=spec,
+                strict=False,
+                prefer_deferred_runtime_asserts_over_guards=True,
+            )
 
 
 def capture_module(

@@ -137,6 +137,9 @@ class FxToIr:
         if isinstance(val, (torch.SymInt, int)) and not isinstance(val, bool) and node.op == "call_function":
             self.env[node] = self.dim(val)  # a size computation: becomes a symbolic dim
             return
+        if isinstance(val, (torch.SymBool, bool)) and node.op == "call_function":
+            self.env[node] = None  # a guard's condition: it feeds an assert, which the IR drops
+            return
         handler = ATEN_TO_IR.get(node.target)
         if handler is None:
             raise UnsupportedOpError.in_capture(_op_name(node.target), _arg_shapes(node), source_line(node))

@@ -98,3 +98,27 @@ def test_unmapped_op_names_the_op_and_the_source_line():
     assert "special_bessel_j0" in message
     assert "test_capture.py:" in message and "[3, 4]" in message
     assert info.value.source_line.endswith(f":{UsesAnUnmappedOp.forward.__code__.co_firstlineno + 1}")
+
+
+def test_a_guard_torch_cannot_prove_is_deferred_to_a_run_time_assert(monkeypatch, tmp_path):
+    """torch 2.11's export raises ConstraintViolationError on guards that hold for every seq
+    (min(16*seq, 32*seq) == 16*seq); capture then exports again with the guards deferred, and the
+    IR computes the same logits."""
+    from torch.fx.experimental.symbolic_shapes import ConstraintViolationError
+
+    export, calls = torch.export.export, []
+
+    def strict_solver(*args, **kwargs):
+        calls.append(kwargs.get("prefer_deferred_runtime_asserts_over_guards", False))
+        if not calls[-1]:
+            raise ConstraintViolationError("Constraints violated (seq)! min(16*seq, 32*seq) == 16*seq")
+        return export(*args, **kwargs)
+
+    monkeypatch.setattr(torch.export, "export", strict_solver)
+    model = load_model(save_tiny_checkpoint("llama", tmp_path)).model
+    graph = capture_causal_lm(model, max_batch=1, max_seq_len=64)
+    assert calls[:2] == [False, True]
+    verify(graph)
+    tokens = torch.randint(0, VOCAB_SIZE, (1, 9), generator=torch.Generator().manual_seed(3))
+    positions = torch.arange(9)[None]
+    assert (run_graph(graph, [tokens, positions])[0] - hf_logits(model, tokens, positions)).abs().max() <= 1e-4
