@@ -12,6 +12,7 @@ Both work on zero-copy torch views of a backend's buffers (`Executable.cache_vie
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -64,9 +65,12 @@ def run_at_rows(
     positions: torch.Tensor,
     first_row: int,
     tree_feeds: tuple = (),
+    swap: Callable[[int, int, int], None] | None = None,
 ) -> torch.Tensor:
     """`run(tokens, positions, *tree_feeds)` (which uses rows [0, batch)) against rows
-    [first_row, first_row + batch); tree_feeds are (slots, tree) where the graph takes them."""
+    [first_row, first_row + batch); tree_feeds are (slots, tree) where the graph takes them.
+    `swap(batch, first_row, used)` exchanges the rows' first `used` slots (at least), by default
+    through `views`; a backend whose buffers torch cannot view passes its own."""
     batch = tokens.size(0)
     if first_row == 0:
         return run(tokens, positions, *tree_feeds)
@@ -76,11 +80,12 @@ def run_at_rows(
         )
     # a query reads slots <= its own; the call writes no further
     used = int((tree_feeds[0] if tree_feeds else positions).max()) + 1
-    _swap(views, batch, first_row, used)
+    swap = swap or functools.partial(_swap, views)
+    swap(batch, first_row, used)
     try:
         return run(tokens, positions, *tree_feeds)
     finally:
-        _swap(views, batch, first_row, used)
+        swap(batch, first_row, used)
 
 
 def _swap(views: Sequence[torch.Tensor], batch: int, first_row: int, used: int) -> None:

@@ -22,8 +22,9 @@ with random values of the recorded dtypes and shapes before loading them unhashe
    one-token prompt, the weight bytes read per token over that time as GB/s and as a fraction of
    the copy bandwidth, pp512 tokens/s; beside Hugging Face's static cache + torch.compile
    (`generate(cache_implementation="static")`, which compiles the forward with CUDA graphs) on
-   the same shapes, random weights. Each row runs in its own process; they compile side by
-   side, then time one at a time.
+   the same shapes, random weights; the f16 SmolLM2 and bf16 1B shapes also through the tinygrad
+   backend on tinygrad's CUDA device (`-tinygrad` rows). Each row runs in its own process; they
+   compile side by side, then time one at a time.
 """
 
 from __future__ import annotations
@@ -73,11 +74,13 @@ LLAMA_1B = {  # Llama-3.2-1B's shape
     "bos_token_id": 128000,
     "eos_token_id": 128001,
 }
-SPEED_ROWS = {  # name: (model, dtype, quantize)
-    "llama1b-bf16": ("llama1b", "bf16", None),
-    "llama1b-int8": ("llama1b", "bf16", "int8"),
-    "llama1b-int4": ("llama1b", "bf16", "int4-g32"),
-    "smollm2-f16": ("smollm2", "f16", None),
+SPEED_ROWS = {  # name: (model, dtype, quantize, backend)
+    "llama1b-bf16": ("llama1b", "bf16", None, "inductor"),
+    "llama1b-int8": ("llama1b", "bf16", "int8", "inductor"),
+    "llama1b-int4": ("llama1b", "bf16", "int4-g32", "inductor"),
+    "smollm2-f16": ("smollm2", "f16", None, "inductor"),
+    "smollm2-f16-tinygrad": ("smollm2", "f16", None, "tinygrad"),
+    "llama1b-bf16-tinygrad": ("llama1b", "bf16", None, "tinygrad"),
 }
 WEIGHTS, HEADER = "weights.safetensors", "weights.header"
 
@@ -92,10 +95,10 @@ def prepare(directory: Path, rows: list[str]) -> None:
         checkpoint = save_tiny_checkpoint(arch, directory / arch, seed=0)
         compile_for_cuda(kiln, checkpoint, directory / f"{arch}.kiln", "f32", None, max_batch=2, max_seq_len=128)
     for name in rows:
-        model, dtype, quantize = SPEED_ROWS[name]
+        model, dtype, quantize, backend = SPEED_ROWS[name]
         checkpoint = shaped_checkpoint(model, directory / "checkpoints")
         artifact = directory / f"{name}.kiln"
-        compile_for_cuda(kiln, checkpoint, artifact, dtype, quantize, max_batch=1, max_seq_len=1024)
+        compile_for_cuda(kiln, checkpoint, artifact, dtype, quantize, max_batch=1, max_seq_len=1024, backend=backend)
         to_skeleton(artifact)
         (directory / f"{model}.config.json").write_text((checkpoint / "config.json").read_text())
     share_tokenizers(directory)
@@ -124,11 +127,11 @@ def restore_tokenizers(directory: Path) -> None:
             (artifact / SHARED_TOKENIZER).write_bytes(shared.read_bytes())
 
 
-def compile_for_cuda(kiln, checkpoint, out, dtype, quantize, max_batch, max_seq_len) -> None:
+def compile_for_cuda(kiln, checkpoint, out, dtype, quantize, max_batch, max_seq_len, backend="inductor") -> None:
     kiln.compile(
         str(checkpoint),
         out=out,
-        backend="inductor",
+        backend=backend,
         device="cuda",
         dtype=dtype,
         quantize=quantize,
@@ -460,7 +463,7 @@ def speed_table(report: dict) -> str:
     for name, row in speed.items():
         if name.startswith("hf:") or "error" in row:
             continue
-        model, dtype, _ = SPEED_ROWS[name.split("@")[0]]
+        model, dtype = SPEED_ROWS[name.split("@")[0]][:2]
         hf = speed.get(f"hf:{model}:{dtype}", {}).get("tg128")
         gbps = row["bytes"] * row["tg128"] / 1e9
         lines.append(

@@ -29,7 +29,7 @@ from kiln.passes.insert_kv_cache import KV_CACHE_KINDS, KV_LAYOUTS
 COMPUTE_DTYPES = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 # The backends that target device='cuda' and the dtypes each computes in there (onnxruntime: no bf16,
 # its CUDA kernels cover bf16 only in part).
-CUDA_DTYPES = {"inductor": ("f32", "f16", "bf16"), "onnxruntime": ("f32", "f16")}
+CUDA_DTYPES = {"inductor": ("f32", "f16", "bf16"), "onnxruntime": ("f32", "f16"), "tinygrad": ("f32", "f16", "bf16")}
 HALF_QUANTIZED_BACKENDS = ("inductor",)  # whose linear_q / embedding_q compute in f16 and bf16
 DEVICE = re.compile(r"(cpu|cuda)(:\d+)?")
 BACKENDS_WITH_TENSOR_PARALLEL = ("inductor", "reference")
@@ -163,7 +163,7 @@ def _check_target(options: CompileOptions) -> None:
     if not on_cpu and backend not in CUDA_DTYPES:
         raise OptionError(
             f"device {device!r}: the {backend} backend runs on the CPU only so far. Fix: "
-            "device='cpu', or backend='inductor' or 'onnxruntime' (CUDA)."
+            "device='cpu', or backend='inductor', 'onnxruntime' or 'tinygrad' (CUDA)."
         )
     if not on_cpu and dtype not in CUDA_DTYPES[backend]:
         raise OptionError(

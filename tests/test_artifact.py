@@ -241,8 +241,8 @@ def test_a_dtype_the_target_cannot_run_is_refused_before_any_work(tmp_path):
         kiln.compile(
             str(tmp_path / "missing-model"), out=tmp_path / "m.kiln", dtype="bf16", device="cuda", backend="onnxruntime"
         )
-    with pytest.raises(ValueError, match=r"device 'cuda': the tinygrad backend runs on the CPU only"):
-        kiln.compile(str(tmp_path / "missing-model"), out=tmp_path / "m.kiln", device="cuda", backend="tinygrad")
+    with pytest.raises(ValueError, match=r"device 'cuda': the reference backend runs on the CPU only"):
+        kiln.compile(str(tmp_path / "missing-model"), out=tmp_path / "m.kiln", device="cuda", backend="reference")
     with pytest.raises(ValueError, match=r"quantize='int8' with dtype 'f16' is not supported yet"):
         kiln.compile(
             str(tmp_path / "missing-model"),

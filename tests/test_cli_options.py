@@ -64,7 +64,7 @@ def run_cli(main, argv, capsys) -> tuple[str, int | None]:
 
 # -- the bad options of a compile, each ------------------------------------------------------------
 COMPILE_MISTAKES = [
-    (["--device", "cuda", "--backend", "tinygrad"], "device 'cuda': the tinygrad backend runs on the CPU only"),
+    (["--device", "cuda", "--backend", "reference"], "device 'cuda': the reference backend runs on the CPU only"),
     (["--backend", "onnxruntime", "--dtype", "f16"], "dtype 'f16' is for GPUs"),
     (["--max-seq-len", "-5"], "max_seq_len must be a whole number of at least 1, got -5"),
     (["--max-batch", "0"], "max_batch must be a whole number of at least 1, got 0"),

@@ -44,7 +44,10 @@ def test_inductor_on_cuda_quantizes_half_precision_graphs(tmp_path, dtype, quant
 @pytest.mark.parametrize(
     "given, message",
     [
-        ({"backend": "tinygrad", "device": "cuda"}, r"device 'cuda': the tinygrad backend runs on the CPU only"),
+        (
+            {"backend": "tinygrad", "device": "cuda", "dtype": "f16", "quantize": "int8"},
+            r"quantize='int8' with dtype 'f16' is not supported yet by the tinygrad backend.*Fix:",
+        ),
         ({"backend": "reference", "device": "cuda:0"}, r"the reference backend runs on the CPU only"),
         ({"dtype": "bf16"}, r"dtype 'bf16' is for GPUs.*device='cpu'.*Fix: dtype='f32'"),
         ({"dtype": "f16", "backend": "onnxruntime"}, r"dtype 'f16' is for GPUs.*Fix: dtype='f32'"),

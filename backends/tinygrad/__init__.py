@@ -1,4 +1,5 @@
-"""The tinygrad backend: Kiln IR -> tinygrad Tensor operations under TinyJit, on the CPU device.
+"""The tinygrad backend: Kiln IR -> tinygrad Tensor operations under TinyJit, on the CPU device
+(or tinygrad's CUDA device for device="cuda": gpu_device.py).
 
 - `lower(graph, options)` builds the executable (executable.py): realized weights and KV
   buffers, decode and prefill steps as separate TinyJit functions with the cache positions as

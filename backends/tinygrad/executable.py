@@ -30,7 +30,7 @@ import os
 import numpy as np
 import sympy
 import torch
-from tinygrad import Tensor, TinyJit, UOp
+from tinygrad import Tensor, TinyJit, UOp, dtypes
 
 from kiln.backends.cache_rows import check_rows, run_at_rows
 from kiln.backends.errors import FeedError
@@ -41,12 +41,13 @@ from kiln.ir import Graph, evaluate, to_torch, verify
 
 from .cpu_graph import install_cpu_graph
 from .disk_cache import install_thread_connections
+from .gpu_device import CompiledWhereLoaded, gpu_device_opens, on_gpu, open_gpu_device
 from .graph_to_tensors import LoweringContext, graph_to_tensors
 from .jitted_step import JittedStep
 from .kernel_opts import install_kernel_opts
 from .op_lowerings import check_lowering_table, tiny_dtype
 from .toolchain import configure_cpu_device
-from .weight_layouts import plan_weights, stored_weight
+from .weight_layouts import WeightLayouts, plan_weights, stored_weight
 from .wide_loads import install_wide_loads
 
 PREFILL_CHUNK = 64
@@ -67,9 +68,12 @@ def decode_beam() -> int:
 
 
 def to_tinygrad(tensor: torch.Tensor | np.ndarray) -> Tensor:
-    """A realized tinygrad copy of a torch tensor (or numpy array)."""
+    """A realized tinygrad copy of a torch tensor (or numpy array) on the default device."""
     if isinstance(tensor, torch.Tensor):
-        tensor = tensor.detach().cpu().contiguous().numpy()
+        tensor = tensor.detach().cpu().contiguous()
+        if tensor.dtype == torch.bfloat16:  # numpy has no bf16: its bits go up as int16
+            return Tensor(tensor.view(torch.int16).numpy()).bitcast(dtypes.bfloat16).contiguous().realize()
+        tensor = tensor.numpy()
     return Tensor(tensor).realize()
 
 
@@ -105,29 +109,29 @@ class TinygradExecutable(Executable):
     """A stateful graph lowered to tinygrad Tensors under TinyJit; owns its KV buffers."""
 
     def __init__(self, graph: Graph, options: BackendOptions, weights=None, prefill_chunk: int = PREFILL_CHUNK):
-        configure_cpu_device(options.device)
-        install_cpu_graph(options.threads)
-        install_thread_connections()
-        install_kernel_opts()
-        install_wide_loads()
+        self.on_gpu = on_gpu(options)
+        if self.on_gpu:
+            open_gpu_device(options.device)
+        else:
+            configure_cpu_device(options.device)
+            install_cpu_graph(options.threads)
+            install_thread_connections()
+            install_kernel_opts()
+            install_wide_loads()
         verify(graph)
         check_lowering_table()
         self.graph, self.options = graph, options
         weights = graph.weights if weights is None else weights
-        self.layouts = plan_weights(graph)
+        self.layouts = WeightLayouts({}) if self.on_gpu else plan_weights(graph)
         self._held_memory: list[np.ndarray] = []
-        self.params = {
-            name: weight_view(stored_weight(name, weights[name], self.layouts), self._held_memory)
-            for name in graph.params
-        }
+        place = to_tinygrad if self.on_gpu else functools.partial(weight_view, kept=self._held_memory)
+        self.params = {name: place(stored_weight(name, weights[name], self.layouts)) for name in graph.params}
         bounds = {name: bound.max for name, bound in graph.symbols.items()}
         caches = {  # zeroed memory of our own, as the weights: realizing 60 zeros kernels took ~0.8 s of a load
-            v.name: weight_view(
-                torch.zeros([evaluate(d, bounds) for d in v.type.shape], dtype=to_torch(v.type.dtype)),
-                self._held_memory,
-            )
+            v.name: place(torch.zeros([evaluate(d, bounds) for d in v.type.shape], dtype=to_torch(v.type.dtype)))
             for v in cache_inputs(graph)
         }
+        self.copies_rows = not self.on_gpu  # a GPU's caches are not host memory torch can view
         self.hold_caches(caches, [c.shape for c in caches.values()])
         self.prefill_chunk = max(2, min(prefill_chunk, self.max_seq_len))
         self._start_vars = [UOp.variable(f"start{b}", 0, self.max_seq_len - 1) for b in range(self.max_batch)]
@@ -225,14 +229,35 @@ class TinygradExecutable(Executable):
         check_rows(first_row, tokens.size(0), self.max_batch)
         given = slots is not None or tree is not None
         extra = tree_feeds(positions, slots, tree) if self.token_trees and given else refuse_trees(slots, tree)
-        views = self.cache_views()  # ~0.8 ms for SmolLM2's 60 caches: made once per call
+        # ~0.8 ms for SmolLM2's 60 caches: made once per call. A GPU's rows are swapped whole, so
+        # a padded chunk writes only its own row's later slots there: nothing to keep.
+        views = [] if self.on_gpu else self.cache_views()
         front = functools.partial(self._run_front, last_only=last_only, views=views)
-        logits = run_at_rows(front, views, tokens, positions, first_row, extra)
+        swap = self._swap_whole_rows if self.on_gpu else None
+        logits = run_at_rows(front, views, tokens, positions, first_row, extra, swap)
         return logits[:, -1:] if last_only and logits.shape[1] > 1 else logits
 
     def cache_views(self) -> list[torch.Tensor]:
         """The realized buffers' memory as torch tensors (zero-copy on the CPU device)."""
+        if self.on_gpu:
+            raise FeedError(
+                "the KV rows of the tinygrad backend on a GPU are not host memory torch can view; "
+                "prefix copies between rows need device='cpu' (the engine reuses a prefix in its own row)"
+            )
         return [_torch_view(cache) for cache in self.caches.values()]
+
+    def _swap_whole_rows(self, batch: int, first_row: int, used: int) -> None:
+        """Rows [0, batch) and [first_row, first_row + batch) of every cache exchanged on the
+        device, all slots: fixed shapes, so each (batch, first_row) compiles once."""
+        caches = list(self.caches.values())
+        fronts = [cache[:batch].contiguous() for cache in caches]
+        rows = [cache[first_row : first_row + batch].contiguous() for cache in caches]
+        Tensor.realize(*fronts, *rows)  # copies first, then each cache rewritten from them
+        end = first_row + batch
+        for cache, front, row in zip(caches, fronts, rows):
+            pieces = [row, cache[batch:first_row], front, cache[end:]]
+            cache.assign(Tensor.cat(*[p for p in pieces if p.shape[0]]).contiguous())
+        Tensor.realize(*caches)
 
     def _run_front(
         self, tokens: torch.Tensor, positions: torch.Tensor, slots=None, tree=None, last_only: bool = False, views=()
@@ -398,7 +423,10 @@ def _torch_view(tensor: Tensor) -> torch.Tensor:
     return torch.from_numpy(array)
 
 
-def lower(graph: Graph, options: BackendOptions) -> TinygradExecutable:
-    """Lower a stateful graph (weights attached as graph.weights) to tinygrad."""
+def lower(graph: Graph, options: BackendOptions) -> TinygradExecutable | CompiledWhereLoaded:
+    """Lower a stateful graph (weights attached as graph.weights) to tinygrad; for a GPU this
+    machine's tinygrad cannot open, what the artifact keeps for the GPU to build from."""
     refuse_paged(graph, "tinygrad")
+    if on_gpu(options) and not gpu_device_opens():
+        return CompiledWhereLoaded(graph, options, PREFILL_CHUNK)
     return TinygradExecutable(graph, options)

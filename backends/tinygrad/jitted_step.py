@@ -1,7 +1,8 @@
 """One jitted step (decode or prefill, for one batch size) with its own input and output buffers.
 
 The tokens, positions and logits live in realized tinygrad buffers made once; each call writes
-the inputs into them and reads the logits out through zero-copy numpy views of their memory. A
+the inputs into them and reads the logits out (host_io.py: zero-copy numpy views of their memory
+on the CPU, staged copies on a GPU). A
 step fed fresh `Tensor(numpy)` inputs would pay tinygrad's scheduler for two copies per call:
 ~10 ms of Python on a decode step of a few milliseconds (profiled on a tiny GPT-2).
 
@@ -20,15 +21,8 @@ from collections.abc import Callable
 
 import numpy as np
 from tinygrad import Context, Tensor, TinyJit, UOp, dtypes
-from tinygrad.dtype import _to_np_dtype
 
-
-def host_view(tensor: Tensor) -> np.ndarray:
-    """A numpy array over a realized CPU tensor's memory (no copy; synchronizes first)."""
-    buffer = tensor.uop.buffer.ensure_allocated()
-    return np.frombuffer(buffer.as_memoryview(force_zero_copy=True), dtype=_to_np_dtype(buffer.dtype)).reshape(
-        tensor.shape
-    )
+from .host_io import HostIO
 
 
 class JittedStep:
@@ -79,6 +73,7 @@ class JittedStep:
             return logits_buffer
 
         self.jit = TinyJit(step)
+        self._host = {id(t): HostIO(t) for t in (self.tokens, self.positions, *self.tree_inputs, self.logits)}
         # Capture on the first call: TinyJit's eager first call exists for state a function creates
         # lazily, and here every weight, cache and buffer is realized before; it would only trace
         # and schedule the whole graph one more time (tens of seconds for a 30-layer model).
@@ -97,15 +92,15 @@ class JittedStep:
         token-tree step, int64 slots [batch, seq] and bool tree [batch, seq, seq]); a `last_var`
         step: [batch, 1, vocab], those of token `last` (default: the last one fed)."""
         seq = tokens.shape[1]
-        host_view(self.tokens)[:, :seq] = tokens
-        host_view(self.positions)[:, :seq] = positions
+        self._host[id(self.tokens)].write(np.s_[:, :seq], tokens)
+        self._host[id(self.positions)].write(np.s_[:, :seq], positions)
         if self.tree_inputs:
-            host_view(self.tree_inputs[0])[:, :seq] = slots
-            host_view(self.tree_inputs[1])[:, :seq, :seq] = tree
+            self._host[id(self.tree_inputs[0])].write(np.s_[:, :seq], slots)
+            self._host[id(self.tree_inputs[1])].write(np.s_[:, :seq, :seq], tree)
         starts = [] if self.at_zero else list(starts)
         variables = [*starts, self.seq_var.bind(seq)] if self.seq_var is not None else starts
         if self.last_var is not None:
             variables.append(self.last_var.bind(seq - 1 if last is None else last))
         with Context(BEAM=self.beam, PARALLEL=0):  # kernel_opts' hook lives in this process only
             self.jit(self.tokens, self.positions, *self.tree_inputs, *variables)
-        return host_view(self.logits)[:, : 1 if self.last_var is not None else seq].copy()
+        return self._host[id(self.logits)].read(np.s_[:, : 1 if self.last_var is not None else seq])
