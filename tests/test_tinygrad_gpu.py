@@ -78,3 +78,26 @@ def test_without_a_gpu_the_artifact_waits_for_one_and_loading_names_the_fix(tiny
     assert (path / "tinygrad.json").is_file()
     with pytest.raises(TinygradDeviceError, match="cannot open its CUDA device.*Fix: load the artifact on a machine"):
         kiln.load(path, device="cuda")
+
+
+def tinygrad_opens_a_gpu() -> bool:
+    from tinygrad.helpers import DEV
+
+    default = DEV.value
+    try:
+        return gpu_device.gpu_device_opens()
+    finally:
+        DEV.value = default
+
+
+@pytest.mark.skipif(
+    not tinygrad_opens_a_gpu(), reason="needs a GPU tinygrad can open (bench/gpu_run.sh runs it on one)"
+)
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "gemma3"])
+def test_greedy_on_the_gpu_equals_hugging_face_at_batch_one_and_two(tiny_model_dirs, tmp_path, arch):
+    source = tiny_model_dirs(arch)
+    llm = kiln.load(compile_for_gpu(source, tmp_path, max_batch=2), device="cuda")
+    model, batch = load_model(source).model, prompts([5, 9], seed=2)
+    results = llm.generate(batch, max_new_tokens=12)
+    for prompt, result in zip(batch, results):
+        assert result.token_ids == hf_greedy(model, prompt, 12, eos_ids(llm))
