@@ -6,6 +6,7 @@
 #   bash bench/gpu_run.sh real DIR GGUF OUT      # bench/gpu.py real DIR --gguf GGUF --out OUT
 #   bash bench/gpu_run.sh profile DIR OUT ROW[@VARIANT]...  # bench/gpu.py profile DIR ROW --out OUT, a process a row
 #   bash bench/gpu_run.sh session DIR OUT        # tests, then check with Kiln's Triton decode kernels beside the defaults
+#   bash bench/gpu_run.sh kernels OUT [--budget S]  # bench/gpu_kernels.py: Kiln's Triton decode kernels per shape, ~150 s
 # Wheels a machine lacks (gguf, for `real`) are installed from .whl/ when it is there.
 set -u
 export PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
@@ -31,5 +32,6 @@ case "$action" in
         timeout 240 bash "$0" tests -q -ra > "$out/tests.log" 2>&1; tail -n 25 "$out/tests.log"
         KILN_GPU_GREEDY=0 KILN_GPU_JOB_SECONDS=330 bash "$0" check "$dir" "$out/check.md" \
             smollm2-f16@kiln smollm2-f16@fused llama1b-bf16@kiln llama1b-int8@kiln llama1b-int4@kiln ;;
+    kernels) out=$1; shift; mkdir -p "$out"; python3 bench/gpu_kernels.py --out "$out/kernels.md" "$@" ;;
     *) echo "unknown action $action" >&2; exit 2 ;;
 esac

@@ -75,11 +75,13 @@ def _decode_attention_shape(q, k, v, k_cache, v_cache, cos_table, sin_table, pos
 
 
 def launch_decode_attention(
-    q, k, v, k_cache, v_cache, cos_table, sin_table, positions, scale, window, chunk: int | None = None
-):
+    q, k, v, k_cache, v_cache, cos_table, sin_table, positions, scale, window,
+    chunk: int | None = None, block_s: int | None = None, num_warps: int | None = None,
+):  # fmt: skip
     """The Triton kernel over a (row, kv head, split) grid; any device Triton runs on: a GPU, or
     the CPU under TRITON_INTERPRET=1 (the tests). A cache of more than SPLIT_ABOVE slots is split
-    in chunks of CHUNK slots (or `chunk`, the tests' choice) and the splits combined."""
+    in chunks of CHUNK slots (or `chunk`, the tests' choice) and the splits combined. `block_s`
+    (slots a loop step) and `num_warps` override the defaults (bench/gpu_kernels.py times them)."""
     import triton
 
     from .cuda_decode_kernel import combine_kernel, decode_attention_kernel
@@ -93,7 +95,7 @@ def launch_decode_attention(
     table = cos_table if cos_table is not None else q  # unread without rope (ROPE=False)
     groups = heads // kv_heads
     groups_pad, dim_pad = triton.next_power_of_2(groups), triton.next_power_of_2(dim)
-    block_s = min(64, max(8, SCORE_TILE // (groups_pad * dim_pad)))  # slots a step: [groups, slots, dim] in registers
+    block_s = block_s or min(64, max(8, SCORE_TILE // (groups_pad * dim_pad)))  # [groups, slots, dim] in registers
     slots = k_cache.size(2)
     chunk = chunk or (CHUNK if slots > SPLIT_ABOVE else NO_WINDOW)
     splits = triton.cdiv(slots, chunk)
@@ -106,6 +108,7 @@ def launch_decode_attention(
         float(scale), int(window) or NO_WINDOW,
         GROUPS=groups, GROUPS_PAD=groups_pad, DIM=dim, DIM_PAD=dim_pad,
         HALF=half, ROPE=cos_table is not None, BLOCK_S=block_s, SPLITS=splits, CHUNK=chunk,
+        **({} if num_warps is None else {"num_warps": num_warps}),  # Triton's default: 4
     )  # fmt: skip
     if splits > 1:
         combine_kernel[(batch * heads,)](
