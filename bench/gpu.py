@@ -431,8 +431,9 @@ def check(directory: Path, out: Path | None, variants: list[str] = ()) -> None:
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth: {bandwidth / 1e9:.0f} GB/s (read + write)", flush=True)
     arches = [a for a in ARCHES if (directory / f"{a}.kiln").is_dir()]
-    if os.environ.get("KILN_GPU_GREEDY", "1") == "0":  # speed alone (the greedy checks passed before)
-        arches = []
+    chosen = os.environ.get("KILN_GPU_GREEDY", "1")  # "0": speed alone; "bloom,mpt": those arches' greedy
+    if chosen != "1":
+        arches = [a for a in arches if a in chosen.split(",")]
     greedy = in_parallel(directory, [(a, ["greedy", a]) for a in arches])
     rows = [n for n in SPEED_ROWS if (directory / f"{n}.kiln").is_dir()]
     fill_rows(directory, rows)
