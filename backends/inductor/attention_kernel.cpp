@@ -230,17 +230,27 @@ float visible_softmax(float* scores, int64_t lo, int64_t hi, const bool* seen, i
   return total;
 }
 
+constexpr int64_t kPageBytes = 4096;
 constexpr int64_t kSlotBlock = 64;  // slots per block: 16 KiB of f32 keys at head dim 64, an L1's share
 
-// Asks for a block of rows (keys or values) before it is read: a kv head's slots are short streams
-// (SmolLM2 at position 280: 70 KiB of keys, then as many values, per row and kv head) that the
-// hardware prefetchers, stopping at each 4 KiB page, would follow only after a miss per page.
-// Fetching the next block while this one is scored keeps a batched step's attention streaming.
+// Starts the next block of rows (keys or values) on its way before it is read: a kv head's slots
+// are short streams (SmolLM2 at position 280: 70 KiB of keys, then as many values, per row and kv
+// head) that the hardware prefetchers, stopping at each 4 KiB page, would follow only after a miss
+// per page. On Intel Xeon a prefetch for each line of the block streamed it (docs/benchmarks.md);
+// on AMD Zen 4 those 256 prefetches stalled the loop on the miss buffers (41% of the kernel's
+// cycles), and one a page, which starts the hardware's streams on every page of the block, made a
+// 16-row step's attention 1.10-1.19x faster (bench/results/attention_cost-rows16-page-prefetch-epyc.md).
+inline int64_t prefetch_stride() {
+  static const int64_t stride = __builtin_cpu_is("amd") ? kPageBytes : 64;
+  return stride;
+}
+
 inline void prefetch_slots(const KilnKvHead& head, const void* rows, int64_t first, int64_t n) {
   if (n <= 0) return;
   const int64_t row_bytes = head.k_scales ? head.D : head.D * (int64_t)sizeof(float);
   const char* start = static_cast<const char*>(rows) + first * row_bytes;
-  for (int64_t offset = 0; offset < n * row_bytes; offset += 64) _mm_prefetch(start + offset, _MM_HINT_T0);
+  const int64_t stride = prefetch_stride();
+  for (int64_t offset = 0; offset < n * row_bytes; offset += stride) _mm_prefetch(start + offset, _MM_HINT_T0);
 }
 
 // scores[0:n] of the query against slots first..first+n-1 of the head.
