@@ -323,6 +323,8 @@ def _apply_opts(ast, ren, beam: int = 0):
     original = _installed["original"]
     if beam >= 1 or ast.tag is not None or (ast.arg is not None and ast.arg.opts_to_apply is not None):
         return original(ast, ren, beam)
+    if ren.target.device != "CPU":  # the loops below are for CPU cores; a GPU's kernels get tinygrad's own
+        return original(ast, ren, beam)
     from tinygrad.codegen.opt.postrange import Scheduler
 
     k = Scheduler(ast, ren)
