@@ -101,3 +101,22 @@ def test_greedy_on_the_gpu_equals_hugging_face_at_batch_one_and_two(tiny_model_d
     results = llm.generate(batch, max_new_tokens=12)
     for prompt, result in zip(batch, results):
         assert result.token_ids == hf_greedy(model, prompt, 12, eos_ids(llm))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scheme", ["int4-g32", "int8"])
+def test_quantized_weights_on_the_gpu_path_give_the_reference_backends_tokens(
+    tiny_model_dirs, tmp_path, gpu_as, scheme
+):
+    """On a GPU the codes keep their plain layout (no packing) and dequantize in the graph."""
+    gpu_as("CPU")
+    source = tiny_model_dirs("llama")
+    quantized = {"quantize": scheme, "quantize_embeddings": True}
+    gpu = kiln.load(compile_for_gpu(source, tmp_path / "gpu", **quantized), device="cuda")
+    assert not any(s.packed for s in gpu.executable.layouts.stored.values())
+    reference = kiln.load(
+        kiln.compile(str(source), out=tmp_path / "reference.kiln", backend="reference", max_seq_len=32, **quantized)
+    )
+    (prompt,) = prompts([9], seed=2)
+    want = reference.generate(prompt, max_new_tokens=12, ignore_eos=True).token_ids
+    assert gpu.generate(prompt, max_new_tokens=12, ignore_eos=True).token_ids == want
