@@ -18,6 +18,32 @@ from kiln.backends.tinygrad import FeedError, TinygradDeviceError, TinygradExecu
 EMULATED_GPU = "PYTHON::sm_80"
 
 
+def has_cpu_compiler() -> bool:
+    from kiln.backends.tinygrad import CompilerNotFoundError, require_cpu_compiler
+
+    try:
+        require_cpu_compiler()
+    except CompilerNotFoundError:
+        return False
+    return True
+
+
+def tinygrad_opens_a_gpu() -> bool:
+    from tinygrad.helpers import DEV
+
+    default = DEV.value
+    try:
+        return gpu_device.gpu_device_opens()
+    finally:
+        DEV.value = default
+
+
+GPU_HERE = tinygrad_opens_a_gpu()
+
+# The GPU's code path on tinygrad's CPU device, which compiles with clang (a GPU machine may lack it)
+on_the_cpu_device = pytest.mark.skipif(not has_cpu_compiler(), reason="tinygrad's CPU device needs clang")
+
+
 @pytest.fixture
 def gpu_as(monkeypatch):
     """Point device="cuda" at a tinygrad device; tinygrad's default device is restored after."""
@@ -51,6 +77,7 @@ def test_greedy_on_an_emulated_gpu_equals_hugging_face(tiny_model_dirs, tmp_path
     assert result.token_ids == hf_greedy(load_model(source).model, prompt, 4, eos_ids(llm))
 
 
+@on_the_cpu_device
 def test_a_later_row_runs_swapped_in_whole_and_leaves_row_zero_alone(tiny_model_dirs, tmp_path, gpu_as):
     gpu_as("CPU")
     executable = kiln.load(compile_for_gpu(tiny_model_dirs("llama"), tmp_path, max_batch=2), device="cuda").executable
@@ -72,6 +99,7 @@ def test_a_later_row_runs_swapped_in_whole_and_leaves_row_zero_alone(tiny_model_
         executable.cache_views()
 
 
+@pytest.mark.skipif(GPU_HERE, reason="tinygrad opens a GPU here")
 def test_without_a_gpu_the_artifact_waits_for_one_and_loading_names_the_fix(tiny_model_dirs, tmp_path, gpu_as):
     gpu_as("CUDA")  # tinygrad cannot open it on this machine (no libcuda)
     path = compile_for_gpu(tiny_model_dirs("llama"), tmp_path, dtype="f16")
@@ -80,19 +108,7 @@ def test_without_a_gpu_the_artifact_waits_for_one_and_loading_names_the_fix(tiny
         kiln.load(path, device="cuda")
 
 
-def tinygrad_opens_a_gpu() -> bool:
-    from tinygrad.helpers import DEV
-
-    default = DEV.value
-    try:
-        return gpu_device.gpu_device_opens()
-    finally:
-        DEV.value = default
-
-
-@pytest.mark.skipif(
-    not tinygrad_opens_a_gpu(), reason="needs a GPU tinygrad can open (bench/gpu_run.sh runs it on one)"
-)
+@pytest.mark.skipif(not GPU_HERE, reason="needs a GPU tinygrad can open (bench/gpu_run.sh runs it on one)")
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "gemma3"])
 def test_greedy_on_the_gpu_equals_hugging_face_at_batch_one_and_two(tiny_model_dirs, tmp_path, arch):
     source = tiny_model_dirs(arch)
@@ -104,6 +120,7 @@ def test_greedy_on_the_gpu_equals_hugging_face_at_batch_one_and_two(tiny_model_d
 
 
 @pytest.mark.slow
+@on_the_cpu_device
 @pytest.mark.parametrize("scheme", ["int4-g32", "int8"])
 def test_quantized_weights_on_the_gpu_path_give_the_reference_backends_tokens(
     tiny_model_dirs, tmp_path, gpu_as, scheme
