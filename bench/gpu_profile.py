@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from gpu import fill
+from gpu_skeletons import fill
 
 
 def _replay_ms(graph, steps: int = 100) -> float:

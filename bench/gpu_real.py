@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 
 from cuda_onnxruntime import CHATS, TORCH_DTYPES, first_difference, hf_greedy
-from gpu import compile_for_cuda, in_parallel, restore_tokenizers, share_tokenizers
+from gpu import in_parallel
+from gpu_skeletons import compile_for_cuda, restore_tokenizers, share_tokenizers
 
 
 def prepare_real(directory: Path) -> None:

@@ -15,6 +15,7 @@ backends have fast kernels for).
 from __future__ import annotations
 
 import contextlib
+import functools
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -76,19 +77,16 @@ def export_module(
     spec = tuple(dims.get(i) for i in range(len(example_inputs)))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
+        export = functools.partial(
+            torch.export.export, module, tuple(example_inputs), dynamic_shapes=spec, strict=False
+        )
         try:
-            return torch.export.export(module, tuple(example_inputs), dynamic_shapes=spec, strict=False)
+            return export()
         except ConstraintViolationError:
             # torch 2.11 (the GPU machines' torch) cannot prove guards such as
             # min(16*seq, 32*seq) == 16*seq that hold for every seq >= 1; deferred, they become
             # run-time asserts, which the IR drops as it drops every assert.
-            return torch.export.export(
-                module,
-                tuple(example_inputs),
-                dynamic_shapes=spec,
-                strict=False,
-                prefer_deferred_runtime_asserts_over_guards=True,
-            )
+            return export(prefer_deferred_runtime_asserts_over_guards=True)
 
 
 def capture_module(

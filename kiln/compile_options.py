@@ -163,7 +163,7 @@ def _check_target(options: CompileOptions) -> None:
     if not on_cpu and backend not in CUDA_DTYPES:
         raise OptionError(
             f"device {device!r}: the {backend} backend runs on the CPU only so far. Fix: "
-            "device='cpu', or backend='inductor', 'onnxruntime' or 'tinygrad' (CUDA)."
+            f"device='cpu', or a backend that runs on CUDA: backend={' or '.join(map(repr, CUDA_DTYPES))}."
         )
     if not on_cpu and dtype not in CUDA_DTYPES[backend]:
         raise OptionError(

@@ -60,8 +60,6 @@ class CompiledWhereLoaded:
     """What compiling for a GPU gives where tinygrad cannot open one: the artifact's IR and
     weights, and tinygrad.json; the GPU it is loaded on builds the steps."""
 
-    copies_rows = False
-
     def __init__(self, graph: Graph, options: BackendOptions, prefill_chunk: int):
         from .weight_layouts import WeightLayouts
 

@@ -73,7 +73,8 @@ class JittedStep:
             return logits_buffer
 
         self.jit = TinyJit(step)
-        self._host = {id(t): HostIO(t) for t in (self.tokens, self.positions, *self.tree_inputs, self.logits)}
+        self._tokens, self._positions, self._logits = (HostIO(t) for t in (self.tokens, self.positions, self.logits))
+        self._tree = [HostIO(t) for t in self.tree_inputs]
         # Capture on the first call: TinyJit's eager first call exists for state a function creates
         # lazily, and here every weight, cache and buffer is realized before; it would only trace
         # and schedule the whole graph one more time (tens of seconds for a 30-layer model).
@@ -92,15 +93,15 @@ class JittedStep:
         token-tree step, int64 slots [batch, seq] and bool tree [batch, seq, seq]); a `last_var`
         step: [batch, 1, vocab], those of token `last` (default: the last one fed)."""
         seq = tokens.shape[1]
-        self._host[id(self.tokens)].write(np.s_[:, :seq], tokens)
-        self._host[id(self.positions)].write(np.s_[:, :seq], positions)
-        if self.tree_inputs:
-            self._host[id(self.tree_inputs[0])].write(np.s_[:, :seq], slots)
-            self._host[id(self.tree_inputs[1])].write(np.s_[:, :seq, :seq], tree)
+        self._tokens.write(np.s_[:, :seq], tokens)
+        self._positions.write(np.s_[:, :seq], positions)
+        if self._tree:
+            self._tree[0].write(np.s_[:, :seq], slots)
+            self._tree[1].write(np.s_[:, :seq, :seq], tree)
         starts = [] if self.at_zero else list(starts)
         variables = [*starts, self.seq_var.bind(seq)] if self.seq_var is not None else starts
         if self.last_var is not None:
             variables.append(self.last_var.bind(seq - 1 if last is None else last))
         with Context(BEAM=self.beam, PARALLEL=0):  # kernel_opts' hook lives in this process only
             self.jit(self.tokens, self.positions, *self.tree_inputs, *variables)
-        return self._host[id(self.logits)].read(np.s_[:, : 1 if self.last_var is not None else seq])
+        return self._logits.read(np.s_[:, : 1 if self.last_var is not None else seq])
