@@ -8,7 +8,9 @@ and shared; BEAM search is left off (it belongs to the benchmarks).
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 
 import numpy as np
 import pytest
@@ -28,6 +30,7 @@ from kiln.backends.tinygrad import (  # noqa: E402
     TinygradArtifactError,
     check_lowering_table,
     compiled_program_count,
+    toolchain,
 )
 from kiln.backends.tinygrad.graph_to_tensors import LoweringContext, graph_to_tensors  # noqa: E402
 from kiln.backends.tinygrad.toolchain import CLANG_INSTALL, configure_cpu_device  # noqa: E402
@@ -194,6 +197,30 @@ def test_a_missing_c_compiler_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("CC", "gcc")
     with pytest.raises(CompilerNotFoundError, match="unset CC"):
         configure_cpu_device()
+
+
+def test_the_newest_versioned_clang_compiles_and_keys_the_cache(monkeypatch, tmp_path):
+    """Without $CC the newest clang-NN on PATH is chosen over plain clang; tinygrad's compiles run
+    it (a wrapper on PATH records each call) and its disk cache is keyed by its name."""
+    from tinygrad.runtime.support.compiler_cpu import ClangCompiler
+
+    real = shutil.which("clang") or pytest.skip("no clang")
+    calls = tmp_path / "calls"
+    for name in ("clang-20", "clang-21"):  # clang-21 is the newest: chosen
+        wrapper = tmp_path / name
+        wrapper.write_text(f'#!/bin/sh\necho {name} >> {calls}\nexec {real} "$@"\n')
+        wrapper.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    monkeypatch.delenv("CC", raising=False)
+    assert toolchain.cpu_compiler() == "clang-21"
+    toolchain.install_chosen_compiler()
+    compiler = ClangCompiler(["x86_64", "native"])
+    assert "clang-21" in compiler.cachekey
+    obj = compiler.compile("int kiln_probe(int a) { return a + 1; }")
+    assert obj[:4] == b"\x7fELF"
+    assert calls.read_text().split() == ["clang-21"]
+    monkeypatch.setenv("CC", real)  # $CC still wins
+    assert toolchain.cpu_compiler() == real
 
 
 @pytest.mark.slow

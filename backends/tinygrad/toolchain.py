@@ -5,6 +5,13 @@ clang when it opens, whatever renderer then compiles the model's kernels: withou
 on PATH (or a clang named by $CC) the device fails deep inside tinygrad with
 "No such file or directory: 'clang'". `require_cpu_compiler` checks first and names the fix.
 
+Which clang: $CC where set, else the newest versioned clang on PATH (clang-21 down to clang-15),
+else `clang`. tinygrad runs $CC (read once per process) or `clang`; Kiln routes its compiles
+through the chosen one instead (`install_chosen_compiler`) and keys tinygrad's disk cache of
+compiled objects by it. Newer clangs allocate the registers of the products' unrolled tiles
+better: on an AMD EPYC (Zen 4) clang 19 ran an 8-token fp32 step in 27.4 ms against clang 14's
+35.6 (docs/backend-tinygrad.md).
+
 Renderers of the CPU device: CLANG (C source, clang -O2 -march=native), LLVM (LLVM IR through
 libLLVM, no subprocess per kernel), X86 (tinygrad's own assembler) and LVP (Mesa, not installed).
 Kiln picks CLANG: the fastest here (see docs/backend-tinygrad.md for the measurements);
@@ -16,10 +23,12 @@ from __future__ import annotations
 import ctypes.util
 import os
 import shutil
+import subprocess
 
 from kiln.ir.errors import KilnError
 
 CLANG_INSTALL = "apt-get install -y clang"  # Debian/Ubuntu; macOS: xcode-select --install
+VERSIONED_CLANGS = tuple(f"clang-{version}" for version in range(21, 14, -1))  # newest first
 LLVM_INSTALL = "apt-get install -y llvm"
 DEFAULT_RENDERER = "CLANG"
 RENDERERS = ("CLANG", "LLVM", "X86")
@@ -35,8 +44,35 @@ class TinygradDeviceError(KilnError):
 
 
 def cpu_compiler() -> str:
-    """The compiler tinygrad's CPU device runs: $CC if set, else clang."""
-    return os.environ.get("CC", "clang")
+    """The compiler tinygrad's CPU device runs: $CC if set, else the newest versioned clang on
+    PATH, else clang."""
+    if "CC" in os.environ:
+        return os.environ["CC"]
+    return next((name for name in VERSIONED_CLANGS if shutil.which(name)), "clang")
+
+
+def install_chosen_compiler() -> None:
+    """Make tinygrad's clang compiles run `cpu_compiler()` (tinygrad itself runs $CC or `clang`),
+    its disk cache of objects keyed by that compiler's name (idempotent)."""
+    from tinygrad.runtime.support.compiler_cpu import ClangCompiler
+
+    if getattr(ClangCompiler, "kiln_compiler", False):
+        return
+    original_init = ClangCompiler.__init__
+
+    def init(self, arch, cachekey="compile_clang_obj"):
+        original_init(self, arch, f"{cachekey}_{os.path.basename(cpu_compiler())}")
+
+    ClangCompiler.__init__ = init
+    ClangCompiler.compile = compile_c
+    ClangCompiler.kiln_compiler = True
+
+
+def compile_c(self, src: str) -> bytes:
+    """tinygrad 0.14's ClangCompiler.compile (C source to an ELF object), run by cpu_compiler()."""
+    command = [cpu_compiler(), "-c", "-x", "c", "-O2", "-fPIC", "-ffreestanding", "-fno-math-errno", "-nostdlib"]
+    command += ["-fno-ident", f"--target={self.arch}-none-unknown-elf", *self.args, "-", "-o", "-"]
+    return subprocess.check_output(command, input=src.encode("utf-8"))
 
 
 def require_cpu_compiler() -> str:
@@ -87,6 +123,7 @@ def configure_cpu_device(device: str = "cpu") -> str:
             f"the tinygrad backend runs on the CPU only so far, not {device!r}; use device='cpu' or another backend"
         )
     require_cpu_compiler()
+    install_chosen_compiler()
     renderer = chosen_renderer()
     if renderer == "LLVM":
         require_llvm_library()
