@@ -7,7 +7,9 @@
 - op_lowerings.py holds the one table from IR op to Tensor operations (`TENSOR_LOWERINGS`),
   cache_attention.py the in-place `kv_write` and the attention over the written keys;
 - cpu_graph.py replays jitted kernels on all cores; toolchain.py checks for the C compiler
-  tinygrad's CPU device needs; artifact_files.py saves and loads (`load(directory, ...)`).
+  tinygrad's CPU device needs and picks the newest clang; kernel_opts.py, wide_loads.py and
+  prefetch_loads.py shape the CPU kernels (loop optimizations, vector widths, prefetches);
+  artifact_files.py saves and loads (`load(directory, ...)`).
 """
 
 from __future__ import annotations

@@ -46,6 +46,7 @@ from .graph_to_tensors import LoweringContext, graph_to_tensors
 from .jitted_step import JittedStep
 from .kernel_opts import install_kernel_opts
 from .op_lowerings import check_lowering_table, tiny_dtype
+from .prefetch_loads import install_prefetch_loads
 from .toolchain import configure_cpu_device
 from .weight_layouts import WeightLayouts, plan_weights, stored_weight
 from .wide_loads import install_wide_loads
@@ -118,6 +119,7 @@ class TinygradExecutable(Executable):
             install_thread_connections()
             install_kernel_opts()
             install_wide_loads()
+            install_prefetch_loads()
         verify(graph)
         check_lowering_table()
         self.graph, self.options = graph, options

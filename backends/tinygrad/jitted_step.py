@@ -23,6 +23,7 @@ import numpy as np
 from tinygrad import Context, Tensor, TinyJit, UOp, dtypes
 
 from .host_io import HostIO
+from .prefetch_loads import prefetching, streams_weights
 
 
 class JittedStep:
@@ -55,6 +56,7 @@ class JittedStep:
         kept = 1 if last_var is not None else length
         self.logits = Tensor.zeros(batch, kept, vocab, dtype=logits_dtype).contiguous().realize()
         self.seq_var, self.beam, self.last_var, self.at_zero = seq_var, beam, last_var, at_zero
+        self.prefetch = streams_weights(length)  # the kernels compiled on the first call prefetch
         logits_buffer, tree_count = self.logits, len(self.tree_inputs)
 
         def step(tokens: Tensor, positions: Tensor, *rest) -> Tensor:
@@ -102,6 +104,6 @@ class JittedStep:
         variables = [*starts, self.seq_var.bind(seq)] if self.seq_var is not None else starts
         if self.last_var is not None:
             variables.append(self.last_var.bind(seq - 1 if last is None else last))
-        with Context(BEAM=self.beam, PARALLEL=0):  # kernel_opts' hook lives in this process only
+        with Context(BEAM=self.beam, PARALLEL=0), prefetching(self.prefetch):  # hooks of this process only
             self.jit(self.tokens, self.positions, *self.tree_inputs, *variables)
         return self._logits.read(np.s_[:, : 1 if self.last_var is not None else seq])
