@@ -11,6 +11,8 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -221,6 +223,33 @@ def test_the_newest_versioned_clang_compiles_and_keys_the_cache(monkeypatch, tmp
     assert calls.read_text().split() == ["clang-21"]
     monkeypatch.setenv("CC", real)  # $CC still wins
     assert toolchain.cpu_compiler() == real
+
+
+WITH_ONE_VERSIONED_CLANG = """
+import json
+import kiln.backends.tinygrad
+from tinygrad import Tensor
+
+x = Tensor.arange(96).reshape(8, 12).float()
+parts = [(x @ x.T).relu().sum(1) + x.max(1), *(x * i for i in range(2, 5))]
+Tensor.realize(*parts)  # several kernels at once: a parallel compile where tinygrad may
+print(json.dumps([part.tolist() for part in parts]))
+"""
+
+
+def test_tinygrad_compiles_where_a_versioned_clang_is_the_only_one(tmp_path):
+    """A machine with clang-19 and no plain `clang` (what `make clang` installs on a bare Debian):
+    importing Kiln's backend is enough for tinygrad to open its CPU device and compile several
+    kernels, all in this process (its spawned compile workers would run plain `clang`)."""
+    real = shutil.which(toolchain.cpu_compiler()) or pytest.skip("no clang")
+    (tmp_path / "clang-19").symlink_to(real)
+    env = {**os.environ, "PATH": str(tmp_path), "CCACHE": "0"}
+    env.pop("CC", None)
+    done = subprocess.run([sys.executable, "-c", WITH_ONE_VERSIONED_CLANG], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    x = np.arange(96, dtype=np.float32).reshape(8, 12)
+    want = [np.maximum(x @ x.T, 0).sum(1) + x.max(1), *(x * i for i in range(2, 5))]
+    assert json.loads(done.stdout) == [part.tolist() for part in want]
 
 
 @pytest.mark.slow

@@ -52,7 +52,7 @@ json.dump(summary, open(out, "w"))
 def run_in_subprocess(artifact: Path, prompt: list[int], out: Path, prefetch: str) -> dict:
     env = {**os.environ, "CCACHE": "0", "KILN_TINYGRAD_PREFETCH": prefetch}
     subprocess.run([sys.executable, "-c", RUN, str(artifact), json.dumps(prompt), str(out)], env=env, check=True)
-    return {**json.loads(out.read_text()), "logits": torch.load(f"{out}.pt")}
+    return {**json.loads(out.read_text()), "logits": torch.load(f"{out}.pt", weights_only=True)}
 
 
 @pytest.mark.parametrize("quantize", [None, "int4-g32"])

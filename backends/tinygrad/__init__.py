@@ -20,8 +20,11 @@ from kiln.ir.errors import UnsupportedOpError
 from .artifact_files import TinygradArtifactError, load, tinygrad_version
 from .executable import TinygradExecutable, compiled_program_count, lower
 from .op_lowerings import TENSOR_LOWERINGS, check_lowering_table
-from .toolchain import CompilerNotFoundError, TinygradDeviceError, require_cpu_compiler
+from .toolchain import CompilerNotFoundError, TinygradDeviceError, install_chosen_compiler, require_cpu_compiler
 
+# Before tinygrad opens its CPU device (which compiles helper programs): with Kiln imported, every
+# tinygrad compile in this process runs the chosen clang, wherever the device gets opened from.
+install_chosen_compiler()
 NAME = "tinygrad"
 
 

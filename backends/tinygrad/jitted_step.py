@@ -17,6 +17,7 @@ chunk's own keys has fixed shapes (cache_attention.chunk_attention).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import numpy as np
@@ -104,6 +105,8 @@ class JittedStep:
         variables = [*starts, self.seq_var.bind(seq)] if self.seq_var is not None else starts
         if self.last_var is not None:
             variables.append(self.last_var.bind(seq - 1 if last is None else last))
-        with Context(BEAM=self.beam, PARALLEL=0), prefetching(self.prefetch):  # hooks of this process only
+        # kernels compile before the jit has captured them: only then do the render hooks matter
+        compiling = prefetching(self.prefetch) if self.jit.captured is None else contextlib.nullcontext()
+        with Context(BEAM=self.beam, PARALLEL=0), compiling:  # kernel_opts' hook lives in this process only
             self.jit(self.tokens, self.positions, *self.tree_inputs, *variables)
         return self._logits.read(np.s_[:, : 1 if self.last_var is not None else seq])

@@ -160,7 +160,12 @@ def _packed_row_tile(k, weight_axes: tuple[int, int]) -> tuple[int | None, int]:
 
 
 def _axis_of(k, range_id) -> int:
-    return next(i for i, r in enumerate(k.rngs) if r.arg[0] == range_id)
+    """The axis of a loop; KernelOptError when an upcast took it whole (a StopIteration here would
+    end the caller's compile loop early, without an error)."""
+    axis = next((i for i, r in enumerate(k.rngs) if r.arg[0] == range_id), None)
+    if axis is None:
+        raise KernelOptError(f"loop {range_id} is gone")
+    return axis
 
 
 def interleaved_product_opts(k):
@@ -209,6 +214,8 @@ def _loop_outside(k, outer_id, inner_id) -> None:
     weight rows then stays in cache while every token tile reads it."""
     from tinygrad.uop.ops import graph_rewrite, remove_all_tags
 
+    if _tiles_left(k, outer_id) == 1:  # upcast whole: no loop to move
+        return
     outer, inner = k.rngs[_axis_of(k, outer_id)], k.rngs[_axis_of(k, inner_id)]
     if outer.arg[0] < inner.arg[0] or outer.arg[-1] != inner.arg[-1]:
         return

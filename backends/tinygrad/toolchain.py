@@ -53,9 +53,16 @@ def cpu_compiler() -> str:
 
 def install_chosen_compiler() -> None:
     """Make tinygrad's clang compiles run `cpu_compiler()` (tinygrad itself runs $CC or `clang`),
-    its disk cache of objects keyed by that compiler's name (idempotent)."""
+    its disk cache of objects keyed by that compiler's name, all in this process (idempotent).
+
+    tinygrad's compile workers are spawned interpreters: they would run its unpatched compile
+    (plain `clang`, absent where clang-19 alone is installed) and miss the renderer hooks of
+    kernel_opts and prefetch_loads, so tinygrad compiles serially here (PARALLEL=0).
+    """
+    from tinygrad.helpers import PARALLEL
     from tinygrad.runtime.support.compiler_cpu import ClangCompiler
 
+    PARALLEL.value = 0
     if getattr(ClangCompiler, "kiln_compiler", False):
         return
     original_init = ClangCompiler.__init__
