@@ -413,16 +413,10 @@ class Engine:
     def _keep_path(self, kv_row: int, fed: int, path: list[int]) -> None:
         """Move the accepted nodes' keys and values to the slots right after the newest token's
         (node i was written at slot fed + 1 + i; a chain's accepted nodes are there already)."""
-        for depth, node in enumerate(path, start=1):
-            if node + 1 != depth:
-                copy_slots(
-                    self.executable.cache_views(),
-                    kv_row,
-                    kv_row,
-                    fed + 1 + node,
-                    fed + 1 + node + 1,
-                    to_start=fed + depth,
-                )
+        moves = [(depth, node) for depth, node in enumerate(path, start=1) if node + 1 != depth]
+        views = self.executable.cache_views() if moves else ()  # ~1.3 ms on tinygrad: once a call
+        for depth, node in moves:
+            copy_slots(views, kv_row, kv_row, fed + 1 + node, fed + 1 + node + 1, to_start=fed + depth)
 
     def _rows(self, lanes: list[int]) -> dict:
         """run()'s keywords placing a call on `lanes`: its first row, or a paged cache's block table."""

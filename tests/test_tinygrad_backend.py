@@ -191,6 +191,24 @@ def test_run_rejects_positions_that_are_not_consecutive(compiled):
         llm.executable.run(torch.tensor([[5]]), torch.tensor([[64]]))
 
 
+def test_cache_views_are_made_only_for_calls_that_read_them(compiled, monkeypatch):
+    """A decode from row 0 makes no torch views of the caches (~1.3 ms for SmolLM2's 60); a call
+    at row 1 swaps through them, made once, and gives row 0's logits for the same tokens."""
+    _, llm, _ = compiled("llama")
+    executable = llm.executable
+    made = []
+    cache_views = executable.cache_views
+    monkeypatch.setattr(executable, "cache_views", lambda: made.append(1) or cache_views())
+    executable.reset()
+    tokens, positions = torch.tensor([[5, 6, 7, 8]]), torch.arange(4)[None]
+    at_row_0 = executable.run(tokens, positions)
+    executable.run(torch.tensor([[9]]), torch.tensor([[4]]))
+    assert made == []
+    at_row_1 = executable.run(tokens, positions, first_row=1)
+    assert made == [1]
+    torch.testing.assert_close(at_row_1, at_row_0, rtol=0, atol=0)
+
+
 def test_a_missing_c_compiler_is_a_clear_error(monkeypatch):
     monkeypatch.setenv("CC", "/nonexistent/clang")
     with pytest.raises(CompilerNotFoundError, match="clang") as error:

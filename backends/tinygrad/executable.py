@@ -32,7 +32,7 @@ import sympy
 import torch
 from tinygrad import Tensor, TinyJit, UOp, dtypes
 
-from kiln.backends.cache_rows import check_rows, run_at_rows
+from kiln.backends.cache_rows import LazyViews, check_rows, run_at_rows
 from kiln.backends.errors import FeedError
 from kiln.backends.executable import BackendOptions, Executable, cache_inputs
 from kiln.backends.paged_feeds import refuse_paged
@@ -231,9 +231,9 @@ class TinygradExecutable(Executable):
         check_rows(first_row, tokens.size(0), self.max_batch)
         given = slots is not None or tree is not None
         extra = tree_feeds(positions, slots, tree) if self.token_trees and given else refuse_trees(slots, tree)
-        # ~0.8 ms for SmolLM2's 60 caches: made once per call. A GPU's rows are swapped whole, so
+        # Made when first read (a swap of rows, a padded chunk). A GPU's rows are swapped whole, so
         # a padded chunk writes only its own row's later slots there: nothing to keep.
-        views = [] if self.on_gpu else self.cache_views()
+        views = [] if self.on_gpu else LazyViews(self.cache_views)
         front = functools.partial(self._run_front, last_only=last_only, views=views)
         swap = self._swap_whole_rows if self.on_gpu else None
         logits = run_at_rows(front, views, tokens, positions, first_row, extra, swap)
