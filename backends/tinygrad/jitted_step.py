@@ -107,6 +107,10 @@ class JittedStep:
             variables.append(self.last_var.bind(seq - 1 if last is None else last))
         # kernels compile before the jit has captured them: only then do the render hooks matter
         compiling = prefetching(self.prefetch) if self.jit.captured is None else contextlib.nullcontext()
-        with Context(BEAM=self.beam, PARALLEL=0), compiling:  # kernel_opts' hook lives in this process only
+        # JIT_BATCH_SIZE=0: the capture makes the whole step one graph (tinygrad's batches of 32,
+        # 64, 128, ... kernels made SmolLM2's decode five graph calls, each a trip through its
+        # scheduler and a hand-off to the native threads: int4-g32 decode 165-192 tokens/s
+        # against 127-173 on the Intel Xeon, three rounds each way)
+        with Context(BEAM=self.beam, PARALLEL=0, JIT_BATCH_SIZE=0), compiling:
             self.jit(self.tokens, self.positions, *self.tree_inputs, *variables)
         return self._logits.read(np.s_[:, : 1 if self.last_var is not None else seq])
