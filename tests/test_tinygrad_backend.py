@@ -243,6 +243,17 @@ def test_the_newest_versioned_clang_compiles_and_keys_the_cache(monkeypatch, tmp
     assert toolchain.cpu_compiler() == real
 
 
+def test_a_kernel_compiles_without_warnings_on_the_terminal(capfd):
+    """-march=native on an AVX10 Xeon made clang 19 warn once per kernel (feature promotion)."""
+    from tinygrad.runtime.support.compiler_cpu import ClangCompiler
+
+    shutil.which(toolchain.cpu_compiler()) or pytest.skip("no clang")
+    toolchain.install_chosen_compiler()
+    obj = ClangCompiler(["x86_64", "native"]).compile("float kiln_probe(float a) { return a * 2.0f; }")
+    assert obj[:4] == b"\x7fELF"
+    assert capfd.readouterr().err == ""
+
+
 WITH_ONE_VERSIONED_CLANG = """
 import json
 import kiln.backends.tinygrad
