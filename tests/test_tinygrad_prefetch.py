@@ -22,12 +22,12 @@ from kiln.frontend.checkpoint import load_model
 
 pytest.importorskip("kiln.backends.tinygrad")
 
-RUN = """
-import json, sys, torch, kiln
+RUN = r"""
+import json, re, sys, torch, kiln
 from kiln.backends.tinygrad import prefetch_loads
 from tinygrad.runtime.support import compiler_cpu
 
-prefetch_loads.PREFETCH_MIN_BYTES = 4096
+prefetch_loads.PREFETCH_MIN_BYTES = prefetch_loads.CODES_MIN_BYTES = 4096
 artifact, prompt, out = sys.argv[1], json.loads(sys.argv[2]), sys.argv[3]
 llm = kiln.load(artifact)
 compile_c, sources = compiler_cpu.ClangCompiler.compile, []
@@ -43,7 +43,10 @@ logits.append(run(torch.tensor([tokens]), torch.arange(len(prompt), len(prompt) 
 torch.save(logits, out + ".pt")
 prefetched = sum("__builtin_prefetch" in s for s in sources)
 codes = [s for s in sources if "unsigned int* restrict" in s]  # kernels over packed int4/int8 codes
-codes_prefetched = sum("__builtin_prefetch" in s for s in codes)
+def prefetches_codes(src):  # a prefetch through a uint32 parameter: the packed codes themselves
+    words = set(re.findall(r"unsigned int\* restrict (data\d+)_", src))
+    return bool(words & set(re.findall(r"__builtin_prefetch\(\(const char\*\)\(\(?(data\d+)_", src)))
+codes_prefetched = sum(prefetches_codes(s) for s in codes)
 summary = {"tokens": tokens, "prefetched": prefetched, "codes": len(codes), "codes_prefetched": codes_prefetched}
 json.dump(summary, open(out, "w"))
 """
@@ -57,8 +60,8 @@ def run_in_subprocess(artifact: Path, prompt: list[int], out: Path, prefetch: st
 
 @pytest.mark.parametrize("quantize", [None, "int4-g32"])
 def test_prefetched_loads_give_the_same_floats_and_greedy_tokens(tiny_model_dirs, tmp_path, quantize):
-    """f32 products prefetch their weights; products over packed codes (bound by unpacking them)
-    keep plain loads. Either way the floats are those without prefetches, bit for bit."""
+    """The products of steps over a few tokens prefetch their weights, f32 or packed codes; the
+    floats are those without prefetches, bit for bit."""
     source = tiny_model_dirs("llama")
     artifact = kiln.compile(
         str(source), out=tmp_path / "m.kiln", backend="tinygrad", max_seq_len=64, max_batch=1, quantize=quantize
@@ -67,7 +70,7 @@ def test_prefetched_loads_give_the_same_floats_and_greedy_tokens(tiny_model_dirs
     on = run_in_subprocess(artifact, prompt, tmp_path / "on.json", "on")
     off = run_in_subprocess(artifact, prompt, tmp_path / "off.json", "off")
     assert on["prefetched"] > 0 and off["prefetched"] == 0
-    assert on["codes_prefetched"] == 0 and (on["codes"] > 0) == (quantize is not None)
+    assert (on["codes"] > 0) == (on["codes_prefetched"] > 0) == (quantize is not None)
     assert on["tokens"] == off["tokens"]
     if quantize is None:
         assert on["tokens"] == hf_greedy(load_model(source).model, prompt, 8, eos_ids(kiln.load(artifact)))
