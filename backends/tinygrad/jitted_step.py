@@ -111,6 +111,7 @@ class JittedStep:
         # 64, 128, ... kernels made SmolLM2's decode five graph calls, each a trip through its
         # scheduler and a hand-off to the native threads: int4-g32 decode 165-192 tokens/s
         # against 127-173 on the Intel Xeon, three rounds each way)
-        with Context(BEAM=self.beam, PARALLEL=0, JIT_BATCH_SIZE=0), compiling:
+        # (tinygrad compiles in this process already: toolchain.install_chosen_compiler)
+        with Context(BEAM=self.beam, JIT_BATCH_SIZE=0), compiling:
             self.jit(self.tokens, self.positions, *self.tree_inputs, *variables)
         return self._logits.read(np.s_[:, : 1 if self.last_var is not None else seq])

@@ -59,15 +59,14 @@ def prefetching(on: bool):
         _steps["prefetch"] = before
 
 
-def streams(bidx) -> bool:
+def streams(bidx, codes: bool = False) -> bool:
     """Whether a load through this index reads a whole line of a buffer large enough to stream: a
-    float32 one (and, in a kernel over packed codes, a uint32 one) of PREFETCH_MIN_BYTES (there,
+    float32 one (and, in a kernel over packed `codes`, a uint32 one) of PREFETCH_MIN_BYTES (there,
     CODES_MIN_BYTES) or more."""
     from tinygrad.dtype import dtypes
     from tinygrad.uop.ops import AddrSpace
 
     buffer = bidx.src[0]
-    codes = _steps.get("codes", False)
     return (
         bidx.addrspace == AddrSpace.GLOBAL
         and bidx.max_numel() >= PREFETCH_MIN_LANES
@@ -86,7 +85,7 @@ def reads_packed_codes(uops) -> bool:
 
 def render_prefetched_load(ctx, bidx):
     """The load's C expression, prefetching PREFETCH_AHEAD bytes on first; None: tinygrad's rule."""
-    if not ctx.kiln_prefetch or not streams(bidx):
+    if not ctx.kiln_prefetch or not streams(bidx, ctx.kiln_codes):
         return None
     prefetch = f"__builtin_prefetch((const char*)({ctx[bidx]})+{PREFETCH_AHEAD},0,{_LOCALITY})"
     return f"({{{prefetch};{ctx.render_access(bidx)};}})"
@@ -102,13 +101,12 @@ def install_prefetch_loads() -> None:
     _installed["string_rewrite"], _installed["render"] = ClangRenderer.string_rewrite, ClangRenderer._render
     rule = (UPat(Ops.LOAD, src=(UPat.var("bidx"),)), render_prefetched_load)
     ClangRenderer.string_rewrite = PatternMatcher([rule]) + ClangRenderer.string_rewrite
-    ClangRenderer.kiln_prefetch = True
+    ClangRenderer.kiln_prefetch, ClangRenderer.kiln_codes = True, False
     ClangRenderer._render = render_kernel
 
 
 def render_kernel(self, uops):
     """ClangRenderer._render, prefetching in a streaming step's kernels (those over packed codes
     down to CODES_MIN_BYTES, their uint32 codes too)."""
-    _steps["codes"] = reads_packed_codes(uops)
-    self.kiln_prefetch = _steps["prefetch"]
+    self.kiln_prefetch, self.kiln_codes = _steps["prefetch"], reads_packed_codes(uops)
     return _installed["render"](self, uops)
