@@ -63,7 +63,12 @@ run: $(VENV_STAMP)
 		$(VENV)/bin/kiln generate out/smollm2.kiln --chat --max-new-tokens 64 --prompt "$(PROMPT)"
 
 # The default model with trained draft heads (speculative="heads"), made once: an existing
-# artifact is reused, and training resumes from its checkpoint if it was interrupted.
+# artifact is reused, and training resumes from its checkpoint if it was interrupted. The heads
+# learn from the model's replies to 960 chat prompts, decoded 16 side by side by a max_batch 16
+# artifact of the same model (docs/generation.md: 2x the tokens accepted per draft of 192 prompts).
+SPECULATOR_TRAINING = --prompts 960 --collect-with out/smollm2-b16.kiln --steps 2500 --text-fraction 0.2
 speculator: $(VENV_STAMP)
 	@test -f out/smollm2.kiln/manifest.json || $(VENV)/bin/compile-model -o out/smollm2.kiln
-	@test -f out/smollm2.kiln/speculator.eagle.safetensors || $(VENV)/bin/kiln train-speculator out/smollm2.kiln
+	@test -f out/smollm2.kiln/speculator.eagle.safetensors || { \
+		test -f out/smollm2-b16.kiln/manifest.json || $(VENV)/bin/compile-model --max-batch 16 -o out/smollm2-b16.kiln; \
+		$(VENV)/bin/kiln train-speculator out/smollm2.kiln $(SPECULATOR_TRAINING); }

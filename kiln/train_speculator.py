@@ -39,6 +39,7 @@ class TrainConfig:
     lr: float = 1e-3
     text_fraction: float = 0.4  # the share of steps on text before the replies
     reply_tokens: int = 192  # the replies are most of the collection time: 192 prompts x 192 ~ 15 min at 40 tokens/s
+    prompts: int = 192  # chat prompts replied to: the bundled 192, then generated ones (speculator_prompts.py)
     seed: int = 0
     # eagle: what the draft layer attends over (eagle_heads.py): "whole" trains on whole sequences
     # (`windows` stretches of at most `window` tokens per step), "draft" on sampled positions;
@@ -65,6 +66,13 @@ class TrainConfig:
             )
         if self.kind == "eagle" and self.head != "tied":
             raise OptionError("eagle heads read out through the model's own lm_head. Fix: --head tied.")
+        from kiln.speculator_prompts import most_prompts
+
+        if not 1 <= self.prompts <= most_prompts():
+            raise OptionError(
+                f"--prompts must be within 1..{most_prompts()} (the bundled prompts and the generated ones), "
+                f"got {self.prompts}. Fix: e.g. --prompts 960."
+            )
         for name in ("stages", "steps", "batch", "reply_tokens"):
             if getattr(self, name) < 1:
                 flag = f"--{name.replace('_', '-')}"
@@ -140,9 +148,10 @@ def train_speculator(
 def _corpus(llm, head, artifact: Path, config: TrainConfig, data_files, prompts, texts, report, collect_with=None):
     from kiln import speculator_data as data
     from kiln.runtime.last_hidden import SpeculatorError
+    from kiln.speculator_prompts import prompts_for
 
     texts = data.default_texts(list(data_files), texts)
-    prompts = data.read_prompts() if prompts is None else prompts
+    prompts = prompts_for(config.prompts, data.read_prompts()) if prompts is None else prompts
     key = data.source_key(llm, texts, prompts, config.reply_tokens)
     path = work_dir(artifact) / "corpus.pt"
     corpus = data.load_corpus(path, key, head)
@@ -199,6 +208,12 @@ def add_arguments(commands) -> None:
         help="tokens of each reply to the bundled chat prompts",
     )
     parser.add_argument(
+        "--prompts",
+        type=int,
+        default=defaults.prompts,
+        help="chat prompts whose replies the heads learn from: the bundled 192, then generated ones",
+    )
+    parser.add_argument(
         "--context",
         default=defaults.context,
         help="eagle: draft (the layer attends over the draft's own positions; the default) or whole (over "
@@ -236,6 +251,7 @@ def run_command(args) -> int:
         lr=args.lr,
         text_fraction=args.text_fraction,
         reply_tokens=args.reply_tokens,
+        prompts=args.prompts,
         seed=args.seed,
         context=args.context,
         window=args.window,

@@ -258,9 +258,24 @@ def test_bad_training_options_are_option_errors():
     from kiln.ir.errors import OptionError
 
     bads = ({"kind": "eagle2"}, {"head": "shared"}, {"stages": 0}, {"text_fraction": 2.0}, {"kind": "eagle"})
-    for bad in (*bads, {"context": "sideways"}, {"window": 1}, {"noise": -0.1}):
+    for bad in (*bads, {"context": "sideways"}, {"window": 1}, {"noise": -0.1}, {"prompts": 0}, {"prompts": 10**6}):
         with pytest.raises(OptionError):
             TrainConfig(**bad).check()
+
+
+def test_more_prompts_are_the_bundled_ones_then_generated_ones_in_a_fixed_order():
+    from kiln.speculator_data import read_prompts
+    from kiln.speculator_prompts import CODE_EVERY, generated_prompts, most_prompts, prompts_for
+
+    bundled = read_prompts()
+    assert prompts_for(10, bundled) == bundled[:10]
+    more = prompts_for(600, bundled)
+    assert more[: len(bundled)] == bundled and len(more) == len(set(more)) == 600
+    assert prompts_for(600, bundled) == more  # the same list every time: a cached corpus is found again
+    assert set(more[len(bundled) :]) <= set(generated_prompts())
+    first = generated_prompts()[: 10 * CODE_EVERY]  # every CODE_EVERY-th a programming task, while both last
+    assert [i for i, p in enumerate(first) if "function" in p] == list(range(CODE_EVERY - 1, len(first), CODE_EVERY))
+    assert len(prompts_for(most_prompts(), bundled)) == most_prompts()
 
 
 def test_heads_draft_trees_in_the_engine_for_requests_side_by_side(artifact, monkeypatch):
