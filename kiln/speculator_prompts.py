@@ -92,18 +92,19 @@ def generated_prompts(seed: int = 0) -> list[str]:
     return out
 
 
+def every_prompt(bundled: list[str]) -> list[str]:
+    """The bundled prompts, then the generated ones not among them: what `--prompts N` cuts from."""
+    seen = set(bundled)
+    return bundled + [p for p in generated_prompts() if p not in seen]
+
+
 def most_prompts() -> int:
-    """How many prompts `prompts_for` can give: the bundled ones and every generated one."""
+    """How many prompts `prompts_for` can give."""
     from kiln.speculator_data import read_prompts
 
-    bundled = read_prompts()
-    return len(bundled) + len(set(generated_prompts()) - set(bundled))
+    return len(every_prompt(read_prompts()))
 
 
 def prompts_for(count: int, bundled: list[str]) -> list[str]:
-    """`count` prompts: the bundled ones first, then generated ones not among them."""
-    if count <= len(bundled):
-        return bundled[:count]
-    seen = set(bundled)
-    extra = [p for p in generated_prompts() if p not in seen]
-    return bundled + extra[: count - len(bundled)]
+    """The first `count` prompts: the bundled ones first, then generated ones."""
+    return every_prompt(bundled)[:count]

@@ -68,9 +68,10 @@ class TrainConfig:
             raise OptionError("eagle heads read out through the model's own lm_head. Fix: --head tied.")
         from kiln.speculator_prompts import most_prompts
 
-        if not 1 <= self.prompts <= most_prompts():
+        most = most_prompts()
+        if not 1 <= self.prompts <= most:
             raise OptionError(
-                f"--prompts must be within 1..{most_prompts()} (the bundled prompts and the generated ones), "
+                f"--prompts must be within 1..{most} (the bundled prompts and the generated ones), "
                 f"got {self.prompts}. Fix: e.g. --prompts 960."
             )
         for name in ("stages", "steps", "batch", "reply_tokens"):
@@ -205,7 +206,7 @@ def add_arguments(commands) -> None:
         "--reply-tokens",
         type=int,
         default=defaults.reply_tokens,
-        help="tokens of each reply to the bundled chat prompts",
+        help="tokens of each reply to the chat prompts",
     )
     parser.add_argument(
         "--prompts",
