@@ -12,7 +12,9 @@ which is what the heads learn to predict (on text as on replies: a draft is acce
 the model's choice, not the text's). The replies are generated as one list of prompts, which the
 engine decodes side by side up to the artifact's max_batch. The result is cached beside the
 artifact, keyed by its weights and the sources, so training other kinds or resuming skips the
-collection.
+collection. The replies are also kept on their own (`ReplyStore`), keyed by the weights and the
+reply length alone: a collection over more prompts decodes only the new ones (decoding is most of
+a collection's time), and an interrupted one resumes after its last finished group.
 """
 
 from __future__ import annotations
@@ -66,12 +68,17 @@ def read_prompts(path: Path = PROMPTS_FILE) -> list[str]:
 
 def source_key(llm, texts: list[str], prompts: list[str], reply_tokens: int) -> str:
     """What identifies a corpus: the artifact's weights and graph, and the sources."""
+    return _key(llm, json.dumps([texts, prompts, reply_tokens]))
+
+
+def reply_key(llm, reply_tokens: int) -> str:
+    """What identifies the model's replies: its weights and graph, and their length."""
+    return _key(llm, str(reply_tokens))
+
+
+def _key(llm, sources: str) -> str:
     files = llm.manifest.get("files", {})
-    parts = [
-        files.get("weights.safetensors", {}).get("sha256", ""),
-        llm.manifest.get("ir_hash", ""),
-        json.dumps([texts, prompts, reply_tokens]),
-    ]
+    parts = [files.get("weights.safetensors", {}).get("sha256", ""), llm.manifest.get("ir_hash", ""), sources]
     return hashlib.sha256("\n".join(parts).encode("utf-8")).hexdigest()
 
 
@@ -92,11 +99,10 @@ def collect(
     prompts: list[str],
     reply_tokens: int,
     report=print,
-    partial: tuple[Path, str] | None = None,
+    store: ReplyStore | None = None,
 ) -> Corpus:
     """Run the artifact over the texts and over its replies to the prompts; return the corpus.
-    `partial` (a file and the corpus' key) keeps the replies decoded so far, group by group, so
-    an interrupted collection resumes after its last finished group."""
+    `store` keeps the replies decoded, group by group, and gives back those decoded before."""
     tokenizer = llm.tokenizer
     if tokenizer is None:
         raise SpeculatorError(
@@ -110,7 +116,7 @@ def collect(
         for ids in [tokenizer.encode(text, add_special_tokens=False)]
         for i in range(0, len(ids), chunk)
     ]
-    sequences += _replies(llm, prompts, reply_tokens, report, partial)
+    sequences += _replies(llm, prompts, reply_tokens, report, store)
     sequences = [s for s in sequences if len(s[0]) > 1]
     ranking = frequency_ranking([s[0] for s in sequences], head.weight.shape[0])
     to_hidden = HiddenFromLogits.for_head(head, ranking)
@@ -143,41 +149,64 @@ def collect(
     )
 
 
+class ReplyStore:
+    """The model's greedy replies decoded so far, by chat (its token ids), in one file: `key`
+    names the model and the reply length (kiln.train_speculator's reply_key), so the replies are
+    reused whatever the prompt list; a file of another key, or one that cannot be read, is
+    started afresh. Greedy decoding gives a chat the same reply alone or in any batch."""
+
+    def __init__(self, path: Path, key: str):
+        self.path, self.key = path, key
+        self.replies = self._read()
+
+    def _read(self) -> dict[tuple[int, ...], list[int]]:
+        if not self.path.is_file():
+            return {}
+        try:
+            saved = torch.load(self.path, weights_only=True)
+        except Exception:  # noqa: BLE001 - an unreadable file: decode again
+            return {}
+        if not isinstance(saved, dict) or saved.get("key") != self.key:
+            return {}
+        return {tuple(chat): list(reply) for chat, reply in saved.get("replies", [])}
+
+    def save(self) -> None:
+        replies = [[list(chat), reply] for chat, reply in self.replies.items()]
+        partial = self.path.with_name(self.path.name + ".partial")
+        torch.save({"key": self.key, "replies": replies}, partial)
+        partial.replace(self.path)  # whole or not at all, should the process die while writing
+
+
 def _replies(
-    llm, prompts: list[str], reply_tokens: int, report, partial: tuple[Path, str] | None = None
+    llm, prompts: list[str], reply_tokens: int, report, store: ReplyStore | None = None
 ) -> list[tuple[list[int], int, bool]]:
-    """(prompt + greedy reply, the prompt's last position, True) per prompt; prompts go to the
-    engine in groups of two batches, so it decodes them side by side and progress shows."""
+    """(prompt + greedy reply, the prompt's last position, True) per prompt; the replies not in
+    `store` go to the engine in groups of two batches, so it decodes them side by side and
+    progress shows, and each group is added to the store as it finishes."""
     chats = [llm.tokenizer.encode_chat([{"role": "user", "content": prompt}]) for prompt in prompts]
     chats = [ids for ids in chats if len(ids) < llm.max_seq_len - 1]  # room for at least one token
     group = max(4, 2 * llm.max_batch)
-    sequences = _decoded_so_far(partial)
-    if sequences:
-        report(f"replies: resuming after {len(sequences)}/{len(chats)} ({partial[0]})")
-    started, resumed = time.perf_counter(), len(sequences)
-    for first in range(resumed, len(chats), group):
-        batch = chats[first : first + group]
+    replies = dict(store.replies) if store is not None else {}
+    distinct = list(dict.fromkeys(tuple(ids) for ids in chats))
+    todo = [chat for chat in distinct if chat not in replies]
+    known = len(distinct) - len(todo)
+    if known:
+        report(f"replies: {known}/{len(distinct)} decoded before ({store.path})")
+    started = time.perf_counter()
+    for first in range(0, len(todo), group):
+        batch = [list(ids) for ids in todo[first : first + group]]
         longest = max(len(ids) for ids in batch)
         tokens = max(1, min(reply_tokens, llm.max_seq_len - longest - 1))
         for ids, reply in zip(batch, llm.generate(batch, max_new_tokens=tokens)):
-            sequences.append((ids + reply.token_ids, len(ids) - 1, True))
-        if partial is not None:
-            torch.save({"key": partial[1], "sequences": sequences}, partial[0])
+            replies[tuple(ids)] = reply.token_ids
+            if store is not None and tokens == reply_tokens:  # a reply cut shorter is this artifact's alone
+                store.replies[tuple(ids)] = reply.token_ids
+        if store is not None:
+            store.save()
         done = first + len(batch)
         elapsed = time.perf_counter() - started
-        report(f"replies {done}/{len(chats)}, ETA {_clock(elapsed / (done - resumed) * (len(chats) - done))}")
-    return sequences
-
-
-def _decoded_so_far(partial: tuple[Path, str] | None) -> list:
-    """The replies an interrupted collection with the same key had decoded (none if another)."""
-    if partial is None or not partial[0].is_file():
-        return []
-    try:
-        saved = torch.load(partial[0], weights_only=True)
-    except Exception:  # noqa: BLE001 - an unreadable file: decode again
-        return []
-    return [tuple(s) for s in saved["sequences"]] if saved.get("key") == partial[1] else []
+        report(f"replies {known + done}/{len(distinct)}, ETA {_clock(elapsed / done * (len(todo) - done))}")
+    return [(ids + replies[tuple(ids)], len(ids) - 1, True) for ids in chats]
 
 
 def frequency_ranking(sequences: list[list[int]], vocab: int) -> torch.Tensor:

@@ -164,10 +164,9 @@ def _corpus(llm, head, artifact: Path, config: TrainConfig, data_files, prompts,
                 "--collect-with names an artifact of another checkpoint (its source_hash differs). "
                 "Fix: compile the same model again with a larger --max-batch and collect with that."
             )
-        partial = path.with_name("replies.partial.pt")
-        corpus = data.collect(collector, head, texts, prompts, config.reply_tokens, report, (partial, key))
+        store = data.ReplyStore(path.with_name("replies.pt"), data.reply_key(llm, config.reply_tokens))
+        corpus = data.collect(collector, head, texts, prompts, config.reply_tokens, report, store)
         data.save_corpus(corpus, path, key)
-        partial.unlink(missing_ok=True)
     report(f"corpus: {len(corpus.tokens)} tokens in {len(corpus.starts)} sequences ({sum(corpus.replies)} replies)")
     return corpus
 

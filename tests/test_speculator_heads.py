@@ -410,19 +410,34 @@ def test_an_interrupted_collection_resumes_after_its_last_group_of_replies(artif
 
     llm = kiln.load(artifact[0])
     prompts = [*PROMPTS, "Name a color.", "Say hello."]  # two groups of four on a max_batch 1 artifact
-    partial = (tmp_path / "replies.partial.pt", "key")
 
     def stop_after_the_first_group(line):
         if line.startswith("replies 4/"):
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        data._replies(llm, prompts, 4, stop_after_the_first_group, partial)
+        data._replies(llm, prompts, 4, stop_after_the_first_group, data.ReplyStore(tmp_path / "replies.pt", "key"))
     lines = []
-    replies = data._replies(llm, prompts, 4, lines.append, partial)
-    assert lines[0].startswith("replies: resuming after 4/6") and lines[-1].startswith("replies 6/6")
+    replies = data._replies(llm, prompts, 4, lines.append, data.ReplyStore(tmp_path / "replies.pt", "key"))
+    assert lines[0].startswith("replies: 4/6 decoded before") and lines[-1].startswith("replies 6/6")
     assert len(replies) == 6 and all(reply for _, _, reply in replies)
-    assert data._replies(llm, prompts, 4, lines.append, (partial[0], "another key")) == replies  # decoded again
+    lines.clear()
+    again = data._replies(llm, prompts, 4, lines.append, data.ReplyStore(tmp_path / "replies.pt", "another key"))
+    assert again == replies and lines[-1].startswith("replies 6/6, ")  # another model's store: decoded again
+
+
+def test_more_prompts_decode_only_the_new_ones_and_keep_the_order(artifact, tmp_path):
+    from kiln import speculator_data as data
+
+    llm = kiln.load(artifact[0])
+    store = tmp_path / "replies.pt"
+    first = data._replies(llm, PROMPTS, 4, lambda line: None, data.ReplyStore(store, "key"))
+    decoded = []
+    more = ["Say hello.", *PROMPTS[:2], "Name a color."]
+    replies = data._replies(llm, more, 4, decoded.append, data.ReplyStore(store, "key"))
+    assert decoded[0].startswith("replies: 2/4 decoded before") and decoded[-1].startswith("replies 4/4")
+    assert replies[1:3] == first[:2]  # reused, in the new list's order
+    assert replies == data._replies(llm, more, 4, lambda line: None)  # as decoding them all gives
 
 
 def test_a_losing_heads_drafter_rests_then_tries_again():
