@@ -221,26 +221,29 @@ def fresh(speculative):
     return speculative() if callable(speculative) and not hasattr(speculative, "generate") else speculative
 
 
-def heads_label(kind: str, entry: dict) -> str:
-    """The heads' name in the table: eagle heads name what their layer attends over."""
-    return f"{kind} heads" + (f" ({entry.get('context', 'draft')} context)" if kind == "eagle" else "")
+def heads_label(kind: str, entry: dict, artifact: str = "") -> str:
+    """The heads' name in the table: eagle heads name what their layer attends over, and heads
+    of two artifacts measured side by side (`artifact` given) the artifact's name."""
+    context = f" ({entry.get('context', 'draft')} context)" if kind == "eagle" else ""
+    return f"{kind} heads{context}" + (f" of {artifact}" if artifact else "")
 
 
-def heads_notes(*sources: tuple[dict, set]) -> str:
-    """What training made the artifacts' heads, from their manifests ((manifest, kinds measured) each)."""
+def heads_notes(*sources: tuple[dict, set, str]) -> str:
+    """What training made the artifacts' heads, from their manifests ((manifest, kinds measured,
+    the artifact's name in the labels) each)."""
     lines = []
     speculators = [
-        (kind, entry)
-        for manifest, measured in sources
+        (kind, entry, artifact)
+        for manifest, measured, artifact in sources
         for kind, entry in sorted(manifest.get("speculators", {}).items())
         if kind in measured
     ]
-    for kind, entry in speculators:
+    for kind, entry, artifact in speculators:
         training = entry.get("training", {})
         config = training.get("config", {})
         lines.append(
-            f"- {heads_label(kind, entry)}: {entry.get('stages')} stages, head {entry.get('head')}, draft vocabulary "
-            f"{entry.get('draft_vocab')}, {training.get('steps')} steps (lr {config.get('lr')}, batch "
+            f"- {heads_label(kind, entry, artifact)}: {entry.get('stages')} stages, head {entry.get('head')}, "
+            f"draft vocabulary {entry.get('draft_vocab')}, {training.get('steps')} steps (lr {config.get('lr')}, batch "
             f"{config.get('batch')}), {training.get('cpu_minutes')} CPU minutes; on held-out replies "
             f"top-1 accuracy per stage {training.get('stage_accuracy')} against the model's greedy "
             "choices"
@@ -295,17 +298,17 @@ def main(argv=None) -> int:
     from kiln.runtime.lookup_heads_drafter import MAX_NODES
 
     kinds = args.kinds.split(",") if args.kinds else None
-    sources = [(None, target.manifest)]
-    if args.heads_from:
+    sources = [(None, target.manifest, target_path.name if args.heads_from else "")]
+    if args.heads_from:  # two artifacts' heads: each labelled with its artifact's name
         other = read_manifest(Path(args.heads_from))
-        sources.append((StoredHeads(Path(args.heads_from), other, target.graph), other))
-    measured = {id(manifest): set() for _, manifest in sources}
-    for stored, manifest in sources:
+        sources.append((StoredHeads(Path(args.heads_from), other, target.graph), other, Path(args.heads_from).name))
+    measured = {id(manifest): set() for _, manifest, _ in sources}
+    for stored, manifest, artifact in sources:
         for kind, entry in sorted(manifest.get("speculators", {}).items()):
             if (kinds and kind not in kinds) or (stored is not None and kind != "eagle"):
                 continue
             measured[id(manifest)].add(kind)
-            label = heads_label(kind, entry)
+            label = heads_label(kind, entry, artifact)
             drafts[f"{label}, fp32 (chain)"] = functools.partial(TimedDrafter.heads, target, kind, stored)
             for name, settings in HEADS_SETTINGS.items():
                 if kind == "eagle" or "tree" not in name:
@@ -356,7 +359,7 @@ def main(argv=None) -> int:
             "average during the run (contended). `accepted to stage i`: the share of the heads' "
             "drafts whose first i tokens the target accepted."
         )
-        + heads_notes(*((manifest, measured[id(manifest)]) for _, manifest in sources))
+        + heads_notes(*((manifest, measured[id(manifest)], artifact) for _, manifest, artifact in sources))
         + f"\n\nTarget: `{target_path}` ({target.manifest.get('options', {}).get('quantize') or 'f32'} weights)"
         + (f"; heads also from `{args.heads_from}`" if args.heads_from else "")
     )
