@@ -151,7 +151,7 @@ def collect(
 
 class ReplyStore:
     """The model's greedy replies decoded so far, by chat (its token ids), in one file: `key`
-    names the model and the reply length (kiln.train_speculator's reply_key), so the replies are
+    names the model and the reply length (`reply_key`), so the replies are
     reused whatever the prompt list; a file of another key, or one that cannot be read, is
     started afresh. Greedy decoding gives a chat the same reply alone or in any batch."""
 
@@ -194,13 +194,13 @@ def _replies(
         report(f"replies: {known}/{len(distinct)} decoded before ({store.path})")
     started = time.perf_counter()
     for first in range(0, len(todo), group):
-        batch = [list(ids) for ids in todo[first : first + group]]
-        longest = max(len(ids) for ids in batch)
+        batch = todo[first : first + group]
+        longest = max(len(chat) for chat in batch)
         tokens = max(1, min(reply_tokens, llm.max_seq_len - longest - 1))
-        for ids, reply in zip(batch, llm.generate(batch, max_new_tokens=tokens)):
-            replies[tuple(ids)] = reply.token_ids
+        for chat, reply in zip(batch, llm.generate([list(chat) for chat in batch], max_new_tokens=tokens)):
+            replies[chat] = reply.token_ids
             if store is not None and tokens == reply_tokens:  # a reply cut shorter is this artifact's alone
-                store.replies[tuple(ids)] = reply.token_ids
+                store.replies[chat] = reply.token_ids
         if store is not None:
             store.save()
         done = first + len(batch)
