@@ -1,5 +1,6 @@
 """Speculative decoding on SmolLM2-135M: plain greedy vs prompt lookup vs a quantized self-draft
-vs trained draft heads vs the heads and prompt lookup merged into one tree (heads+lookup).
+vs trained draft heads vs the heads, prompt lookup and the model's stored replies merged into one
+tree (heads+lookup).
 
     .venv/bin/python bench/speculative.py [--backend inductor] [--draft-quantize int4-g64] [--tokens 96]
         [--target ARTIFACT] [--heads-from ARTIFACT] [--kinds eagle] [--methods WORD,..] [--out NAME.md]
@@ -92,10 +93,11 @@ class EngineHeads:
     (kiln.runtime.heads_drafter.DraftSettings), each request's drafter timed (`drafter`); `stored`:
     another artifact's heads (kiln.runtime.drafters.StoredHeads; None: the target's)."""
 
-    def __init__(self, kind: str, settings, stored=None, lookup: dict | None = None):
+    def __init__(self, kind: str, settings, stored=None, lookup: dict | None = None, replies: dict | None = None):
         self.kind, self.settings, self.drafter, self.stored = kind, settings, None, stored
-        # merged with prompt lookup's drafts ("heads:KIND+lookup"), its PromptLookupDrafter's arguments
-        self.lookup = lookup
+        # merged with prompt lookup's drafts ("heads:KIND+lookup"), its PromptLookupDrafter's arguments,
+        # and the model's replies stored beside the heads (`replies`: ReplyIndex settings; None: without)
+        self.lookup, self.replies = lookup, replies
 
 
 @contextmanager
@@ -111,6 +113,12 @@ def engine_heads(llm, speculative):
     if speculative.lookup:
         lookup_heads_drafter.PromptLookupDrafter = functools.partial(lookup, **speculative.lookup)
     stored = llm.heads = speculative.stored or own
+    index, index_saved = stored.reply_index(), {}
+    if speculative.replies is None:
+        stored.reply_index = lambda: None
+    elif index is not None:
+        index_saved = {name: getattr(index, name) for name in speculative.replies}
+        vars(index).update(speculative.replies)
     heads_drafter.DEFAULT_SETTINGS = speculative.settings
     stored._loaded.pop(speculative.kind, None)  # loaded again with these settings
     make = stored.drafter
@@ -126,6 +134,9 @@ def engine_heads(llm, speculative):
     finally:
         lookup_heads_drafter.PromptLookupDrafter = lookup
         del stored.drafter
+        stored.__dict__.pop("reply_index", None)
+        if index is not None:
+            vars(index).update(index_saved)
         stored._loaded.pop(speculative.kind, None)
         heads_drafter.DEFAULT_SETTINGS = saved
         llm.heads = own
@@ -207,12 +218,15 @@ HEADS_SETTINGS = {
 
 
 # heads+lookup: the heads' tree (DraftSettings beside the default's) merged with prompt lookup's
-# (PromptLookupDrafter's arguments)
+# (PromptLookupDrafter's arguments) and, where the artifact stores them, the model's replies'
+# (ReplyIndex settings beside the default's; None: without them)
 LOOKUP_SETTINGS = {
-    ": heads+lookup": ({}, {}),
-    ", lookup up to 12 tokens": ({}, {"max_draft": 12}),
-    ", heads' tree of 4 nodes": ({"tree_nodes": 4}, {}),
-    ", heads' chain": ({"tree_nodes": 0, "alternatives": 0}, {}),
+    ": heads+lookup": ({}, {}, {}),
+    ", without the stored replies": ({}, {}, None),
+    ", the stored replies' top 2": ({}, {}, {"branches": 2}),
+    ", lookup up to 12 tokens": ({}, {"max_draft": 12}, {}),
+    ", heads' tree of 4 nodes": ({"tree_nodes": 4}, {}, {}),
+    ", heads' chain": ({"tree_nodes": 0, "alternatives": 0}, {}, {}),
 }
 
 
@@ -254,6 +268,17 @@ def heads_notes(*sources: tuple[dict, set, str]) -> str:
             )
         )
     return "\n\nThe heads (from the artifact's manifest):\n" + "\n".join(lines) if lines else ""
+
+
+def stored_replies_note(manifest: dict) -> str:
+    """What heads+lookup also drafts from: the replies stored beside the heads (runtime/reply_index.py)."""
+    entry = manifest.get("speculator_replies")
+    if not entry:
+        return "\n\nThe target stores no replies: heads+lookup merges the heads and prompt lookup alone."
+    return (
+        f"\n\nheads+lookup also drafts from the model's {entry['replies']} replies stored beside the heads "
+        f"({entry['tokens']} tokens, runtime/reply_index.py) unless the row says without them."
+    )
 
 
 def contention(other_cores: float) -> str:
@@ -313,10 +338,10 @@ def main(argv=None) -> int:
             for name, settings in HEADS_SETTINGS.items():
                 if kind == "eagle" or "tree" not in name:
                     drafts[f"{label}, {name}"] = functools.partial(EngineHeads, kind, DraftSettings(**settings), stored)
-            for name, (settings, lookup) in LOOKUP_SETTINGS.items():
+            for name, (settings, lookup, replies) in LOOKUP_SETTINGS.items():
                 settings = DraftSettings(**{"pause_below": 0.0, **settings})
                 drafts[f"{label} + prompt lookup, one tree ({MAX_NODES} nodes{name})"] = functools.partial(
-                    EngineHeads, kind, settings, stored, lookup=lookup
+                    EngineHeads, kind, settings, stored, lookup=lookup, replies=replies
                 )
     if args.methods:
         words = args.methods.split(",")
@@ -360,6 +385,7 @@ def main(argv=None) -> int:
             "drafts whose first i tokens the target accepted."
         )
         + heads_notes(*((manifest, measured[id(manifest)], artifact) for _, manifest, artifact in sources))
+        + stored_replies_note(target.manifest)
         + f"\n\nTarget: `{target_path}` ({target.manifest.get('options', {}).get('quantize') or 'f32'} weights)"
         + (f"; heads also from `{args.heads_from}`" if args.heads_from else "")
     )

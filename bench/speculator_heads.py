@@ -76,7 +76,7 @@ def main(argv=None) -> int:
                 if size:
                     torch.set_num_threads(1)
                     config = TrainConfig(head=choice, draft_vocab=size, steps=args.steps)
-                    trainer = Trainer(heads, corpus, vocab_index(vocab_ids, head.weight.shape[0]), config)
+                    trainer = Trainer(heads, corpus, vocab_index(vocab_ids, head.weight.shape[0]), config, head)
                     tag = f"[{size} {choice}]"
                     trainer.run(lambda line, tag=tag: print(f"{tag} {line}", flush=True), 50, lambda: None, 10**9)
                     accepted = f"{trainer.evaluate()[1]:.2f}"

@@ -6,8 +6,9 @@ real states, teacher forced (eagle_heads.EagleHeads.sequence_states): every posi
 start, so one pass scores as many drafts as the stretch has tokens, where the "draft" form scores
 one per sample. Stages after the first feed the layer's own states, attending over the real
 positions before the draft's start and the draft's own after it, as drafting does. The loss is
-EAGLE's (smooth L1 to the target's next state plus a tenth of the cross-entropy against the
-model's greedy token), at positions a draft may start from (a reply's prompt is context only).
+EAGLE's (smooth L1 to the target's next state plus a tenth of the token loss against the
+model's distribution there, or its greedy token without `soft_targets`), at positions a draft
+may start from (a reply's prompt is context only).
 Replies' last tenth is held out, as for the other heads.
 """
 
@@ -18,12 +19,13 @@ from torch.nn import functional as F
 
 from kiln import speculator_data as data
 from kiln.runtime.eagle_heads import REGRESSION_WEIGHT, TOKEN_WEIGHT
-from kiln.speculator_trainer import IGNORE, Trainer
+from kiln.speculator_trainer import IGNORE, Teacher, Trainer, token_loss
 
 
 class SequenceTrainer(Trainer):
-    def __init__(self, heads, corpus: data.Corpus, targets: torch.Tensor, config):
+    def __init__(self, heads, corpus: data.Corpus, targets: torch.Tensor, config, model_head):
         self.heads, self.corpus, self.targets, self.config = heads, corpus, targets, config
+        self.teacher = Teacher(model_head, heads.vocab_ids) if config.soft_targets else None
         self.optimizer = torch.optim.AdamW(
             [p for p in heads.parameters() if p.requires_grad], lr=config.lr, weight_decay=0.01
         )
@@ -73,7 +75,7 @@ class SequenceTrainer(Trainer):
             wanted = targets[valid]
             logits = self.heads.logits(0, state[valid])
             regression = regression + F.smooth_l1_loss(state[valid], next_hidden[valid])
-            tokens = tokens + torch.nan_to_num(F.cross_entropy(logits, wanted, ignore_index=IGNORE))
+            tokens = tokens + torch.nan_to_num(token_loss(logits, wanted, self.teacher, next_hidden[valid]))
             accuracy.append(float(((logits.argmax(-1) == wanted) & (wanted != IGNORE)).float().mean()))
         return REGRESSION_WEIGHT * regression + TOKEN_WEIGHT * tokens, accuracy
 

@@ -51,6 +51,15 @@ class Corpus:
     ranking: torch.Tensor  # token ids, most frequent in the corpus first (then by id)
     inverse_rows: torch.Tensor
 
+    def reply_tokens(self) -> list[list[int]]:
+        """Each reply's own tokens (after its prompt)."""
+        ends = self.starts[1:] + [len(self.tokens)]
+        return [
+            self.tokens[start + first + 1 : end].tolist()
+            for start, end, first, reply in zip(self.starts, ends, self.learn_from, self.replies)
+            if reply
+        ]
+
     def positions(self, stages: int, replies: bool) -> torch.Tensor:
         """Global indices p with p+1 .. p+stages+1 inside the same sequence, past learn_from."""
         ends = self.starts[1:] + [len(self.tokens)]

@@ -4,12 +4,17 @@ A sample is a position p of the corpus: the heads see h_p and t_{p+1} .. t_{p+st
 forcing) and are scored on the model's own greedy choices after t_{p+1} .. t_{p+stages}
 (g_{p+1} .. g_{p+stages}, the logits' argmax at those positions: what greedy verification
 accepts; in a reply they are t_{p+2} .. t_{p+stages+1}, on text they often differ from the text),
-the sum of the stages' cross-entropies over the draft vocabulary (targets outside it score
-nothing); heads that predict states (eagle) add their regression to the target's states
-h_{p+1} .. h_{p+stages} and weight the cross-entropy as they say. The first `text_fraction` of the steps
-draw positions from text, the rest from the model's replies; a tenth of the replies is held out
-for the accuracy report. The learning rate warms up over the first 5% of steps, then decays
-along a cosine to a tenth.
+the sum of the stages' token losses over the draft vocabulary. With `soft_targets` (the
+default, as EAGLE trains) each stage's loss is the KL divergence from the model's whole distribution
+there (its lm_head over the draft vocabulary applied to its real state h_{p+i}, whose argmax is
+g_{p+i}): the runners-up the model nearly chose teach the heads more per position than the
+greedy token alone, which matters on a corpus of a few hundred thousand tokens (held-out
+accuracy and chains in docs/generation.md); without, against g_{p+i} alone (targets outside
+the draft vocabulary score nothing). Heads that predict states (eagle) add their regression to
+the target's states h_{p+1} .. h_{p+stages} and weight the token loss as they say. The first
+`text_fraction` of the steps draw positions from text, the rest from the model's replies; a
+tenth of the replies is held out for the accuracy report. The learning rate warms up over the
+first 5% of steps, then decays along a cosine to a tenth.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import torch
 from torch.nn import functional as F
 
 from kiln import speculator_data as data
+from kiln.runtime.last_hidden import OutputHead
 from kiln.runtime.speculator_heads import DraftHeads
 
 IGNORE = -100  # a target outside the draft vocabulary: no loss
@@ -36,9 +42,32 @@ def vocab_index(vocab_ids: torch.Tensor, vocab: int) -> torch.Tensor:
     return index
 
 
+class Teacher:
+    """The model's own next-token distribution over the draft vocabulary, from its real states."""
+
+    def __init__(self, model_head: OutputHead, vocab_ids: torch.Tensor):
+        self.rows = model_head.weight[vocab_ids]
+        self.bias = model_head.bias[vocab_ids] if model_head.bias is not None else None
+
+    @torch.no_grad()
+    def probabilities(self, states: torch.Tensor) -> torch.Tensor:
+        return F.softmax(F.linear(states, self.rows, self.bias), dim=-1)
+
+
+def token_loss(logits: torch.Tensor, wanted: torch.Tensor, teacher: Teacher | None, states: torch.Tensor):
+    """One stage's token loss: with a teacher (soft targets), the KL divergence from its
+    distribution at the target's real `states` (the cross-entropy less the teacher's own
+    entropy: the same gradient, and a loss that falls toward 0 as the heads match the model);
+    else the cross-entropy against the greedy tokens `wanted`."""
+    if teacher is None:
+        return F.cross_entropy(logits, wanted, ignore_index=IGNORE)
+    return F.kl_div(F.log_softmax(logits, dim=-1), teacher.probabilities(states), reduction="batchmean")
+
+
 class Trainer:
-    def __init__(self, heads: DraftHeads, corpus: data.Corpus, targets: torch.Tensor, config):
+    def __init__(self, heads: DraftHeads, corpus: data.Corpus, targets: torch.Tensor, config, model_head: OutputHead):
         self.heads, self.corpus, self.targets, self.config = heads, corpus, targets, config
+        self.teacher = Teacher(model_head, heads.vocab_ids) if config.soft_targets else None
         self.optimizer = torch.optim.AdamW(
             [p for p in heads.parameters() if p.requires_grad], lr=config.lr, weight_decay=0.01
         )
@@ -78,7 +107,7 @@ class Trainer:
         hidden, fed, wanted = self.batch(positions)
         next_hidden = self.corpus.hidden[positions[:, None] + torch.arange(1, self.config.stages + 1)]
         logits, extra, token_weight = self.heads.training_outputs(hidden, fed, next_hidden)
-        losses = [F.cross_entropy(out, wanted[:, i], ignore_index=IGNORE) for i, out in enumerate(logits)]
+        losses = [token_loss(out, wanted[:, i], self.teacher, next_hidden[:, i]) for i, out in enumerate(logits)]
         accuracy = [
             float(((out.argmax(-1) == wanted[:, i]) & (wanted[:, i] != IGNORE)).float().mean())
             for i, out in enumerate(logits)

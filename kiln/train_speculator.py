@@ -5,7 +5,8 @@
 Collects the artifact's own hidden states (kiln/speculator_data.py: the bundled text, then the
 model's greedy replies to chat prompts), trains the heads with AdamW on the sum of the stages'
 cross-entropies, first on text, then on the replies (IBM's two phases), and writes them into
-the artifact (speculator.KIND.safetensors, hashed in the manifest). One progress line per
+the artifact (speculator.KIND.safetensors, hashed in the manifest), with the replies themselves
+(speculator.replies.safetensors: what "heads+lookup" also drafts from, runtime/reply_index.py). One progress line per
 `--log-every` steps with the loss, each stage's accuracy and an ETA. Interrupted (Ctrl-C, a
 killed process), it resumes from its last checkpoint: the collected corpus and a training
 checkpoint live in ARTIFACT.speculator/ beside the artifact until training ends. Eagle heads
@@ -49,6 +50,7 @@ class TrainConfig:
     window: int = 256
     windows: int = 4
     noise: float = 0.0  # "whole": uniform noise on the real states fed in, relative to their RMS
+    soft_targets: bool = True  # cross-entropy against the model's distribution (EAGLE's), not its argmax alone
 
     def check(self) -> None:
         if self.kind not in KINDS:
@@ -111,6 +113,7 @@ def train_speculator(
 
     from kiln.eagle_sequence_trainer import SequenceTrainer
     from kiln.runtime.last_hidden import output_head
+    from kiln.runtime.reply_index import save_replies
     from kiln.runtime.speculator_heads import build_heads, save_heads
     from kiln.speculator_trainer import Trainer, vocab_index
 
@@ -123,7 +126,7 @@ def train_speculator(
     heads = build_heads(config.kind, head, config.stages, vocab_ids, config.head, config.context)
     targets = vocab_index(vocab_ids, head.weight.shape[0])
     whole = config.kind == "eagle" and config.context == "whole"
-    trainer = (SequenceTrainer if whole else Trainer)(heads, corpus, targets, config)
+    trainer = (SequenceTrainer if whole else Trainer)(heads, corpus, targets, config, head)
     checkpoint = work_dir(artifact) / f"checkpoint.{config.kind}.pt"
     trainer.resume(checkpoint, report)
     trainer.run(report, log_every, lambda: trainer.save(checkpoint), checkpoint_every)
@@ -138,6 +141,9 @@ def train_speculator(
         "config": dataclasses.asdict(config),
     }
     save_heads(heads, corpus.inverse_rows, artifact, llm.manifest.get("source_hash"), summary)
+    replies = corpus.reply_tokens()
+    if replies:  # what speculative="heads+lookup" also looks up (runtime/reply_index.py)
+        save_replies(replies, artifact, llm.manifest.get("source_hash"))
     checkpoint.unlink(missing_ok=True)
     report(
         f"wrote {artifact}/speculator.{config.kind}.safetensors: held out, accuracy per stage "
@@ -224,6 +230,13 @@ def add_arguments(commands) -> None:
     parser.add_argument(
         "--noise", type=float, default=defaults.noise, help="whole context: noise on the states fed in (EAGLE's)"
     )
+    parser.add_argument(
+        "--targets",
+        choices=("soft", "greedy"),
+        default="soft" if defaults.soft_targets else "greedy",
+        help="soft: learn the model's distribution at each position (EAGLE's loss; the default); "
+        "greedy: its argmax alone",
+    )
     parser.add_argument("--data", action="append", default=[], help="more training text (a UTF-8 file; repeatable)")
     parser.add_argument(
         "--collect-with",
@@ -257,6 +270,7 @@ def run_command(args) -> int:
         window=args.window,
         windows=args.windows,
         noise=args.noise,
+        soft_targets=args.targets == "soft",
     )
     config.check()
     if args.log_every < 1 or (args.threads is not None and args.threads < 1):

@@ -3,7 +3,8 @@
 Inside the engine: "prompt_lookup" (each request drafts from its own context), "heads" /
 "heads:KIND" (the draft heads `kiln train-speculator` stored in the artifact, loaded once per
 kind and shared by every request's drafter) and "heads+lookup" / "heads:KIND+lookup" (both,
-merged into one tree a step: lookup_heads_drafter.py). Run alone, one prompt at a time: a draft LLM or any
+with the model's replies stored beside the heads, merged into one tree a step:
+lookup_heads_drafter.py). Run alone, one prompt at a time: a draft LLM or any
 object with propose() and feedback() (kiln.runtime.speculative.Drafter).
 """
 
@@ -22,6 +23,7 @@ class StoredHeads:
     def __init__(self, directory: Path | None, manifest: dict, graph):
         self.directory, self.manifest, self.graph = directory, manifest, graph
         self._loaded: dict = {}  # kind -> HeadsDrafter holding the heads and the hidden-state solver
+        self._replies: list = []  # [the ReplyIndex or None], once looked for
 
     def drafter(self, kind: str | None):
         """A fresh HeadsDrafter (its own per-generation state) over the stored heads of `kind`."""
@@ -35,6 +37,15 @@ class StoredHeads:
         if kind not in self._loaded:
             self._loaded[kind] = HeadsDrafter.from_artifact(self.directory, self.manifest, self.graph, kind)
         return self._loaded[kind].fresh()
+
+    def reply_index(self):
+        """The model's replies stored beside the heads, indexed (reply_index.py); None without."""
+        from kiln.runtime.reply_index import load_reply_index
+
+        if not self._replies:
+            found = load_reply_index(self.directory, self.manifest) if self.directory is not None else None
+            self._replies.append(found)
+        return self._replies[0]
 
 
 def engine_drafter(speculative, heads: StoredHeads):
@@ -69,7 +80,8 @@ def _lookup_and_heads(named: str, heads: StoredHeads):
         heads.drafter(kind)
     except ArtifactError as error:
         raise ArtifactError(f"{error} (speculative='heads+lookup' without heads: use 'prompt_lookup')") from None
-    return lambda: LookupHeadsDrafter(heads.drafter(kind))
+    replies = heads.reply_index()
+    return lambda: LookupHeadsDrafter(heads.drafter(kind), replies=replies)
 
 
 def lone_drafter(speculative, draft_llm_class):

@@ -254,16 +254,6 @@ def save_heads(
 ) -> Path:
     """Write the heads into the artifact at `directory` and list them (sha256, bytes) in its
     manifest, with a `speculators` entry; the manifest is replaced atomically, last."""
-    directory = Path(directory)
-    with open(directory / MANIFEST, "rb") as lock:  # two trainings ending together: one after the other
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        return _save_heads(heads, inverse_rows, directory, source_hash, training)
-
-
-def _save_heads(
-    heads: DraftHeads, inverse_rows: torch.Tensor, directory: Path, source_hash: str | None, training: dict
-) -> Path:
-    manifest = read_manifest(directory)
     name = heads_file(heads.kind)
     tensors = {key: value.detach().contiguous() for key, value in heads.state_dict().items()}
     tensors["vocab_ids"] = heads.vocab_ids.clone()
@@ -278,9 +268,6 @@ def _save_heads(
     }
     if hasattr(heads, "context"):
         metadata["context"] = heads.context
-    _atomic(directory / name, lambda temporary: save_file(tensors, str(temporary), metadata=metadata))
-    path = directory / name
-    files = {**manifest["files"], name: {"sha256": file_sha256(path), "bytes": path.stat().st_size}}
     entry = {
         "file": name,
         "kind": heads.kind,
@@ -291,11 +278,30 @@ def _save_heads(
         "source_hash": source_hash,
         "training": training,
     }
-    updated = {**manifest, "files": files, "speculators": {**manifest.get("speculators", {}), heads.kind: entry}}
-    updated.pop("fields_sha256", None)
-    text = json.dumps(sealed(updated), indent=2, sort_keys=True) + "\n"
-    _atomic(directory / MANIFEST, lambda path: path.write_text(text, encoding="utf-8"))
-    return path
+    return add_file(
+        directory,
+        name,
+        lambda temporary: save_file(tensors, str(temporary), metadata=metadata),
+        lambda manifest: {"speculators": {**manifest.get("speculators", {}), heads.kind: entry}},
+    )
+
+
+def add_file(directory: Path, name: str, write, fields) -> Path:
+    """Write file `name` into the artifact at `directory` (`write(path)`, atomically), list it
+    (sha256, bytes) in the manifest and merge `fields(manifest)` into it; the manifest is
+    replaced atomically, last, one writer at a time (two trainings ending together)."""
+    directory = Path(directory)
+    with open(directory / MANIFEST, "rb") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        manifest = read_manifest(directory)
+        path = directory / name
+        _atomic(path, write)
+        files = {**manifest["files"], name: {"sha256": file_sha256(path), "bytes": path.stat().st_size}}
+        updated = {**manifest, "files": files, **fields(manifest)}
+        updated.pop("fields_sha256", None)
+        text = json.dumps(sealed(updated), indent=2, sort_keys=True) + "\n"
+        _atomic(directory / MANIFEST, lambda target: target.write_text(text, encoding="utf-8"))
+        return path
 
 
 def _atomic(target: Path, write) -> None:

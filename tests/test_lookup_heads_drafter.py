@@ -9,7 +9,7 @@ import pytest
 import kiln
 from kiln.ir.errors import ArtifactError
 from kiln.runtime.draft_tree import DraftTree
-from kiln.runtime.lookup_heads_drafter import HEADS, LOOKUP, LookupHeadsDrafter
+from kiln.runtime.lookup_heads_drafter import HEADS, LOOKUP, REPLIES, LookupHeadsDrafter
 from kiln.runtime.request import Request
 from kiln.runtime.server import create_app
 from kiln.runtime.speculative import PromptLookupDrafter
@@ -102,6 +102,32 @@ def test_each_part_hears_how_far_its_own_nodes_were_accepted():
     assert heads.heard[-1] == (2, 1)
 
 
+def test_stored_replies_draft_where_lookup_finds_nothing_and_shrink_while_they_miss():
+    from kiln.runtime.lookup_heads_drafter import REPLY_NODES
+    from kiln.runtime.reply_index import ReplyIndex, replies_stream
+
+    stored = [[7, 8, 9, 10, 11], [7, 8, 12], [7, 13]] + [[t, t + 1, t + 2] for t in range(100, 200, 3)]
+    drafter = LookupHeadsDrafter(FixedHeads([40]), PromptLookupDrafter(), replies=ReplyIndex(replies_stream(stored)))
+    context = [1, 2, 3, 7]  # no earlier 7 in the context: lookup drafts nothing, the replies do
+    tree = drafter.propose(context, 10)
+    assert tree.tokens == (40, 8, 9, 10, 11, 12, 13) and drafter._last[1][1] == REPLIES
+    assert drafter.reply_nodes() == REPLY_NODES
+    for newest in range(100, 136, 3):  # the target takes neither part's guess: the replies' share falls
+        drafter.feedback(1, 0)
+        context += [50 + newest, newest]
+        tree = drafter.propose(context, 10)
+    assert drafter.reply_nodes() == 1 and tree.tokens == (40, newest + 1)
+    drafter.feedback(1, 1)  # ... and grows again once their node is taken
+    context += [newest + 1, 160]
+    drafter.propose(context, 10)
+    assert drafter.reply_nodes() > 1
+    # a match in the context itself leaves the replies out
+    drafter.feedback(1, 0)
+    context += [5, 1, 2]
+    drafter.propose(context, 10)
+    assert not any(s & REPLIES for s in drafter._last[1])
+
+
 def test_greedy_output_is_plain_decodings_in_the_engine_with_both_parts_drafting(artifacts, monkeypatch):
     plain, trained = artifacts
     llm = kiln.load(trained)
@@ -120,6 +146,7 @@ def test_greedy_output_is_plain_decodings_in_the_engine_with_both_parts_drafting
     assert all(r.stats.drafted_tokens > 0 for r in results) and results[0].stats.tokens_per_target_step > 1
     assert any(s & LOOKUP for sources in drafts for s in sources)  # the repeated span: lookup drafted
     assert any(s == HEADS for sources in drafts for s in sources)  # and the heads beside it
+    assert any(s & REPLIES for sources in drafts for s in sources)  # and the replies stored in training
     assert any(not tree.is_chain for tree in verified)  # one target step verified the merged tree
     handle = llm.submit(prompts[0], max_new_tokens=24, ignore_eos=True, speculative="heads+lookup")
     assert handle.result().token_ids == expected[0]

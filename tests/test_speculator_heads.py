@@ -314,7 +314,7 @@ def test_heads_learn_the_models_own_greedy_choices_also_on_text(artifact):
     targets = vocab_index(vocab_ids, head.weight.shape[0])
     from kiln.runtime.speculator_heads import build_heads
 
-    trainer = Trainer(build_heads("mlp", head, CONFIG.stages, vocab_ids, "own"), corpus, targets, CONFIG)
+    trainer = Trainer(build_heads("mlp", head, CONFIG.stages, vocab_ids, "own"), corpus, targets, CONFIG, head)
     text = corpus.positions(CONFIG.stages, replies=False)
     _, fed, wanted = trainer.batch(text)
     after = text[:, None] + torch.arange(1, CONFIG.stages + 1)  # the positions of t_{p+1} .. t_{p+stages}
@@ -323,6 +323,42 @@ def test_heads_learn_the_models_own_greedy_choices_also_on_text(artifact):
     assert torch.equal(wanted, targets[choice])
     in_vocab = wanted != IGNORE
     assert (wanted != targets[corpus.tokens[after + 1]])[in_vocab].float().mean() > 0.5  # not the text's tokens
+
+
+def test_soft_targets_are_the_models_distribution_at_each_stages_target(artifact):
+    """Soft targets (EAGLE's) at stage i are the model's own distribution over the draft
+    vocabulary from its real state h_{p+1+i}: its argmax is the greedy token stage i is scored
+    on, and the loss is the KL divergence from it (the greedy token's cross-entropy without them)."""
+    import dataclasses
+
+    from kiln import speculator_data as data
+    from kiln.runtime.speculator_heads import build_heads
+    from kiln.speculator_trainer import IGNORE, Trainer, token_loss, vocab_index
+
+    llm = kiln.load(artifact[1])
+    head = output_head(llm.graph)
+    saved = torch.load(work_dir(artifact[1]) / "corpus.pt", weights_only=True)
+    saved.pop("key")
+    corpus = data.Corpus(**saved)
+    vocab_ids = corpus.ranking[: CONFIG.draft_vocab]
+    targets = vocab_index(vocab_ids, head.weight.shape[0])
+    heads = build_heads("mlp", head, CONFIG.stages, vocab_ids, "own")
+    soft = Trainer(heads, corpus, targets, CONFIG, head)
+    positions = corpus.positions(CONFIG.stages, replies=True)
+    _, _, wanted = soft.batch(positions)
+    states = corpus.hidden[positions[:, None] + torch.arange(1, CONFIG.stages + 1)]
+    for stage in range(CONFIG.stages):
+        teacher = soft.teacher.probabilities(states[:, stage])
+        in_vocab = wanted[:, stage] != IGNORE
+        assert torch.equal(teacher.argmax(-1)[in_vocab], wanted[in_vocab, stage])
+        assert torch.allclose(teacher.sum(-1), torch.ones(len(positions)))
+    logits = torch.randn(len(positions), len(vocab_ids))
+    expected = (teacher * (teacher.log() - torch.log_softmax(logits, -1))).sum(-1).mean()
+    assert torch.allclose(token_loss(logits, wanted[:, -1], soft.teacher, states[:, -1]), expected)
+    greedy = Trainer(heads, corpus, targets, dataclasses.replace(CONFIG, soft_targets=False), head)
+    assert greedy.teacher is None
+    hard = torch.nn.functional.cross_entropy(logits, wanted[:, -1], ignore_index=IGNORE)
+    assert torch.allclose(token_loss(logits, wanted[:, -1], None, states[:, -1]), hard)
 
 
 @pytest.mark.parametrize(("arch", "context"), [("qwen2", "whole"), ("mistral", "draft")])
