@@ -10,7 +10,7 @@ import torch
 import kiln
 from kiln.runtime.errors import ArtifactError
 from kiln.runtime.last_hidden import HiddenFromLogits, SpeculatorError, output_head
-from kiln.runtime.speculator_heads import heads_file
+from kiln.runtime.speculator_heads import build_heads, heads_file
 from kiln.speculator_data import frequency_ranking
 from kiln.train_speculator import TrainConfig, train_speculator, work_dir
 from tiny_models import TRAINING_TEXT
@@ -176,7 +176,6 @@ def test_eagle_heads_learn_keep_greedy_output_beat_untrained_ones_and_check_thei
 
 def test_eagle_heads_refuse_a_model_without_an_rmsnorm_layer_by_name():
     from kiln.ir import Graph, TensorType
-    from kiln.runtime.speculator_heads import build_heads
 
     graph = Graph()  # logits straight from the embedding: no layer, no final RMSNorm to copy
     tokens = graph.add_input("tokens", TensorType("i64", (1, 4)))
@@ -298,22 +297,27 @@ def test_heads_draft_trees_in_the_engine_for_requests_side_by_side(artifact, mon
     assert llm.submit(prompts[0], max_new_tokens=16, speculative="heads").result().token_ids == expected[0]
 
 
+def cached_corpus(trained):
+    """(the model's output head, the corpus training cached beside `trained`, the draft
+    vocabulary's ids, each token's index in it)."""
+    from kiln import speculator_data as data
+    from kiln.speculator_trainer import vocab_index
+
+    head = output_head(kiln.load(trained).graph)
+    saved = torch.load(work_dir(trained) / "corpus.pt", weights_only=True)
+    saved.pop("key")
+    corpus = data.Corpus(**saved)
+    vocab_ids = corpus.ranking[: CONFIG.draft_vocab]
+    return head, corpus, vocab_ids, vocab_index(vocab_ids, head.weight.shape[0])
+
+
 def test_heads_learn_the_models_own_greedy_choices_also_on_text(artifact):
     """A draft is accepted when it is what the model would say: on text the targets are the
     model's argmax after each text token (solved back from the corpus' hidden states), not the
     text's own next tokens, which a small model rarely agrees with."""
-    from kiln import speculator_data as data
-    from kiln.speculator_trainer import IGNORE, Trainer, vocab_index
+    from kiln.speculator_trainer import IGNORE, Trainer
 
-    llm = kiln.load(artifact[1])
-    head = output_head(llm.graph)
-    saved = torch.load(work_dir(artifact[1]) / "corpus.pt", weights_only=True)
-    saved.pop("key")
-    corpus = data.Corpus(**saved)
-    vocab_ids = corpus.ranking[: CONFIG.draft_vocab]
-    targets = vocab_index(vocab_ids, head.weight.shape[0])
-    from kiln.runtime.speculator_heads import build_heads
-
+    head, corpus, vocab_ids, targets = cached_corpus(artifact[1])
     trainer = Trainer(build_heads("mlp", head, CONFIG.stages, vocab_ids, "own"), corpus, targets, CONFIG, head)
     text = corpus.positions(CONFIG.stages, replies=False)
     _, fed, wanted = trainer.batch(text)
@@ -331,17 +335,9 @@ def test_soft_targets_are_the_models_distribution_at_each_stages_target(artifact
     on, and the loss is the KL divergence from it (the greedy token's cross-entropy without them)."""
     import dataclasses
 
-    from kiln import speculator_data as data
-    from kiln.runtime.speculator_heads import build_heads
-    from kiln.speculator_trainer import IGNORE, Trainer, token_loss, vocab_index
+    from kiln.speculator_trainer import IGNORE, Trainer, token_loss
 
-    llm = kiln.load(artifact[1])
-    head = output_head(llm.graph)
-    saved = torch.load(work_dir(artifact[1]) / "corpus.pt", weights_only=True)
-    saved.pop("key")
-    corpus = data.Corpus(**saved)
-    vocab_ids = corpus.ranking[: CONFIG.draft_vocab]
-    targets = vocab_index(vocab_ids, head.weight.shape[0])
+    head, corpus, vocab_ids, targets = cached_corpus(artifact[1])
     heads = build_heads("mlp", head, CONFIG.stages, vocab_ids, "own")
     soft = Trainer(heads, corpus, targets, CONFIG, head)
     positions = corpus.positions(CONFIG.stages, replies=True)
@@ -406,7 +402,6 @@ def test_whole_context_training_sees_what_drafting_computes(artifact):
     """One pass over a sequence (training) gives, at each stage, the state a draft started at
     each position computes over its draft cache (the real states before it, its own after)."""
     from kiln.runtime.eagle_context import DraftCache
-    from kiln.runtime.speculator_heads import build_heads
 
     torch.manual_seed(0)
     heads = build_heads("eagle", output_head(kiln.load(artifact[0]).graph), 3, torch.arange(64), "tied", "whole")
@@ -501,7 +496,6 @@ def test_the_eagle_step_compiled_by_inductor_drafts_as_the_torch_layer(artifact)
     from kiln.runtime.eagle_step import CompiledEagleStep
     from kiln.runtime.eagle_tree import grow_tree
     from kiln.runtime.heads_drafter import DraftSettings, step_compiles
-    from kiln.runtime.speculator_heads import build_heads
 
     torch.manual_seed(0)
     head = output_head(kiln.load(artifact[0]).graph)
