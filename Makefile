@@ -66,10 +66,12 @@ run: $(VENV_STAMP)
 # artifact is reused, and training resumes from its checkpoint if it was interrupted. The heads
 # learn from the model's replies to all 1,583 chat prompts, decoded 16 side by side by a max_batch
 # 16 artifact of the same model, over 10,000 steps (docs/generation.md: ~42 minutes on 2 cores;
-# the code edit with heads + prompt lookup at 3.2 tokens per target step, prose at 1.9).
+# the code edit with heads + prompt lookup at 3.2 tokens per target step, prose at 2.4 with the
+# model's replies, which training stores beside the heads: an artifact whose heads predate them is
+# trained again, from the corpus cached beside it).
 SPECULATOR_TRAINING = --prompts 1583 --collect-with out/smollm2-b16.kiln --steps 10000 --text-fraction 0.2
 speculator: $(VENV_STAMP)
 	@test -f out/smollm2.kiln/manifest.json || $(VENV)/bin/compile-model -o out/smollm2.kiln
-	@test -f out/smollm2.kiln/speculator.eagle.safetensors || { \
+	@test -f out/smollm2.kiln/speculator.replies.safetensors || { \
 		test -f out/smollm2-b16.kiln/manifest.json || $(VENV)/bin/compile-model --max-batch 16 -o out/smollm2-b16.kiln; \
 		$(VENV)/bin/kiln train-speculator out/smollm2.kiln $(SPECULATOR_TRAINING); }
