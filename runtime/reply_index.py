@@ -14,7 +14,7 @@ Lookup: the longest suffix of the context, of `max_ngram` tokens down to `min_ng
 occurs in the store; its most frequent continuations (counted over at most `MAX_MATCHES` of its
 occurrences) become the branches of a small token tree. Each n-gram length keeps the stream's
 positions sorted by the n-gram's hash, so a lookup is a binary search per length; the index is
-built when the artifact's heads load (tens of milliseconds).
+built when heads+lookup first runs (under half a second for SmolLM2's 258k reply tokens).
 """
 
 from __future__ import annotations
