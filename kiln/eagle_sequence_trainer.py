@@ -19,17 +19,12 @@ from torch.nn import functional as F
 
 from kiln import speculator_data as data
 from kiln.runtime.eagle_heads import REGRESSION_WEIGHT, TOKEN_WEIGHT
-from kiln.speculator_trainer import IGNORE, Teacher, Trainer, token_loss
+from kiln.speculator_trainer import IGNORE, Trainer, token_loss
 
 
 class SequenceTrainer(Trainer):
     def __init__(self, heads, corpus: data.Corpus, targets: torch.Tensor, config, model_head):
-        self.heads, self.corpus, self.targets, self.config = heads, corpus, targets, config
-        self.teacher = Teacher(model_head, heads.vocab_ids) if config.soft_targets else None
-        self.optimizer = torch.optim.AdamW(
-            [p for p in heads.parameters() if p.requires_grad], lr=config.lr, weight_decay=0.01
-        )
-        self.generator = torch.Generator().manual_seed(config.seed)
+        self._start(heads, corpus, targets, config, model_head)
         ends = corpus.starts[1:] + [len(corpus.tokens)]
         spans = [
             (start, end, start + first)
@@ -47,7 +42,6 @@ class SequenceTrainer(Trainer):
                 f"The corpus has no sequence longer than {heads.stages + 1} tokens. "
                 "Fix: give more text (--data FILE) or fewer --stages."
             )
-        self.step, self.last_loss = 0, float("nan")
 
     def draw(self, pool: list) -> list[tuple[int, int, int]]:
         """`windows` stretches (start, end, first draft start) of sequences from `pool`."""

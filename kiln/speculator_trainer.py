@@ -66,12 +66,7 @@ def token_loss(logits: torch.Tensor, wanted: torch.Tensor, teacher: Teacher | No
 
 class Trainer:
     def __init__(self, heads: DraftHeads, corpus: data.Corpus, targets: torch.Tensor, config, model_head: OutputHead):
-        self.heads, self.corpus, self.targets, self.config = heads, corpus, targets, config
-        self.teacher = Teacher(model_head, heads.vocab_ids) if config.soft_targets else None
-        self.optimizer = torch.optim.AdamW(
-            [p for p in heads.parameters() if p.requires_grad], lr=config.lr, weight_decay=0.01
-        )
-        self.generator = torch.Generator().manual_seed(config.seed)
+        self._start(heads, corpus, targets, config, model_head)
         text = corpus.positions(config.stages, replies=False)
         replies = corpus.positions(config.stages, replies=True)
         # the replies' last tenth is held out for the accuracy report
@@ -84,6 +79,16 @@ class Trainer:
                 f"The corpus has no sequence longer than {config.stages + 1} tokens. "
                 "Fix: give more text (--data FILE) or fewer --stages."
             )
+
+    def _start(self, heads: DraftHeads, corpus: data.Corpus, targets: torch.Tensor, config, model_head: OutputHead):
+        """What every trainer holds besides its sample pools: the optimizer, the sampling
+        generator, the teacher of soft targets and the step count."""
+        self.heads, self.corpus, self.targets, self.config = heads, corpus, targets, config
+        self.teacher = Teacher(model_head, heads.vocab_ids) if config.soft_targets else None
+        self.optimizer = torch.optim.AdamW(
+            [p for p in heads.parameters() if p.requires_grad], lr=config.lr, weight_decay=0.01
+        )
+        self.generator = torch.Generator().manual_seed(config.seed)
         self.step, self.last_loss = 0, float("nan")
 
     def _lr(self, step: int) -> float:

@@ -123,29 +123,17 @@ def save_replies(replies: Sequence[Sequence[int]], directory: Path, source_hash:
 def load_reply_index(directory: Path, manifest: dict) -> ReplyIndex | None:
     """The artifact's stored replies as an index; None when it has none. A damaged file, or one
     made for other weights, raises ArtifactError naming it."""
-    from safetensors import SafetensorError, safe_open
-
-    from kiln.runtime.artifact import file_sha256
     from kiln.runtime.errors import ArtifactError
+    from kiln.runtime.speculator_heads import read_listed
 
     entry = manifest.get("speculator_replies")
     if not entry:
         return None
-    path = Path(directory) / REPLIES_FILE
-    listed = manifest.get("files", {}).get(REPLIES_FILE, {})
-    if not path.is_file() or file_sha256(path) != listed.get("sha256"):
-        raise ArtifactError(
-            f"{path} is missing or does not match its sha256 in manifest.json: the stored replies are "
-            f"damaged. Fix: run `kiln train-speculator {directory}` again."
-        )
+    remedy = f"`kiln train-speculator {directory}`"
     if entry.get("source_hash") != manifest.get("source_hash"):
         raise ArtifactError(
-            f"{path} holds another model's replies (source_hash {entry.get('source_hash')!r:.20}). "
-            f"Fix: run `kiln train-speculator {directory}` again."
+            f"{Path(directory) / REPLIES_FILE} holds another model's replies (source_hash "
+            f"{entry.get('source_hash')!r:.20}). Fix: make it again with {remedy}."
         )
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            stream = f.get_tensor("tokens")
-    except (SafetensorError, OSError, ValueError) as e:
-        raise ArtifactError(f"{path} is not a readable safetensors file ({e}). Fix: retrain the heads.") from None
-    return ReplyIndex(stream)
+    _, tensors = read_listed(directory, manifest, REPLIES_FILE, "stored replies file", remedy)
+    return ReplyIndex(tensors["tokens"])

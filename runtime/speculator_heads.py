@@ -316,6 +316,26 @@ def _atomic(target: Path, write) -> None:
             os.unlink(temporary)
 
 
+def read_listed(directory: Path, manifest: dict, name: str, what: str, remedy: str) -> tuple[dict, dict]:
+    """(metadata, tensors) of the safetensors file `name` the manifest lists; ArtifactError naming
+    it (`what`, and the command that makes it again: `remedy`) when it is missing, does not match
+    its sha256 or cannot be read."""
+    path = Path(directory) / name
+    listed = manifest.get("files", {}).get(name, {})
+    if not path.is_file() or file_sha256(path) != listed.get("sha256"):
+        raise ArtifactError(
+            f"{path} is missing or does not match its sha256 in {MANIFEST}: the {what} is "
+            f"damaged. Fix: make it again with {remedy}."
+        )
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return f.metadata() or {}, {key: f.get_tensor(key) for key in f.keys()}
+    except (SafetensorError, OSError, ValueError) as e:
+        raise ArtifactError(
+            f"{path} is not a readable safetensors file ({e}). Fix: make it again with {remedy}."
+        ) from None
+
+
 def load_heads(directory: Path, manifest: dict, model_head: OutputHead, kind: str | None = None):
     """(heads, inverse_rows) of `kind` (None: eagle, else mlp, else the only kind there) from the artifact;
     ArtifactError when there are none, they are damaged, or they were trained for another model."""
@@ -331,18 +351,9 @@ def load_heads(directory: Path, manifest: dict, model_head: OutputHead, kind: st
             f"Fix: `kiln train-speculator {directory} --kind {kind}`."
         )
     path = directory / entry["file"]
-    listed = manifest["files"][entry["file"]]
-    if not path.is_file() or file_sha256(path) != listed.get("sha256"):
-        raise ArtifactError(
-            f"{path} is missing or does not match its sha256 in {MANIFEST}: the heads file is "
-            f"damaged. Fix: retrain it with `kiln train-speculator {directory} --kind {kind}`."
-        )
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            metadata = f.metadata() or {}
-            tensors = {key: f.get_tensor(key) for key in f.keys()}
-    except (SafetensorError, OSError, ValueError) as e:
-        raise ArtifactError(f"{path} is not a readable safetensors file ({e}). Fix: retrain the heads.") from None
+    metadata, tensors = read_listed(
+        directory, manifest, entry["file"], "heads file", f"`kiln train-speculator {directory} --kind {kind}`"
+    )
     _check_fits(path, metadata, tensors, manifest, model_head)
     # eagle heads stored before the whole-context form attend over the draft's own positions
     from kiln.runtime.eagle_heads import CONTEXTS

@@ -262,21 +262,6 @@ def test_bad_training_options_are_option_errors():
             TrainConfig(**bad).check()
 
 
-def test_more_prompts_are_the_bundled_ones_then_generated_ones_in_a_fixed_order():
-    from kiln.speculator_data import read_prompts
-    from kiln.speculator_prompts import CODE_EVERY, generated_prompts, most_prompts, prompts_for
-
-    bundled = read_prompts()
-    assert prompts_for(10, bundled) == bundled[:10]
-    more = prompts_for(600, bundled)
-    assert more[: len(bundled)] == bundled and len(more) == len(set(more)) == 600
-    assert prompts_for(600, bundled) == more  # the same list every time: a cached corpus is found again
-    assert set(more[len(bundled) :]) <= set(generated_prompts())
-    first = generated_prompts()[: 10 * CODE_EVERY]  # every CODE_EVERY-th a programming task, while both last
-    assert [i for i, p in enumerate(first) if "function" in p] == list(range(CODE_EVERY - 1, len(first), CODE_EVERY))
-    assert len(prompts_for(most_prompts(), bundled)) == most_prompts()
-
-
 def test_heads_draft_trees_in_the_engine_for_requests_side_by_side(artifact, monkeypatch):
     """Several prompts (and `submit`, as the server calls it) draft with heads at once; each
     step's draft is the heads' chain with runners-up for its first token, as one tree."""
@@ -434,41 +419,6 @@ def test_compacted_heads_keep_the_most_frequent_tokens_and_int8_logits_near_fp32
     with torch.no_grad():
         for want, got in zip(exact(hidden, tokens), cheap(hidden, tokens)):
             assert (got - want[:, :100]).abs().max() < 0.05 * want.abs().max()
-
-
-def test_an_interrupted_collection_resumes_after_its_last_group_of_replies(artifact, tmp_path):
-    from kiln import speculator_data as data
-
-    llm = kiln.load(artifact[0])
-    prompts = [*PROMPTS, "Name a color.", "Say hello."]  # two groups of four on a max_batch 1 artifact
-
-    def stop_after_the_first_group(line):
-        if line.startswith("replies 4/"):
-            raise KeyboardInterrupt
-
-    with pytest.raises(KeyboardInterrupt):
-        data._replies(llm, prompts, 4, stop_after_the_first_group, data.ReplyStore(tmp_path / "replies.pt", "key"))
-    lines = []
-    replies = data._replies(llm, prompts, 4, lines.append, data.ReplyStore(tmp_path / "replies.pt", "key"))
-    assert lines[0].startswith("replies: 4/6 decoded before") and lines[-1].startswith("replies 6/6")
-    assert len(replies) == 6 and all(reply for _, _, reply in replies)
-    lines.clear()
-    again = data._replies(llm, prompts, 4, lines.append, data.ReplyStore(tmp_path / "replies.pt", "another key"))
-    assert again == replies and lines[-1].startswith("replies 6/6, ")  # another model's store: decoded again
-
-
-def test_more_prompts_decode_only_the_new_ones_and_keep_the_order(artifact, tmp_path):
-    from kiln import speculator_data as data
-
-    llm = kiln.load(artifact[0])
-    store = tmp_path / "replies.pt"
-    first = data._replies(llm, PROMPTS, 4, lambda line: None, data.ReplyStore(store, "key"))
-    decoded = []
-    more = ["Say hello.", *PROMPTS[:2], "Name a color."]
-    replies = data._replies(llm, more, 4, decoded.append, data.ReplyStore(store, "key"))
-    assert decoded[0].startswith("replies: 2/4 decoded before") and decoded[-1].startswith("replies 4/4")
-    assert replies[1:3] == first[:2]  # reused, in the new list's order
-    assert replies == data._replies(llm, more, 4, lambda line: None)  # as decoding them all gives
 
 
 def test_a_losing_heads_drafter_rests_then_tries_again():
